@@ -1,0 +1,139 @@
+"""The ``prefixserve`` command line.
+
+    prefixserve generate "prompt" [--chat] [engine flags]   offline, streams text
+    prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
+
+Engine flags are generated from ``EngineConfig`` and named as vLLM names them
+(``--block-size``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from typing import Any, Optional, Sequence
+
+from cluster.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger("prefixserve")
+
+_ENGINE_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+_SKIP = {"cache", "scheduler", "parallel"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per engine config field (defaults: None = config default)."""
+    group = parser.add_argument_group("engine")
+    for klass in _ENGINE_SECTIONS:
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            if f.name in _SKIP:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                group.add_argument(flag, dest=f.name, type=kind, default=None, help=f"default: {f.default!r}")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user set (others keep the config defaults)."""
+    names = {f.name for k in _ENGINE_SECTIONS for f in dataclasses.fields(k)} - _SKIP
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.chat_template import ChatTemplate
+    from cluster.types import SamplingParams
+    from workers.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    prompt = args.prompt
+    if args.chat:
+        template = ChatTemplate.from_model_dir(llm.model_dir)
+        if template is None:
+            raise ValueError("this model has no chat template: drop --chat")
+        prompt = template.render([{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop or ()),
+    )
+    request = llm.make_request(prompt, params)
+    llm.engine.add_request(request)
+    for out in llm.stream_until_done():
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        if out.finished:
+            sys.stdout.write("\n")
+            logger.info(
+                "finish_reason=%s prompt_tokens=%d completion_tokens=%d",
+                out.finish_reason.value, out.num_prompt_tokens, out.num_output_tokens,
+            )
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cluster import bench
+
+    return bench.run_offline(args, engine_kwargs(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run the offline engine on one prompt and stream the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    bench_parser = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
+    off = bench_sub.add_parser("offline", help="our engine vs Hugging Face generate, same workload")
+    from cluster import bench as bench_mod
+
+    bench_mod.add_offline_args(off)
+    add_engine_args(off)
+    off.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The frozen configuration tree, read once at the entry points.
+
+Knob names follow vLLM (block_size, max_num_seqs, max_num_batched_tokens,
+enable_chunked_prefill, enable_prefix_caching, swap_space, preemption_mode,
+tensor_parallel_size, enforce_eager, dtype, seed) so users find what they
+know. Leaves of the program receive plain values, never this tree.
+
+``EngineConfig.from_kwargs`` takes the flat keyword arguments users pass to
+``LLM(...)`` or the CLI and rejects unknown keys by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+PREEMPTION_MODES = ("swap", "recompute")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Attributes:
+        block_size: Tokens per KV block (the unit of prefix caching).
+        num_kv_blocks: Device blocks; ``None`` sizes the pool from
+            ``kv_cache_memory`` (CPU) or ``gpu_memory_utilization`` (GPU).
+        kv_cache_memory: GiB of KV cache on CPU when ``num_kv_blocks`` is None.
+        gpu_memory_utilization: Fraction of GPU memory for weights + KV.
+        swap_space: GiB of CPU memory for blocks of preempted sequences.
+        enable_prefix_caching: Reuse full blocks whose hash chain matches.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    Attributes:
+        max_num_seqs: Most sequences in one step.
+        max_num_batched_tokens: Token budget of one step (prefill chunks plus
+            one token per decoding sequence).
+        enable_chunked_prefill: Split long prompts across steps so decodes are
+            not starved. When off, a prompt is admitted only whole.
+        preemption_mode: ``swap`` (copy blocks to CPU swap space, falling back
+            to recompute when swap is full) or ``recompute``.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "swap"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one replica's engine needs.
+
+    Attributes:
+        model: Local folder (config.json + safetensors + tokenizer.json) or a
+            ``.gguf`` file; ``None`` means the packaged default model.
+        tokenizer: Folder or tokenizer.json; defaults to the model's.
+        dtype: Compute dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
+        max_model_len: Longest prompt + output; ``None`` takes the model's
+            ``max_position_embeddings``.
+        seed: Seed of the sampling of requests that bring no seed.
+        attention_backend: ``auto`` picks flash_attn on GPU when installed,
+            else torch.
+        enforce_eager: Never capture CUDA graphs (no effect on CPU).
+        device: ``cpu`` or ``cuda``; ``None`` picks cuda when available.
+    """
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    attention_backend: str = "auto"
+    enforce_eager: bool = True
+    device: Optional[str] = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Builds the tree from flat vLLM-style engine arguments.
+
+        Raises:
+            ValueError: For an unknown key, naming it and the closest known one.
+        """
+        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        top_names = {f.name for f in dataclasses.fields(cls)} - set(sections)
+        owner = {f.name: sec for sec, klass in sections.items() for f in dataclasses.fields(klass)}
+        top: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {sec: {} for sec in sections}
+        for key, value in kwargs.items():
+            if key in top_names:
+                top[key] = value
+            elif key in owner:
+                nested[owner[key]][key] = value
+            else:
+                known = sorted(top_names | set(owner))
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known arguments: {', '.join(known)}"
+                raise ValueError(f"unknown engine argument {key!r}{hint}")
+        built = {sec: klass(**nested[sec]) for sec, klass in sections.items()}
+        return cls(**top, **built)
+
+    def flat(self) -> dict[str, Any]:
+        """Returns the flat engine arguments (inverse of ``from_kwargs``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for sec in ("cache", "scheduler", "parallel"):
+            out.update(dataclasses.asdict(out.pop(sec)))
+        return out

@@ -1,0 +1,64 @@
+"""The block-hash chain shared by the router and the engine.
+
+Contract (DESIGN.md): only full blocks of ``block_size`` tokens are hashed.
+
+    h_0 = sha256(b"prefixserve/v1" | model_fingerprint | cache_salt)
+    h_i = sha256(h_{i-1} | token ids of block i as little-endian uint32)
+
+Digests are truncated to 16 bytes. The chain never uses Python's ``hash()``,
+so every process, host and version computes the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+DIGEST_BYTES = 16
+_DOMAIN = b"prefixserve/v1"
+
+
+def root_hash(model_fingerprint: str, cache_salt: str = "") -> bytes:
+    """Returns ``h_0`` for a model and a tenant's cache salt."""
+    data = _DOMAIN + model_fingerprint.encode("utf-8") + cache_salt.encode("utf-8")
+    return hashlib.sha256(data).digest()[:DIGEST_BYTES]
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Returns the hash of one full block chained onto ``parent``."""
+    payload = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.sha256(parent + payload).digest()[:DIGEST_BYTES]
+
+
+def hash_block_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    root: bytes,
+    start_block: int = 0,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Returns the hashes of every full block of ``token_ids``.
+
+    Args:
+        token_ids: The whole token sequence (prompt and any output so far).
+        block_size: Tokens per block.
+        root: ``h_0`` from :func:`root_hash`.
+        start_block: First block to hash; blocks before it are assumed hashed
+            already, and ``parent`` must then be the hash of block
+            ``start_block - 1``. Used to extend a chain incrementally.
+        parent: See ``start_block``.
+
+    Returns:
+        Hashes of blocks ``start_block .. len(token_ids) // block_size - 1``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    prev = root if start_block == 0 else parent
+    if prev is None:
+        raise ValueError("parent is required when start_block > 0")
+    hashes = []
+    for i in range(start_block, len(token_ids) // block_size):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(prev)
+    return hashes

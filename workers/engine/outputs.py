@@ -1,0 +1,100 @@
+"""Plain data crossing the scheduler / model-runner boundary.
+
+The scheduler returns a ``SchedulerOutput``; the runner (torch, possibly on
+other processes for tensor parallelism) executes it and returns a
+``ModelOutput``. The runner never mutates sequences: the lists it receives are
+read-only views of the scheduler's state.
+
+One step, as the runner sees it (B scheduled requests, T tokens)::
+
+    scheduled[i].input_token_ids   tokens whose KV is computed this step; their
+                                   positions are num_computed_tokens ... +len-1
+    scheduled[i].block_ids         the whole block table after allocation
+    scheduled[i].num_sample_tokens 0 for a prompt chunk that does not reach the
+                                   end of the prompt, 1 otherwise (room for
+                                   several tokens per step: speculative decoding)
+
+    ModelOutput.sampled_token_ids[i]  exactly num_sample_tokens tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from cluster.types import FinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    input_token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+    num_sample_tokens: int
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]  # read-only: for penalties
+    output_token_ids: Sequence[int]  # read-only: for penalties and seeded sampling
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.input_token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the KV cache after this step."""
+        return self.num_computed_tokens + len(self.input_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner does in one step, in this order:
+
+    1. copy ``swap_out`` blocks device -> CPU (``(device_block, cpu_block)``),
+    2. copy ``swap_in`` blocks CPU -> device (``(cpu_block, device_block)``),
+    3. run the forward pass over ``scheduled`` and sample.
+
+    ``finished_request_ids`` lists requests that ended since the last step, so
+    a runner holding per-request state can drop it.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(r.input_token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_in and not self.swap_out
+
+
+@dataclass
+class ModelOutput:
+    """What the runner returns, aligned with ``SchedulerOutput.scheduled``."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Optional[list[TokenLogprob]]]
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after one engine step (deltas, not totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: Optional[FinishReason]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    new_logprobs: Optional[list[TokenLogprob]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,81 @@
+"""The attention-backend interface and the paged KV layout every backend shares.
+
+KV cache of one layer (one tensor; ``kv[0]`` keys, ``kv[1]`` values)::
+
+    kv: [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+    slot s = block_id * block_size + offset      (flat index into blocks)
+
+This is flash-attn's ``k_cache``/``v_cache`` layout, so the flash backend uses
+the tensors as they are. A batch mixes prefill chunks and decodes; tokens of
+request i are ``q[query_start_loc[i] : query_start_loc[i+1]]``, with positions
+``seq_lens[i] - query_lens[i] ... seq_lens[i] - 1`` (earlier positions are
+already in the cache). Backends first write the new K/V at ``slot_mapping``,
+then attend each query over positions ``0 .. its own`` of its request (causal),
+limited to the last ``sliding_window`` positions when one is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout, built once by the runner, shared by all layers.
+
+    Attributes:
+        slot_mapping: [T] int64, cache slot of each new token.
+        query_start_loc: [B+1] int32, cumulative query lengths.
+        seq_lens: [B] int32, context length of each request after this step.
+        block_tables: [B, max_blocks] int32, padded with 0.
+        query_lens_list / seq_lens_list: the same on the host (no syncs).
+        max_query_len / max_seq_len: maxima of the lists.
+        num_decodes: requests with query length 1 come first in the batch
+            when the runner orders them so (``decodes_first``); backends may
+            use a fast decode path for ``[0, num_decodes)``.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class AttentionBackend(Protocol):
+    """One attention implementation over the paged KV cache."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int] = None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Writes k/v into the cache at ``meta.slot_mapping``, then attends."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Stores the new keys and values at their slots (in place)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)

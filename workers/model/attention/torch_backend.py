@@ -1,0 +1,130 @@
+"""Attention over the paged KV cache with plain torch (the CPU default).
+
+Decodes (query length 1) are batched: their blocks are gathered into one
+padded tensor and a single ``scaled_dot_product_attention`` call serves them
+all, masked by each request's length (and sliding window)::
+
+    block_tables[:D, :nb]  --gather-->  K [D, nb*block_size, Hkv, hd]
+    mask[d, j] = (j < seq_len[d]) and (j >= seq_len[d] - window)
+
+Prefill chunks run one request at a time: a first chunk without cached
+context attends to its own keys with ``is_causal`` (no gather); a chunk with
+context gathers its blocks and uses an explicit causal mask offset by the
+context length.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from workers.model.attention.base import AttentionMetadata, write_kv
+
+
+class TorchAttentionBackend:
+    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int] = None,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window)
+        start = nd  # decodes occupy the first nd tokens
+        for i in range(nd, meta.num_requests):
+            qlen = meta.query_lens_list[i]
+            out[start : start + qlen] = self._prefill_one(
+                q[start : start + qlen],
+                k[start : start + qlen],
+                v[start : start + qlen],
+                kv_cache,
+                meta.block_tables[i],
+                meta.seq_lens_list[i],
+                scale,
+                sliding_window,
+            )
+            start += qlen
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int],
+    ) -> torch.Tensor:
+        nd = q.shape[0]
+        block_size = kv_cache.shape[2]
+        seq_lens = meta.seq_lens_list[:nd]
+        max_len = max(seq_lens)
+        num_blocks = -(-max_len // block_size)
+        tables = meta.block_tables[:nd, :num_blocks]
+        # [nd, nb, bs, Hkv, hd] -> [nd, Hkv, L, hd]
+        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)
+        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(num_blocks * block_size, device=q.device)
+        lens = meta.seq_lens[:nd].to(pos.dtype).unsqueeze(1)
+        mask = pos.unsqueeze(0) < lens
+        if sliding_window is not None:
+            mask &= pos.unsqueeze(0) >= lens - sliding_window
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [nd, Hq, 1, hd]
+            keys,
+            values,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill_one(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+        sliding_window: Optional[int],
+    ) -> torch.Tensor:
+        qlen = q.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, hd]
+        if qlen == seq_len and (sliding_window is None or sliding_window >= seq_len):
+            out = F.scaled_dot_product_attention(
+                qh,
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            return out.squeeze(0).transpose(0, 1)
+        block_size = kv_cache.shape[2]
+        num_blocks = -(-seq_len // block_size)
+        ids = block_table[:num_blocks]
+        keys = kv_cache[0][ids].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        values = kv_cache[1][ids].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(0).transpose(0, 1)
