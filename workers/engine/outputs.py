@@ -94,6 +94,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     new_logprobs: Optional[list[TokenLogprob]] = None
+    finish_message: Optional[str] = None  # why the engine (not the user) ended it
 
     @property
     def finished(self) -> bool:

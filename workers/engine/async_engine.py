@@ -1,0 +1,172 @@
+"""Async streaming over an ``LLMEngine`` for the replica.
+
+The engine steps on a dedicated thread (torch releases the GIL while it
+computes), so the caller's event loop never blocks. Requests and aborts reach
+the thread through a queue; outputs go back to per-request asyncio queues via
+``call_soon_threadsafe``::
+
+    generate() --add--> [inbox] --> engine thread: add / abort / step
+         ^                                  |
+         +---- asyncio.Queue per request <--+ outputs
+
+Cancelling the consumer of ``generate()`` (client gone, deadline) aborts the
+request in the engine, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Optional
+
+from cluster.types import GenerationRequest, ReplicaStats
+from workers.engine.engine import LLMEngine
+from workers.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Thread-backed async front of an engine.
+
+    Args:
+        engine: The engine; after ``start()`` only the engine thread touches it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._thread: Optional[threading.Thread] = None
+        self._stats = engine.stats()
+        self.error: Optional[BaseException] = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread; running requests end with ``abort``."""
+        if self._thread is not None:
+            self._inbox.put(("stop", _STOP))
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def stats(self) -> ReplicaStats:
+        """Load figures as of the last step (no lock needed: replaced whole)."""
+        return self._stats
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs until it finishes.
+
+        Raises:
+            ValueError: The request is invalid (nothing was queued).
+            RuntimeError: The engine loop died.
+        """
+        if self.error is not None:
+            raise RuntimeError(f"engine loop stopped: {self.error!r}")
+        self.engine.validate(request)  # read-only checks; fail fast in the caller
+        self.start()
+        out_queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request.request_id] = (asyncio.get_running_loop(), out_queue)
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Asks the engine thread to abort a request (no-op if unknown)."""
+        self._inbox.put(("abort", request_id))
+
+    # ------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_inbox(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - report to every waiting stream
+            logger.exception("engine loop failed")
+            self.error = exc
+            self._fail_all(RuntimeError(f"engine loop failed: {exc!r}"))
+        else:
+            self._abort_all()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Applies queued adds and aborts; returns False on stop."""
+        while True:
+            try:
+                kind, payload = self._inbox.get(block=block, timeout=None)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(payload)  # type: ignore[arg-type]
+            elif kind == "abort":
+                out = self.engine.abort_request(payload)  # type: ignore[arg-type]
+                if out is not None:
+                    self._deliver([out])
+
+    def _add(self, request: GenerationRequest) -> None:
+        try:
+            self.engine.add_request(request)
+        except ValueError as exc:
+            self._send(request.request_id, exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._send(out.request_id, out)
+
+    def _send(self, request_id: str, item: object) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is None:
+            # The consumer left; make sure the engine lets go of it too.
+            if isinstance(item, RequestOutput) and not item.finished:
+                self.engine.abort_request(request_id)
+            return
+        loop, out_queue = target
+        try:
+            loop.call_soon_threadsafe(out_queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            self.engine.abort_request(request_id)
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            out = self.engine.abort_request(request_id)
+            if out is not None:
+                self._send(request_id, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._send(request_id, exc)

@@ -1,0 +1,194 @@
+"""The engine: validates requests, steps the scheduler and the runner, and
+turns sampled tokens into per-request outputs (text deltas, stops).
+
+Pure Python: the model runner is injected (anything with
+``execute(SchedulerOutput) -> ModelOutput``), so tests drive the whole
+control plane with a fake runner, and the runner may live on other processes.
+
+One step::
+
+    scheduler.schedule() -> SchedulerOutput -> runner.execute() -> ModelOutput
+      -> scheduler.update_from_output()   (token-level stops, frees blocks)
+      -> detokenize, stop strings         (may finish more requests)
+      -> list[RequestOutput]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional, Protocol, Sequence as Seq
+
+from cluster.types import FinishReason, GenerationRequest, ReplicaStats
+from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, sched: SchedulerOutput) -> ModelOutput: ...
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model runner.
+
+    Args:
+        scheduler: The scheduler (owns the KV manager).
+        runner: Executes scheduler outputs.
+        tokenizer: Decodes token ids (``tokenizers.Tokenizer`` or similar).
+        vocab_size: Token ids must be below it.
+        max_model_len: Longest prompt + output.
+        model_fingerprint: Identifies the weights in block hashes.
+        clock: Time source for arrival times (injectable in tests).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        tokenizer: Optional[TokenDecoder],
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        model_fingerprint: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.model_fingerprint = model_fingerprint
+        self._clock = clock
+        self._detok: dict[str, Optional[IncrementalDetokenizer]] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+
+    # ----------------------------------------------------------- requests
+    def validate(self, request: GenerationRequest) -> None:
+        """Raises ValueError saying what to change if the request cannot run."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt is empty: send at least one token (or non-empty text)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens (one is needed to generate)"
+            )
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        if request.request_id in self._seqs:
+            raise ValueError(f"request id {request.request_id!r} is already running: use a unique id")
+        problem = self.scheduler.check_request_fits(len(ids), request.sampling_params.max_tokens)
+        if problem:
+            raise ValueError(problem)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Validates and queues a request (mutates engine state).
+
+        Raises:
+            ValueError: The request cannot run; nothing was queued.
+        """
+        self.validate(request)
+        seq = Sequence(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            block_size=self.scheduler.kv_manager.block_size,
+            model_fingerprint=self.model_fingerprint,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            arrival_time=request.arrival_time or self._clock(),
+        )
+        self._seqs[request.request_id] = seq
+        self._detok[request.request_id] = (
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, request.sampling_params.stop)
+            if self.tokenizer is not None
+            else None
+        )
+        self.scheduler.add_request(seq)
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Aborts a request at any point and frees its blocks (mutates state).
+
+        Returns:
+            The final output (finish reason ``abort``), or None if unknown.
+        """
+        seq = self._seqs.get(request_id)
+        if seq is None or not self.scheduler.abort_request(request_id):
+            return None
+        return self._finish_output(seq, [], None, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling + model step; returns the outputs of this step."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            # schedule() may have finished requests that can never fit; they
+            # are reported through update_from_output like any other.
+            model_out = ModelOutput(sampled_token_ids=[], logprobs=[])
+        else:
+            model_out = self.runner.execute(sched)
+            self.num_steps += 1
+        outputs = []
+        for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
+            outputs.append(self._make_output(seq, new_ids, new_logprobs))
+        return outputs
+
+    def _make_output(self, seq: Sequence, new_ids: list[int], new_logprobs) -> RequestOutput:
+        detok = self._detok.get(seq.request_id)
+        text = detok.append(new_ids) if detok is not None else ""
+        reason = seq.finish_reason
+        if detok is not None and detok.stopped and reason is None:
+            self.scheduler.finish_request(seq.request_id, FinishReason.STOP)
+            reason = FinishReason.STOP
+        if reason is None:
+            return RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=new_ids,
+                new_text=text,
+                finish_reason=None,
+                num_prompt_tokens=len(seq.prompt_token_ids),
+                num_output_tokens=len(seq.output_token_ids),
+                num_cached_tokens=seq.num_cached_tokens,
+                new_logprobs=new_logprobs,
+            )
+        out = self._finish_output(seq, new_ids, new_logprobs, reason)
+        out.new_text = text + out.new_text
+        return out
+
+    def _finish_output(self, seq: Sequence, new_ids, new_logprobs, reason: FinishReason) -> RequestOutput:
+        detok = self._detok.pop(seq.request_id, None)
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=detok.flush() if detok is not None else "",
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=new_logprobs,
+            finish_message=seq.finish_message,
+        )
+
+    # -------------------------------------------------------------- stats
+    def stats(self, replica_id: str = "") -> ReplicaStats:
+        kv = self.scheduler.kv_manager
+        return ReplicaStats(
+            replica_id=replica_id,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_swapped=self.scheduler.num_swapped,
+            kv_cache_usage=kv.usage,
+            num_cached_blocks=kv.num_cached_blocks,
+        )

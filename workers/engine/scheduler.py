@@ -1,0 +1,425 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption.
+
+Each ``schedule()`` fills a token budget (``max_num_batched_tokens``) and at
+most ``max_num_seqs`` sequences, in this order (vLLM v1 style)::
+
+    1. running    decodes first, then unfinished prefill chunks, each by
+                  (priority, arrival). Out of blocks: preempt the running
+                  sequence with the largest (priority, arrival) -- swap it
+                  to CPU, or free it for recompute -- and retry.
+    2. swapped    resumed before any new request, by (priority, arrival)
+    3. waiting    by (priority, arrival), prefix-cache hits first skipped
+    Steps 2 and 3 run only if nothing was preempted in step 1, and stop at
+    the first sequence that does not fit (no overtaking).
+
+Chunked prefill is "num_computed_tokens catches up with num_tokens": a
+sequence gets ``min(uncomputed tokens, budget left)`` tokens this step, and
+samples only when the chunk reaches its last known token (budget 16, a
+40-token prompt next to one decoding sequence)::
+
+    step 1   decode 1 | prompt  0..14  (15, no sample)
+    step 2   decode 1 | prompt 15..29  (15, no sample)
+    step 3   decode 1 | prompt 30..39  (10, samples its first token)
+
+With ``enable_chunked_prefill`` off a prompt is admitted only whole. The one
+exception is a sequence preempted for recompute whose prompt + output has
+outgrown the budget: it is chunked, else it could never run again.
+
+The scheduler advances ``num_computed_tokens`` in ``update_from_output``,
+after the runner computed the step. One ``schedule()`` must be followed by
+its ``update_from_output`` (even when the output is empty: sequences that
+could never fit are reported there) before the next ``schedule()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from cluster.config import SchedulerConfig
+from cluster.types import FinishReason, TokenLogprob
+from workers.engine.kv_manager import KVCacheManager
+from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from workers.engine.sequence import Sequence, SequenceStatus
+
+StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)  # seq -> tokens, in order
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences to compute.
+
+    Args:
+        scheduler_config: Batching knobs (read once here).
+        kv_manager: Block tables over the device (and swap) pools.
+        max_model_len: Longest prompt + output; reaching it ends a sequence.
+        eos_token_ids: Tokens that end a sequence unless ``ignore_eos``.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt token, one output), got {max_model_len}")
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.preemption_mode = scheduler_config.preemption_mode
+        self.kv_manager = kv_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []  # admission order
+        self.swapped: list[Sequence] = []  # sorted by _key
+        self._requests: dict[str, Sequence] = {}  # every unfinished sequence
+        self._arrival_index: dict[str, int] = {}  # tie-break of equal arrival times
+        self._next_arrival_index = 0
+        self._finished_ids: set[str] = set()  # since the last schedule()
+        self._finished_in_schedule: list[Sequence] = []  # reported by update_from_output
+        self.num_preemptions_total = 0
+
+    # ---------------------------------------------------------------- figures
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Optional[Sequence]:
+        """The unfinished sequence with this id, or None. No mutation."""
+        return self._requests.get(request_id)
+
+    def _key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Scheduling order: smaller goes first, largest is preempted first."""
+        return (seq.priority, seq.arrival_time, self._arrival_index[seq.request_id])
+
+    # --------------------------------------------------------------- requests
+    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> Optional[str]:
+        """Says what to change if a request can never run here, else None.
+
+        The KV a request may need is that of its prompt and all but its last
+        possible output token, capped by ``max_model_len``. No mutation.
+        """
+        if num_prompt_tokens < 1:
+            return "prompt is empty: send at least one token"
+        if num_prompt_tokens >= self.max_model_len:
+            return (
+                f"prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len}: "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
+            )
+        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+            return (
+                f"prompt has {num_prompt_tokens} tokens but max_num_batched_tokens is "
+                f"{self.max_num_batched_tokens} and chunked prefill is off: shorten the prompt, "
+                f"raise max_num_batched_tokens or set enable_chunked_prefill"
+            )
+        num_kv_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        num_blocks = self.kv_manager.num_blocks_for(num_kv_tokens)
+        if num_blocks > self.kv_manager.num_device_blocks:
+            return (
+                f"prompt of {num_prompt_tokens} tokens with max_tokens {max_tokens} needs up to "
+                f"{num_blocks} KV blocks of {self.kv_manager.block_size} tokens but the cache holds "
+                f"{self.kv_manager.num_device_blocks}: lower max_tokens, shorten the prompt or raise "
+                f"num_kv_blocks / kv_cache_memory"
+            )
+        return None
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queues a new waiting sequence (mutates). The caller has checked
+        ``check_request_fits``; a sequence that outgrows the cache anyway
+        ends with ``finish_message`` set instead of blocking the queue.
+
+        Raises:
+            ValueError: The request id is already in use.
+        """
+        if seq.request_id in self._requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use: use a unique id")
+        assert seq.status is SequenceStatus.WAITING and not seq.block_ids and seq.num_computed_tokens == 0
+        self._requests[seq.request_id] = seq
+        self._arrival_index[seq.request_id] = self._next_arrival_index
+        self._next_arrival_index += 1
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> bool:
+        """Ends a request wherever it is and frees its blocks (mutates). For
+        stop strings (found by the engine) and aborts.
+
+        Returns:
+            False if no unfinished request has this id.
+        """
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """``finish_request(request_id, ABORT)``: waiting, running or swapped."""
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, message: Optional[str] = None) -> None:
+        queue = {
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.SWAPPED: self.swapped,
+        }[seq.status]
+        queue.remove(seq)
+        self.kv_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_message = message
+        del self._requests[seq.request_id]
+        del self._arrival_index[seq.request_id]
+        self._finished_ids.add(seq.request_id)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's work (mutates queues, block tables, swap pools).
+
+        Returns:
+            The plain-data step for the runner.
+        """
+        self.kv_manager.release_swap_in_sources()  # the runner has finished the last step
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.num_preempted:
+            self._schedule_swapped(plan)
+            self._schedule_waiting(plan)
+        out = SchedulerOutput(
+            scheduled=[self._make_scheduled(seq, n) for seq, n in plan.scheduled.items()],
+            swap_out=plan.swap_out,
+            swap_in=plan.swap_in,
+            finished_request_ids=self._finished_ids,
+        )
+        self._finished_ids = set()
+        return out
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, self._key(s)))
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if plan.budget == 0:
+                break
+            num_new = min(seq.num_uncomputed_tokens, plan.budget)
+            assert num_new > 0, seq
+            if self._allocate_or_preempt(seq, num_new, plan):
+                plan.scheduled[seq] = num_new
+                plan.budget -= num_new
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, plan: _StepPlan) -> bool:
+        """Allocates ``num_new`` slots for a running ``seq``, preempting the
+        lowest-priority running sequences (maybe ``seq`` itself) until they
+        fit. Returns whether ``seq`` is still scheduled."""
+        while self.kv_manager.allocate_slots(seq, num_new) is None:
+            if self._never_fits(seq.num_computed_tokens + num_new):
+                self._finish_for_capacity(seq)
+                return False
+            victim = max(self.running, key=self._key)
+            if victim in plan.scheduled:
+                plan.budget += plan.scheduled.pop(victim)
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+        """Swaps ``seq`` out, or frees it for recompute when swapping is off
+        or the swap pool is full; its generated tokens are kept."""
+        self.running.remove(seq)
+        self.num_preemptions_total += 1
+        seq.num_preemptions += 1
+        plan.num_preempted += 1
+        if self.preemption_mode == "swap":
+            mapping = self.kv_manager.swap_out(seq)
+            if mapping is not None:
+                plan.swap_out.extend(mapping)
+                seq.status = SequenceStatus.SWAPPED
+                bisect.insort(self.swapped, seq, key=self._key)
+                return
+        self.kv_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        # Its key predates every later arrival of its priority: front of the queue.
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        while self.swapped and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if self._never_fits(seq.num_tokens):
+                self._finish_for_capacity(seq)
+                continue
+            num_new = self._chunk_size(seq, seq.num_computed_tokens, plan.budget)
+            if num_new == 0:
+                break
+            mapping = self.kv_manager.swap_in(seq, num_new)
+            if mapping is None:
+                break
+            self.swapped.pop(0)
+            plan.swap_in.extend(mapping)
+            self._start_running(seq, num_new, plan)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self._never_fits(seq.num_tokens):
+                self._finish_for_capacity(seq)
+                continue
+            hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(seq)
+            num_new = self._chunk_size(seq, num_hit_tokens, plan.budget)
+            if num_new == 0:
+                break
+            if self.kv_manager.allocate_slots(seq, num_new, hit_blocks) is None:
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = num_hit_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit_tokens
+            self._start_running(seq, num_new, plan)
+
+    def _start_running(self, seq: Sequence, num_new: int, plan: _StepPlan) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        plan.scheduled[seq] = num_new
+        plan.budget -= num_new
+
+    def _chunk_size(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        """Tokens to admit ``seq`` with this step; 0 means wait for a step
+        with more budget (a whole prompt is due and chunking is off)."""
+        remaining = seq.num_tokens - num_computed
+        if remaining <= budget:
+            return remaining
+        if self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
+            return budget
+        return 0
+
+    def _never_fits(self, num_tokens: int) -> bool:
+        return self.kv_manager.num_blocks_for(num_tokens) > self.kv_manager.num_device_blocks
+
+    def _finish_for_capacity(self, seq: Sequence) -> None:
+        """Ends a sequence the whole device cache cannot hold (else it would
+        be preempted and readmitted forever)."""
+        needed = self.kv_manager.num_blocks_for(seq.num_tokens)
+        message = (
+            f"request {seq.request_id!r} needs {needed} KV blocks of {self.kv_manager.block_size} tokens "
+            f"but the cache holds {self.kv_manager.num_device_blocks}: lower max_tokens or raise "
+            f"num_kv_blocks / kv_cache_memory"
+        )
+        reason = FinishReason.LENGTH if seq.num_output_tokens else FinishReason.ABORT
+        self._finish(seq, reason, message)
+        self._finished_in_schedule.append(seq)
+
+    def _make_scheduled(self, seq: Sequence, num_new: int) -> ScheduledRequest:
+        start = seq.num_computed_tokens
+        return ScheduledRequest(
+            request_id=seq.request_id,
+            input_token_ids=seq.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=list(seq.block_ids),
+            num_sample_tokens=1 if start + num_new == seq.num_tokens else 0,
+            sampling_params=seq.sampling_params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[StepResult]:
+        """Applies a computed step (mutates sequences, queues and the cache).
+
+        Advances ``num_computed_tokens``, caches newly full blocks, appends
+        sampled tokens and applies token-level stops, freeing finished
+        sequences. Requests aborted during the step are skipped.
+
+        Returns:
+            ``(seq, new_token_ids, new_logprobs)`` for every sequence that got
+            tokens or finished; ``seq.finish_reason`` is set when it ended
+            (including sequences ``schedule()`` ended for lack of KV space,
+            with ``seq.finish_message`` saying why).
+        """
+        assert len(model_out.sampled_token_ids) == len(sched_out.scheduled)
+        results: list[StepResult] = [(seq, [], None) for seq in self._finished_in_schedule]
+        self._finished_in_schedule = []
+        for i, req in enumerate(sched_out.scheduled):
+            seq = self._requests.get(req.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            assert seq.num_computed_tokens == req.num_computed_tokens, (seq, req)
+            seq.num_computed_tokens += req.num_input_tokens
+            self.kv_manager.cache_computed_blocks(seq)
+            sampled = model_out.sampled_token_ids[i]
+            assert len(sampled) == req.num_sample_tokens, (req.request_id, sampled)
+            if not sampled:
+                continue
+            new_ids = self._append_tokens(seq, sampled)
+            logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
+            results.append((seq, new_ids, logprobs[: len(new_ids)] if logprobs is not None else None))
+        return results
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> list[int]:
+        kept = []
+        for token_id in token_ids:
+            seq.append_token(token_id)
+            kept.append(token_id)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        return kept
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> Optional[FinishReason]:
+        params = seq.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # --------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Asserts queue, status and block-table invariants. No mutation."""
+        kv = self.kv_manager
+        kv.check_integrity(self._requests.values())
+        queued = self.waiting + self.running + self.swapped
+        assert len(queued) == len(self._requests) == len({s.request_id for s in queued})
+        assert all(self._requests[s.request_id] is s for s in queued)
+        assert len(self.running) <= self.max_num_seqs
+        for seq in self.waiting:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_ids and not seq.cpu_block_ids, seq
+            assert seq.num_computed_tokens == 0, seq
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING and not seq.cpu_block_ids, seq
+            assert 0 < seq.num_uncomputed_tokens and len(seq.block_ids) >= kv.num_blocks_for(seq.num_computed_tokens)
+        for seq in self.swapped:
+            assert seq.status is SequenceStatus.SWAPPED and not seq.block_ids, seq
+            assert len(seq.cpu_block_ids) == kv.num_blocks_for(seq.num_computed_tokens), seq
+        keys = [self._key(s) for s in self.waiting]
+        assert keys == sorted(keys), "waiting queue out of order"
+        keys = [self._key(s) for s in self.swapped]
+        assert keys == sorted(keys), "swapped queue out of order"
