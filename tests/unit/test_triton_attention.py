@@ -1,0 +1,231 @@
+"""The Triton paged-decode kernel (interpreted on CPU) and the backend factory.
+
+Triton picks interpretation when a kernel is decorated, so TRITON_INTERPRET
+is set before anything imports the kernel module. Cases stay small: the
+interpreter runs each program in numpy, one tile at a time.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from workers.model.attention import get_attention_backend  # noqa: E402
+from workers.model.attention.base import AttentionMetadata  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
+
+from workers.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+try:
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+except ImportError:  # the lead's backend not written yet
+    TorchAttentionBackend = None
+
+
+def make_batch(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed):
+    """A batch over a shuffled (non-contiguous) paged cache, decodes first.
+
+    Context K/V is written into the cache; the step's new K/V are returned for
+    the backend to write. Also returns each request's full K/V for references.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    kv_cache = torch.randn(2, num_blocks, block_size, hkv, head_dim, generator=gen)  # garbage elsewhere
+    flat = kv_cache.view(2, -1, hkv, head_dim)
+    tables, slots, full, qs, ks, vs = [], [], [], [], [], []
+    for seq_len, qlen in zip(seq_lens, query_lens):
+        blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
+        tables.append(blocks)
+        keys = torch.randn(seq_len, hkv, head_dim, generator=gen)
+        values = torch.randn(seq_len, hkv, head_dim, generator=gen)
+        full.append((keys, values))
+        seq_slots = [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        ctx = seq_len - qlen
+        flat[0, seq_slots[:ctx]], flat[1, seq_slots[:ctx]] = keys[:ctx], values[:ctx]
+        slots += seq_slots[ctx:]
+        qs.append(torch.randn(qlen, hq, head_dim, generator=gen))
+        ks.append(keys[ctx:])
+        vs.append(values[ctx:])
+    width = max(len(t) for t in tables) + 1  # padding past the longest table
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=sum(1 for n in query_lens if n == 1),
+    )
+    return kv_cache, meta, (torch.cat(qs), torch.cat(ks), torch.cat(vs)), full
+
+
+def naive_attention(q, keys, values, positions, scale, window):
+    """Per token: softmax over the keys it may see, in float64."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    outs = []
+    for qi, pos in zip(q.double(), positions):
+        lo = 0 if window is None else max(0, pos - window + 1)
+        weights = (torch.einsum("hd,lhd->hl", qi, k[lo : pos + 1]) * scale).softmax(-1)
+        outs.append(torch.einsum("hl,lhd->hd", weights, v[lo : pos + 1]))
+    return torch.stack(outs).float()
+
+
+def reference(meta, q, full, scale, window):
+    outs, start = [], 0
+    for (keys, values), seq_len, qlen in zip(full, meta.seq_lens_list, meta.query_lens_list):
+        positions = range(seq_len - qlen, seq_len)
+        outs.append(naive_attention(q[start : start + qlen], keys, values, positions, scale, window))
+        start += qlen
+    return torch.cat(outs)
+
+
+# Ragged lengths cross block (and 64-token tile) boundaries; 1 is a first token.
+DECODE_CASES = [
+    # block_size, hq, hkv, head_dim, seq_lens, window
+    (16, 4, 4, 32, [1, 16, 17, 70], None),
+    (4, 6, 2, 24, [3, 9, 33], 7),
+    (8, 8, 2, 16, [130, 5, 64, 65], 40),
+    (1, 4, 1, 16, [1, 6, 11], None),
+]
+
+
+@pytest.mark.parametrize("block_size, hq, hkv, head_dim, seq_lens, window", DECODE_CASES)
+def test_decode_matches_references(block_size, hq, hkv, head_dim, seq_lens, window):
+    kv_cache, meta, (q, k, v), full = make_batch(seq_lens, [1] * len(seq_lens), block_size, hq, hkv, head_dim, seed=hq + block_size)
+    scale = 1 / math.sqrt(head_dim)
+    torch_cache = kv_cache.clone()
+    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, scale, window)
+    torch.testing.assert_close(out, reference(meta, q, full, scale, window), atol=1e-5, rtol=1e-5)
+    # The new keys and values were written to their slots.
+    flat = kv_cache.view(2, -1, hkv, head_dim)
+    assert torch.equal(flat[0, meta.slot_mapping], k) and torch.equal(flat[1, meta.slot_mapping], v)
+    if TorchAttentionBackend is not None:
+        expected = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, scale, window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_splits_decodes_and_prefill_chunks():
+    # Two decodes, a chunk with cached context, a fresh prompt.
+    seq_lens, query_lens = [20, 3, 14, 6], [1, 1, 5, 6]
+    kv_cache, meta, (q, k, v), full = make_batch(seq_lens, query_lens, 4, 6, 2, 16, seed=3)
+    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, 0.25, 9)
+    torch.testing.assert_close(out, reference(meta, q, full, 0.25, 9), atol=1e-5, rtol=1e-5)
+
+
+class RecordingBackend:
+    """A stand-in fallback that records what it was asked to run."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
+        self.calls.append(meta)
+        return torch.zeros_like(q)
+
+
+def test_prefill_part_gets_rebased_metadata():
+    seq_lens, query_lens = [9, 4, 7], [1, 3, 7]
+    kv_cache, meta, (q, k, v), _ = make_batch(seq_lens, query_lens, 4, 2, 2, 16, seed=4)
+    fallback = RecordingBackend()
+    TritonAttentionBackend(fallback=fallback).forward(q, k, v, kv_cache, meta, 0.25)
+    (sub,) = fallback.calls
+    assert sub.query_start_loc.tolist() == [0, 3, 10]
+    assert sub.seq_lens_list == [4, 7] and sub.query_lens_list == [3, 7]
+    assert torch.equal(sub.slot_mapping, meta.slot_mapping[1:])
+    assert torch.equal(sub.block_tables, meta.block_tables[1:]) and sub.num_decodes == 0
+    assert (sub.max_query_len, sub.max_seq_len) == (7, 7)
+
+
+def test_factory_names_and_errors(monkeypatch):
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("triton", "cpu").name == "triton"  # interpreter is on
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("flash_attn", "cpu")
+    with pytest.raises(ValueError, match="auto.*torch.*triton.*flash_attn"):
+        get_attention_backend("flash", "cpu")
+
+
+def test_backends_import_without_triton_or_flash_attn():
+    # None in sys.modules makes `import triton` raise ImportError.
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['flash_attn'] = None\n"
+        "import workers.model.attention as attention\n"
+        "import workers.model.attention.triton_backend, workers.model.attention.flash_attn_backend\n"
+        "assert attention.get_attention_backend('auto', 'cpu').name == 'torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+def test_missing_flash_attn_names_the_gpu_extra(monkeypatch):
+    from workers.model.attention.flash_attn_backend import FlashAttnBackend
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with pytest.raises(ImportError, match=r"pip install 'prefixserve\[gpu\]'"):
+        FlashAttnBackend()
+
+
+# Compiles the kernel (not interpreted) to a cubin for sm80 and sm90 with the
+# ptxas that ships in the triton wheel: no GPU needed. Catches what the
+# interpreter lets through (types across branches, dot shapes, dtypes).
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from workers.model.attention.triton_decode import _launch_config, _paged_decode_kernel as kernel
+import torch
+
+names = kernel.arg_names
+for dtype, head_dim, group, window, arch in [
+    (torch.bfloat16, 64, 3, True, 90), (torch.float32, 128, 4, False, 80), (torch.float16, 80, 1, True, 80)
+]:
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    signature = {name: "i32" for name in names[6:]}
+    signature.update({name: "*" + ty for name in names[:4]})
+    signature.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", scale="fp32")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n, num_warps = _launch_config(dtype, block_d)
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, KV_BLOCK_SIZE=16, BLOCK_D=block_d, BLOCK_H=16,
+                  BLOCK_N=block_n, HAS_WINDOW=window, DOT_PRECISION="tf32x3")
+    signature.update({name: "constexpr" for name in consts})
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    assert compiled.asm["cubin"], "no cubin"
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_cuda_without_a_gpu():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    api_or_tool_missing = ("ImportError", "AttributeError", "FileNotFoundError")
+    if result.returncode and any(marker in result.stderr for marker in api_or_tool_missing):
+        pytest.skip(f"cannot compile Triton kernels offline here: {result.stderr.strip().splitlines()[-1]}")
+    assert result.returncode == 0, result.stderr
