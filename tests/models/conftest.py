@@ -1,0 +1,156 @@
+"""Factories for the model tests: tiny random-init HF checkpoints and a paged-KV driver.
+
+``PagedDriver`` plays the model runner in miniature: it owns a small KV cache
+(one tensor per layer, ``attention/base.py`` layout), hands out blocks to
+requests in a scrambled order (so block tables are not the identity), builds
+``AttentionMetadata`` for a step of several requests (decodes first) and
+returns the logits of every new token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from workers.model.attention.base import AttentionMetadata
+from workers.model.attention.torch_backend import TorchAttentionBackend
+from workers.model.llama import LlamaForCausalLM
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    # Peaked logits: greedy argmax is decided by the weights, not float noise.
+    initializer_range=0.2,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # With theta 1e4 and head_dim 16, all three bands (kept, interpolated, divided) occur.
+    "original_max_position_embeddings": 32,
+}
+
+
+def make_hf_config(family: str, **overrides):
+    """A tiny transformers config of ``family`` (llama | mistral | qwen2)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+    defaults = {"mistral": {"sliding_window": 8}}.get(family, {})
+    return classes[family](**{**TINY, **defaults, **overrides})
+
+
+def make_hf_model(config, seed: int = 0):
+    """A random-init float32 HF model in eval mode; Qwen2 q/k/v biases made non-trivial."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if config.model_type == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+def save_hf_model(model, path: Path, max_shard_size: Optional[str] = None) -> Path:
+    """``save_pretrained`` as safetensors (sharded when ``max_shard_size`` is given)."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+@torch.inference_mode()
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """HF float32 logits ``[T, vocab]`` of every position of one sequence."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@dataclass
+class _Request:
+    token_ids: list[int] = field(default_factory=list)  # tokens whose KV is cached
+    block_ids: list[int] = field(default_factory=list)
+
+
+class PagedDriver:
+    """Runs our model step by step over a paged KV cache, like the runner does.
+
+    Args:
+        model: Our model.
+        num_blocks: Blocks in the cache (small, to exercise block tables).
+        block_size: Tokens per block.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0) -> None:
+        arch = model.arch
+        self.model = model
+        self.block_size = block_size
+        dtype = model.model.embed_tokens.weight.dtype
+        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_hidden_layers)]
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.requests: dict[str, _Request] = {}
+
+    def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Computes one step; ``chunks`` maps request id -> its new tokens.
+
+        Returns:
+            Request id -> float32 logits ``[len(new tokens), vocab]``.
+        """
+        # Decodes first, as the runner orders them (backends may use a fast path).
+        order = sorted(chunks, key=lambda rid: len(chunks[rid]) != 1)
+        input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        for rid in order:
+            req = self.requests.setdefault(rid, _Request())
+            new = chunks[rid]
+            first = len(req.token_ids)
+            req.token_ids.extend(new)
+            while len(req.block_ids) * self.block_size < len(req.token_ids):
+                req.block_ids.append(self.free_blocks.pop())
+            for pos in range(first, len(req.token_ids)):
+                slots.append(req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            input_ids.extend(new)
+            positions.extend(range(first, len(req.token_ids)))
+            starts.append(starts[-1] + len(new))
+            seq_lens.append(len(req.token_ids))
+            tables.append(req.block_ids)
+        width = max(len(t) for t in tables)
+        query_lens = [len(chunks[rid]) for rid in order]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for n in itertools.takewhile(lambda n: n == 1, query_lens)),
+        )
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return {rid: logits[starts[i] : starts[i + 1]] for i, rid in enumerate(order)}
+
+
+@pytest.fixture
+def attn_backend() -> TorchAttentionBackend:
+    return TorchAttentionBackend()

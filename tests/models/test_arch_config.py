@@ -1,0 +1,130 @@
+"""ModelArchConfig parsing: both HF config formats, defaults, per-layer windows, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.models.conftest import LLAMA3_ROPE, make_hf_config
+from workers.model.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Llama3RopeScaling,
+    ModelArchConfig,
+)
+
+
+def _parse(family: str, **overrides) -> ModelArchConfig:
+    return ModelArchConfig.from_hf_config(make_hf_config(family, **overrides).to_dict())
+
+
+def _llama_v4_dict(**overrides) -> dict:
+    """A transformers-v4 style Llama config.json (rope_theta + rope_scaling at top level)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 4096,
+    }
+    config.update(overrides)
+    return config
+
+
+def test_llama_sizes_and_defaults() -> None:
+    arch = ModelArchConfig.from_hf_config(_llama_v4_dict())
+    assert arch.family == "llama"
+    assert arch.num_key_value_heads == 8  # absent: MHA
+    assert arch.head_dim == 8  # absent: hidden / heads
+    assert arch.rope_theta == 500000.0 and arch.rope_scaling is None
+    assert arch.sliding_window is None and arch.layer_types == (FULL_ATTENTION,) * 2
+    assert not arch.attention_bias and not arch.o_proj_bias and not arch.tie_word_embeddings
+    assert arch.eos_token_ids == () and arch.eos_token_id is None
+
+
+def test_eos_list_and_bos() -> None:
+    arch = ModelArchConfig.from_hf_config(_llama_v4_dict(bos_token_id=5, eos_token_id=[7, 9]))
+    assert arch.bos_token_id == 5
+    assert arch.eos_token_ids == (7, 9) and arch.eos_token_id == 7
+
+
+def test_llama3_rope_scaling_both_formats() -> None:
+    expected = Llama3RopeScaling(8.0, 1.0, 4.0, 32)
+    v5 = _parse("llama", rope_parameters=LLAMA3_ROPE)
+    assert v5.rope_scaling == expected and v5.rope_theta == 10000.0
+    legacy_scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    v4 = ModelArchConfig.from_hf_config(_llama_v4_dict(rope_scaling=legacy_scaling))  # rope_theta 5e5 on top
+    assert v4.rope_scaling == expected and v4.rope_theta == 500000.0
+
+
+def test_llama3_original_context_defaults_to_max_positions() -> None:
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    arch = ModelArchConfig.from_hf_config(_llama_v4_dict(rope_scaling=scaling))
+    assert arch.rope_scaling.original_max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic"])
+def test_unsupported_rope_type_is_rejected(rope_type: str) -> None:
+    with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported; supported: default, llama3"):
+        ModelArchConfig.from_hf_config(_llama_v4_dict(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
+
+
+def test_unsupported_architecture_names_supported_ones() -> None:
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, MistralForCausalLM, Qwen2"):
+        ModelArchConfig.from_hf_config(_llama_v4_dict(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="names no 'architectures'"):
+        ModelArchConfig.from_hf_config(_llama_v4_dict(architectures=[]))
+
+
+def test_model_type_stands_in_for_missing_architectures() -> None:
+    arch = ModelArchConfig.from_hf_config(_llama_v4_dict(architectures=None, model_type="mistral"))
+    assert arch.family == "mistral"
+
+
+def test_mistral_sliding_window_on_every_layer() -> None:
+    arch = _parse("mistral", sliding_window=8)
+    assert arch.family == "mistral" and arch.sliding_window == 8
+    assert [arch.layer_sliding_window(i) for i in range(2)] == [8, 8]
+
+
+def test_qwen2_bias_and_optional_window() -> None:
+    plain = _parse("qwen2", sliding_window=8)  # use_sliding_window defaults to False
+    assert plain.attention_bias and not plain.o_proj_bias
+    assert plain.sliding_window is None and set(plain.layer_types) == {FULL_ATTENTION}
+    upper = _parse("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3)
+    assert upper.layer_types == (FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_ATTENTION)
+    assert [upper.layer_sliding_window(i) for i in range(3)] == [None, 8, 8]
+
+
+def test_qwen2_window_without_layer_types_uses_max_window_layers() -> None:
+    config = make_hf_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1).to_dict()
+    del config["layer_types"]
+    arch = ModelArchConfig.from_hf_config(config)
+    assert arch.layer_types == (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def test_llama_attention_bias_covers_o_proj() -> None:
+    arch = _parse("llama", attention_bias=True)
+    assert arch.attention_bias and arch.o_proj_bias
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_invalid_configs_are_rejected(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelArchConfig.from_hf_config(_llama_v4_dict(**overrides))
+
+
+def test_config_is_frozen() -> None:
+    arch = ModelArchConfig.from_hf_config(_llama_v4_dict())
+    with pytest.raises(AttributeError):
+        arch.vocab_size = 5  # type: ignore[misc]

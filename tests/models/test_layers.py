@@ -1,0 +1,74 @@
+"""Layers against transformers' Llama code: bit-exact where the arithmetic is the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.conftest import LLAMA3_ROPE, make_hf_config
+from workers.model.config import ModelArchConfig
+from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default", "llama3"])
+def test_inv_freq_equals_hf(rope) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    overrides = {"head_dim": 16, "rope_parameters": rope} if rope else {"head_dim": 16}
+    config = make_hf_config("llama", **overrides)
+    arch = ModelArchConfig.from_hf_config(config.to_dict())
+    ours = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+    assert torch.equal(ours, LlamaRotaryEmbedding(config).inv_freq)
+
+
+def test_llama3_scaling_touches_all_three_bands() -> None:
+    arch = ModelArchConfig.from_hf_config(make_hf_config("llama", head_dim=16, rope_parameters=LLAMA3_ROPE).to_dict())
+    plain = rope_inv_freq(16, arch.rope_theta)
+    scaled = rope_inv_freq(16, arch.rope_theta, arch.rope_scaling)
+    ratio = plain / scaled
+    assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default", "llama3"])
+def test_rotary_equals_hf(rope) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    overrides = {"head_dim": 16, "rope_parameters": rope} if rope else {"head_dim": 16}
+    config = make_hf_config("llama", **overrides)
+    arch = ModelArchConfig.from_hf_config(config.to_dict())
+    rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+    positions = torch.tensor([0, 1, 5, 31, 32, 77, 127])
+    torch.manual_seed(0)
+    q = torch.randn(len(positions), 4, 16)
+    k = torch.randn(len(positions), 2, 16)
+    cos_hf, sin_hf = LlamaRotaryEmbedding(config)(q, positions[None])
+    # HF layout: [batch, heads, T, D]
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf, sin_hf)
+    cos, sin = rotary.lookup(positions)
+    assert torch.equal(RotaryEmbedding.apply(q, cos, sin), q_hf[0].transpose(0, 1))
+    assert torch.equal(RotaryEmbedding.apply(k, cos, sin), k_hf[0].transpose(0, 1))
+
+
+def test_rotary_on_meta_then_rebuilt() -> None:
+    with torch.device("meta"):
+        rotary = RotaryEmbedding(8, 16, 10000.0)
+    rotary = rotary.to_empty(device="cpu")
+    rotary.build_cache(torch.device("cpu"))
+    assert torch.equal(rotary.cos_sin_cache, RotaryEmbedding(8, 16, 10000.0).cos_sin_cache)
+
+
+def test_rmsnorm_equals_hf() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 32) * 3
+    ours, ref = RMSNorm(32, 1e-5), LlamaRMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.normal_()
+        ref.weight.copy_(ours.weight)
+    assert torch.equal(ours(x), ref(x))
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(3, 10)
+    assert torch.equal(SiluAndMul()(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])

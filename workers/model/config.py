@@ -1,0 +1,226 @@
+"""The model architecture as our layers need it, parsed once from an HF ``config.json``.
+
+Only the Llama family is supported: Llama (GQA/MQA, tied embeddings, llama3
+rope scaling), Mistral (sliding window) and Qwen2 (q/k/v bias, optional
+sliding window on the upper layers). Both config formats are read: the
+transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
+(``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+# HF ``architectures`` entry -> our family name.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+# rope_theta when a config names none (the transformers defaults of the three classes).
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent rope scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Shapes and constants of one decoder-only model (full, unsharded sizes).
+
+    Attributes:
+        family: ``llama``, ``mistral`` or ``qwen2``.
+        layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
+        attention_bias: Bias on the q/k/v projections (Qwen2; Llama's
+            ``attention_bias``).
+        o_proj_bias: Bias on the output projection (Llama's ``attention_bias``
+            only; Qwen2 has none).
+        sliding_window: Window of the ``sliding_attention`` layers, else None.
+        eos_token_ids: All end-of-sequence ids (HF allows a list).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Llama3RopeScaling]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    sliding_window: Optional[int]
+    layer_types: tuple[str, ...]
+    bos_token_id: Optional[int]
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries; it needs one per layer "
+                f"({self.num_hidden_layers})"
+            )
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        """The first EOS id (the one tokenizers call ``eos_token``), or None."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def layer_sliding_window(self, layer_idx: int) -> Optional[int]:
+        """The sliding window of one layer, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelArchConfig":
+        """Parses an HF ``config.json`` dict.
+
+        Raises:
+            ValueError: For an unsupported architecture, rope type, activation
+                or inconsistent sizes, saying what is supported.
+        """
+        family = _family(config)
+        num_heads = int(config["num_attention_heads"])
+        hidden_size = int(config["hidden_size"])
+        num_layers = int(config["num_hidden_layers"])
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' is")
+        rope_theta, rope_scaling = _parse_rope(config)
+        sliding_window, layer_types = _parse_sliding(config, family, num_layers)
+        qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS[family])),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=family == "llama" and bool(config.get("attention_bias", False)),
+            mlp_bias=family == "llama" and bool(config.get("mlp_bias", False)),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
+        )
+
+
+def _family(config: Mapping[str, Any]) -> str:
+    """The family from ``architectures``, else (configs built in code) from ``model_type``."""
+    architectures = config.get("architectures") or []
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if architectures:
+        raise ValueError(f"unsupported architectures {list(architectures)}; supported: {supported}")
+    if config.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        return config["model_type"]
+    raise ValueError(f"config.json names no 'architectures'; add one of: {supported}")
+
+
+def _parse_rope(config: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
+    """Reads rope theta and scaling from either config format."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer rope_parameters are not supported; use one rope setting for all layers")
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
+            "(remove rope_scaling or use a model without it)"
+        )
+    if float(params.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor other than 1.0 is not supported")
+    if rope_type == "default":
+        return theta, None
+    try:
+        scaling = Llama3RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
+            ),
+        )
+    except KeyError as exc:
+        raise ValueError(f"llama3 rope scaling needs {exc.args[0]!r} in rope_scaling") from None
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    return theta, scaling
+
+
+def _parse_sliding(
+    config: Mapping[str, Any], family: str, num_layers: int
+) -> tuple[Optional[int], tuple[str, ...]]:
+    """Which layers use a sliding window, following each HF class's rules."""
+    window = config.get("sliding_window")
+    if family == "llama" or (family == "qwen2" and not config.get("use_sliding_window", False)):
+        window = None
+    if window is not None and int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or null, got {window}")
+    if window is None:
+        return None, (FULL_ATTENTION,) * num_layers
+    window = int(window)
+    layer_types = config.get("layer_types")
+    if layer_types:
+        bad = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if bad:
+            raise ValueError(f"unsupported layer_types {sorted(bad)}; use {FULL_ATTENTION} or {SLIDING_ATTENTION}")
+        return window, tuple(layer_types)
+    if family == "qwen2":
+        first_sliding = int(config.get("max_window_layers", num_layers))
+        types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
+        return window, types
+    return window, (SLIDING_ATTENTION,) * num_layers
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)

@@ -1,0 +1,136 @@
+"""Small building blocks of the Llama family: RMSNorm, rotary embedding, SiLU-and-mul.
+
+The arithmetic follows transformers' Llama code operation for operation (same
+order, float32 where it computes in float32) so that our logits match the HF
+reference to float noise, but the code is ours and works on flat token batches
+(``[T, ...]``, no batch dimension, no padding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import Llama3RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 like HF's ``LlamaRMSNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+
+class SiluAndMul(nn.Module):
+    """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection output ``[.., 2d]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScaling] = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32), exactly as transformers computes them.
+
+    With ``scaling`` this is Llama 3.1's rule: long wavelengths are divided by
+    ``factor``, short ones kept, and the band in between interpolated.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / scaling.low_freq_factor
+    high_freq_wavelen = old_context_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in HF's ``rotate_half`` convention.
+
+    The head dimension is split in two halves ``(x1, x2)`` (not interleaved
+    pairs)::
+
+        out = [x1 * cos - x2 * sin,  x2 * cos + x1 * sin]
+
+    cos/sin of every position up to ``max_positions`` are precomputed once;
+    a step gathers its rows with :meth:`lookup` (once per step, shared by all
+    layers) and each layer calls :meth:`apply`.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: Optional[Llama3RopeScaling] = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.build_cache()
+
+    def build_cache(self, device: Optional[torch.device] = None) -> None:
+        """(Re)computes the cos/sin table ``[max_positions, 2, head_dim / 2]``.
+
+        Computed in float32, stored in the buffer's current dtype (the model's
+        dtype after ``.to(dtype)``). Called at construction and again after the
+        module was created on the ``meta`` device and materialized with
+        ``to_empty`` (buffers then hold garbage).
+        """
+        if device is None or torch.device(device).type == "meta":
+            device = self.cos_sin_cache.device
+        if device.type == "meta":
+            # Built on the meta device: nothing to compute until materialized.
+            self.cos_sin_cache = torch.empty(self.max_positions, 2, self.head_dim // 2, device=device)
+            return
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        cache = torch.stack((freqs.cos(), freqs.sin()), dim=1)
+        self.cos_sin_cache = cache.to(self.cos_sin_cache.dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, head_dim / 2]`` of ``positions`` ``[T]``, ready to broadcast over heads.
+
+        Positions must be below ``max_positions`` (the caller caps sequence
+        lengths at ``max_model_len``).
+        """
+        rows = self.cos_sin_cache.index_select(0, positions)
+        return rows[:, 0:1, :], rows[:, 1:2, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x`` ``[T, heads, head_dim]`` (any strides); returns a new contiguous tensor."""
+        half = x.shape[-1] // 2
+        x1 = x[..., :half]
+        x2 = x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def extra_repr(self) -> str:
+        scaled = ", llama3 scaling" if self.scaling else ""
+        return f"head_dim={self.head_dim}, max_positions={self.max_positions}, theta={self.theta}{scaled}"

