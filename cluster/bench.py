@@ -115,6 +115,7 @@ def run_hf(model_dir: Path, work: Workload, batch_size: int, pad_id: int) -> Run
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: run every batch to its length
 
     class FirstCall(LogitsProcessor):
         def __init__(self) -> None:
@@ -140,7 +141,7 @@ def run_hf(model_dir: Path, work: Workload, batch_size: int, pad_id: int) -> Run
         probe = FirstCall()
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                input_ids=ids, attention_mask=mask, max_new_tokens=new,
                 do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([probe]),
             )
         assert out.shape[1] == width + new

@@ -72,7 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         stop=tuple(args.stop or ()),
     )
-    request = llm.make_request(prompt, params)
+    request = llm.make_request(prompt, params, add_special_tokens=not args.chat)
     llm.engine.add_request(request)
     for out in llm.stream_until_done():
         sys.stdout.write(out.new_text)

@@ -1,0 +1,66 @@
+"""Factories shared by the test packages: tiny random-init HF checkpoints and
+the Hugging Face greedy oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # Peaked logits: greedy choices are decided by the weights, not float noise.
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny_model_dir(family: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2) to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    }
+    config_cls, model_cls, extra = classes[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, **extra, **overrides})
+    model = model_cls(config).eval()
+    if family == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+    """Greedy continuations from transformers, one prompt at a time (no padding),
+    generating exactly ``max_new_tokens`` (EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Run to the length like ignore_eos does: EOS may be generated, never stops.
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_new_tokens):
+            ids = torch.tensor([list(prompt)])
+            gen = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                do_sample=False, pad_token_id=0,
+            )
+            outs.append(gen[0, len(prompt) :].tolist())
+    return outs

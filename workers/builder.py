@@ -1,0 +1,132 @@
+"""Assembles one engine from an ``EngineConfig``: model, tokenizer, KV pools,
+scheduler and runner. Shared by the offline ``LLM`` and the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tokenizers import Tokenizer
+
+from cluster.config import EngineConfig
+from workers.engine.block_pool import BlockPool
+from workers.engine.engine import LLMEngine
+from workers.engine.kv_manager import KVCacheManager
+from workers.engine.scheduler import Scheduler
+from workers.model.attention import get_attention_backend
+from workers.model.loader import load_model, model_fingerprint, resolve_dtype, resolve_model
+from workers.runner import GiB, ModelRunner, kv_block_bytes
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class EngineParts:
+    """What ``build_engine`` made, for callers that need more than the engine."""
+
+    engine: LLMEngine
+    runner: ModelRunner
+    tokenizer: Optional[Tokenizer]
+    model_dir: Path
+    eos_token_ids: list[int]
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_tokenizer(model_dir: Path, tokenizer: Optional[str] = None) -> Optional[Tokenizer]:
+    """The model's (or the given) tokenizer.json; None when the model folder
+    has none (token-id prompts only, no text output)."""
+    path = Path(tokenizer) if tokenizer else model_dir
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        if tokenizer:
+            raise ValueError(f"no tokenizer.json at {path}: pass tokenizer=<folder or tokenizer.json>")
+        logger.warning("%s has no tokenizer.json: prompts must be token ids and outputs have no text", model_dir)
+        return None
+    return Tokenizer.from_file(str(path))
+
+
+def num_kv_blocks_for(config: EngineConfig, block_bytes: int, device: torch.device, max_model_len: int) -> int:
+    """Device KV blocks: explicit ``num_kv_blocks``, else memory-derived.
+
+    The memory-derived count is capped at what ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens can use: small models would otherwise get
+    millions of blocks that cost start-up time and nothing else.
+    """
+    if config.cache.num_kv_blocks is not None:
+        return config.cache.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = total * config.cache.gpu_memory_utilization - used
+        # Leave room for activations of one max-size step.
+        budget -= 512 * 1024 * 1024
+    else:
+        budget = config.cache.kv_cache_memory * GiB
+    block_size = config.cache.block_size
+    useful = config.scheduler.max_num_seqs * -(-max_model_len // block_size)
+    return max(1, min(useful, int(budget // block_bytes)))
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Loads the model and builds a ready engine (logs progress)."""
+    started = time.monotonic()
+    model_dir = resolve_model(config.model)
+    device = pick_device(config)
+    # float32 on CPU: bf16 matmuls are 5-60x slower without AVX-512.
+    dtype = resolve_dtype(config.dtype, device)
+    backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size)
+    model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
+    tokenizer = load_tokenizer(model_dir, config.tokenizer)
+    max_model_len = config.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}: lower max_model_len"
+        )
+    block_size = config.cache.block_size
+    block_bytes = kv_block_bytes(arch.num_hidden_layers, block_size, arch.num_key_value_heads, arch.head_dim, dtype)
+    num_blocks = num_kv_blocks_for(config, block_bytes, device, max_model_len)
+    swap = config.scheduler.preemption_mode == "swap"
+    num_cpu_blocks = min(int(config.cache.swap_space * GiB // block_bytes), 2 * num_blocks) if swap else 0
+    runner = ModelRunner(
+        model,
+        num_layers=arch.num_hidden_layers,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        dtype=dtype,
+        device=device,
+        seed=config.seed,
+    )
+    kv_manager = KVCacheManager(
+        BlockPool(num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching),
+        BlockPool(num_cpu_blocks, block_size, enable_caching=False) if num_cpu_blocks else None,
+    )
+    eos = list(arch.eos_token_ids)
+    scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos)
+    engine = LLMEngine(
+        scheduler,
+        runner,
+        tokenizer,
+        vocab_size=arch.vocab_size,
+        max_model_len=max_model_len,
+        model_fingerprint=model_fingerprint(model_dir),
+    )
+    logger.info(
+        "engine ready in %.1fs: %s, %s on %s, %d KV blocks of %d tokens (%.2f GiB), %d swap blocks, max_model_len %d",
+        time.monotonic() - started, model_dir.name, str(dtype).removeprefix("torch."), device,
+        num_blocks, block_size, num_blocks * block_bytes / GiB, num_cpu_blocks, max_model_len,
+    )
+    return EngineParts(engine, runner, tokenizer, model_dir, eos)

@@ -1,0 +1,127 @@
+"""Offline API without Ray, named like vLLM's::
+
+    from workers import LLM, SamplingParams
+    llm = LLM()                                   # the packaged default model
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from cluster.config import EngineConfig
+from cluster.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from workers.builder import build_engine
+from workers.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class CompletionOutput:
+    """The finished result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[FinishReason] = None
+    num_cached_tokens: int = 0
+    logprobs: Optional[list[TokenLogprob]] = None
+    finish_message: Optional[str] = None  # set when the engine ended it (e.g. out of KV blocks)
+
+
+class LLM:
+    """An engine in this process.
+
+    Args:
+        model: Folder, ``.gguf`` file, or None for the default model.
+        **engine_args: vLLM-style engine arguments (``block_size``,
+            ``max_num_seqs``, ``max_num_batched_tokens``,
+            ``enable_prefix_caching``, ``enable_chunked_prefill``,
+            ``swap_space``, ``preemption_mode``, ``num_kv_blocks``,
+            ``max_model_len``, ``dtype``, ``seed``, ...). Unknown names raise
+            ValueError naming the argument.
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        parts = build_engine(self.config)
+        self.engine = parts.engine
+        self.runner = parts.runner
+        self.tokenizer = parts.tokenizer
+        self.model_dir = parts.model_dir
+        self._ids = itertools.count()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens (e.g. BOS) as the tokenizer adds
+        them, like HF ``tokenizer(text)``. Pass False for chat-rendered text."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: pass prompts as token ids")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams, priority: int = 0, add_special_tokens: bool = True
+    ) -> GenerationRequest:
+        """Tokenizes a prompt into a request with a fresh id."""
+        ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        return GenerationRequest(f"offline-{next(self._ids)}", ids, params, priority=priority)
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        priorities: Optional[Sequence[int]] = None,
+    ) -> list[CompletionOutput]:
+        """Runs prompts to completion in one continuous batch.
+
+        Args:
+            prompts: A string, a list of token ids, or a list of either.
+            sampling_params: One for all prompts, or one per prompt.
+            priorities: Optional per-prompt priorities (lower first).
+
+        Returns:
+            One output per prompt, in order.
+
+        Raises:
+            ValueError: A prompt or its parameters are invalid; nothing runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one per prompt")
+        prios = list(priorities) if priorities is not None else [0] * len(prompts)
+        requests = [self.make_request(p, sp, pr) for p, sp, pr in zip(prompts, params, prios)]
+        for req in requests:  # validate all before queuing any
+            self.engine.validate(req)
+        results = {r.request_id: CompletionOutput(r.request_id, list(r.prompt_token_ids)) for r in requests}
+        for req in requests:
+            self.engine.add_request(req)
+        for out in self.stream_until_done():
+            _accumulate(results[out.request_id], out)
+        return [results[r.request_id] for r in requests]
+
+    def stream_until_done(self) -> Iterator[RequestOutput]:
+        """Steps the engine until no request is left, yielding every output."""
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+
+def _accumulate(result: CompletionOutput, out: RequestOutput) -> None:
+    result.token_ids.extend(out.new_token_ids)
+    result.text += out.new_text
+    result.num_cached_tokens = out.num_cached_tokens
+    if out.new_logprobs:
+        result.logprobs = (result.logprobs or []) + list(out.new_logprobs)
+    if out.finish_reason is not None:
+        result.finish_reason = out.finish_reason
+        result.finish_message = out.finish_message

@@ -1,0 +1,155 @@
+"""The model runner: executes one ``SchedulerOutput`` and returns a ``ModelOutput``.
+
+It owns the device KV tensors (one per layer, layout in
+``workers/model/attention/base.py``) and the CPU swap copies, builds the
+per-step ``AttentionMetadata``, runs the model and samples. It never mutates
+the scheduler's sequences.
+
+Batch order inside a step: requests with one input token (decodes) first, so
+attention backends can serve them with one batched call, then prefill chunks.
+Outputs are mapped back to the scheduler's order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from workers.model.attention.base import AttentionMetadata
+from workers.model.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache.
+
+    Args:
+        model: A model with ``forward(input_ids, positions, kv_caches, meta)``
+            and ``compute_logits(hidden)``.
+        num_layers / num_kv_heads / head_dim: KV geometry of this rank.
+        block_size: Tokens per block.
+        num_kv_blocks: Device blocks.
+        num_cpu_blocks: CPU swap blocks (0 disables swap).
+        dtype: KV dtype (the model's compute dtype).
+        device: Where the model and the KV cache live.
+        seed: Seed of the sampler's generator for requests without a seed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_kv_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded decode gathers read unused slots, and NaN
+        # garbage there would poison masked softmax sums.
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.cpu_caches = [
+            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
+        ] if num_cpu_blocks else []
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Swaps blocks, runs the forward pass and samples (see SchedulerOutput)."""
+        if sched.swap_out:
+            self._copy_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
+        if sched.swap_in:
+            self._copy_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
+        reqs = sched.scheduled
+        if not reqs:
+            return ModelOutput(sampled_token_ids=[], logprobs=[])
+        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].input_token_ids) != 1)
+        batch = [reqs[i] for i in order]
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        sample_rows, sample_reqs, owners = [], [], []
+        end = 0
+        for pos_in_batch, req in zip(order, batch):
+            end += len(req.input_token_ids)
+            if req.num_sample_tokens:
+                assert req.num_sample_tokens == 1, "several tokens per step need a verifier"
+                sample_rows.append(end - 1)
+                sample_reqs.append(req)
+                owners.append(pos_in_batch)
+        sampled: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[Optional[list]] = [None for _ in reqs]
+        if sample_rows:
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            token_ids, token_logprobs = self.sampler(logits, sample_reqs)
+            for owner, tok, lp in zip(owners, token_ids, token_logprobs):
+                sampled[owner] = [tok]
+                logprobs[owner] = lp
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        for req in batch:
+            start = req.num_computed_tokens
+            n = len(req.input_token_ids)
+            input_ids.extend(req.input_token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+        width = max(-(-s // bs) for s in seq_lens)
+        tables = [list(req.block_ids[:width]) + [0] * (width - min(width, len(req.block_ids))) for req in batch]
+        dev = self.device
+        query_lens = [len(r.input_token_ids) for r in batch]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for n in query_lens if n == 1),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos_t, meta
+
+    @staticmethod
+    def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for src_layer, dst_layer in zip(src, dst):
+            moved = src_layer[:, src_ids.to(src_layer.device)]
+            dst_layer[:, dst_ids.to(dst_layer.device)] = moved.to(dst_layer.device, non_blocking=True)
