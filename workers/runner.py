@@ -5,8 +5,9 @@ It owns the device KV tensors (one per layer, layout in
 per-step ``AttentionMetadata``, runs the model and samples. It never mutates
 the scheduler's sequences.
 
-Batch order inside a step: requests with one input token (decodes) first, so
-attention backends can serve them with one batched call, then prefill chunks.
+Batch order inside a step: requests with one input token (decodes) first,
+longest context first, so attention backends batch them with little padding,
+then prefill chunks.
 Outputs are mapped back to the scheduler's order.
 """
 
@@ -85,7 +86,9 @@ class ModelRunner:
         reqs = sched.scheduled
         if not reqs:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
-        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].input_token_ids) != 1)
+        # Decodes first, longest context first (attention pads per group of
+        # similar lengths), then prefill chunks.
+        order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i].input_token_ids) != 1, -reqs[i].seq_len))
         batch = [reqs[i] for i in order]
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -7,26 +7,60 @@ intact and empty after every run."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from cluster.chat_template import ChatTemplate
 from cluster.types import SamplingParams
 from tests.factories import hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.llm import LLM
+from workers.model.loader import resolve_model
 
 FAMILIES = ["llama", "mistral", "qwen2"]
 PROMPT_LENS = [3, 9, 17, 24, 33, 40, 6, 50, 29]
 MAX_TOKENS = [12, 8, 16, 10, 6, 14, 20, 9, 11]
 
-# Engine settings per scenario (tiny model: block_size 4 crosses many blocks).
-SCENARIOS = {
-    "one_batch": dict(block_size=4),
-    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=8),
-    "swap": dict(block_size=4, num_kv_blocks=24, preemption_mode="swap", swap_space=0.01),
-    "recompute": dict(block_size=4, num_kv_blocks=24, preemption_mode="recompute"),
-    "no_chunking": dict(block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=64),
-}
+TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a haiku about the sea and the wind that moves over it at night.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "List three reasons why continuous batching improves the throughput of an LLM server. " * 2,
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who "
+    "repaired every clock in the valley except his own, which had stopped at a quarter past three on "
+    "the night his daughter left for the city.",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Translate to French: The weather is nice today and we are going to the beach with our friends.",
+    "Explain paged attention in one paragraph. " * 5,
+]
+
+
+@dataclass
+class Case:
+    """A model, its prompts and the HF greedy continuations."""
+
+    model_dir: Path
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    expected: list[list[int]]
+    block_size: int
+    tight_blocks: int  # a pool small enough to force preemption
+
+    def scenario(self, name: str) -> dict:
+        bs = self.block_size
+        return {
+            "one_batch": dict(block_size=bs),
+            "chunked_prefill": dict(block_size=bs, max_num_batched_tokens=16, max_num_seqs=8),
+            "swap": dict(block_size=bs, num_kv_blocks=self.tight_blocks, preemption_mode="swap", swap_space=0.05),
+            "recompute": dict(block_size=bs, num_kv_blocks=self.tight_blocks, preemption_mode="recompute"),
+            "no_chunking": dict(block_size=bs, enable_chunked_prefill=False, max_num_batched_tokens=256),
+        }[name]
+
+
+SCENARIOS = ["one_batch", "chunked_prefill", "swap", "recompute", "no_chunking"]
 
 
 def make_prompts(vocab: int, seed: int) -> list[list[int]]:
@@ -36,11 +70,26 @@ def make_prompts(vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_case(request, tmp_path_factory):
+def default_model_case() -> Case:
+    from tokenizers import Tokenizer
+
+    model_dir = resolve_model(None)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    template = ChatTemplate.from_model_dir(model_dir)
+    texts = [template.render([{"role": "user", "content": t}]) if i % 3 == 1 else t for i, t in enumerate(TEXTS)]
+    prompts = [tok.encode(t).ids for t in texts]
+    prompts[-1] = prompts[5][:32] + prompts[-1]  # shares 2 blocks of 16 with prompt 5
+    max_tokens = [16, 12, 20, 8, 14, 10, 18, 9, 13]
+    return Case(model_dir, prompts, max_tokens, hf_greedy(model_dir, prompts, max_tokens), 16, 12)
+
+
+@pytest.fixture(scope="module", params=FAMILIES + ["default_model"])
+def case(request, tmp_path_factory) -> Case:
+    if request.param == "default_model":
+        return default_model_case()
     model_dir = make_tiny_model_dir(request.param, tmp_path_factory.mktemp(request.param))
     prompts = make_prompts(512, seed=FAMILIES.index(request.param))
-    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)
+    return Case(model_dir, prompts, MAX_TOKENS, hf_greedy(model_dir, prompts, MAX_TOKENS), 4, 24)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -51,34 +100,34 @@ def check_pool(llm: LLM) -> None:
     assert_all_blocks_free_or_cached(llm.engine.scheduler)
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_matches_hf(family_case, scenario):
-    model_dir, prompts, expected = family_case
-    llm = LLM(str(model_dir), **SCENARIOS[scenario])
-    outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
-    assert [o.token_ids for o in outs] == expected
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_matches_hf(case, scenario):
+    llm = LLM(str(case.model_dir), **case.scenario(scenario))
+    outs = llm.generate(case.prompts, [greedy(n) for n in case.max_tokens])
+    assert [o.token_ids for o in outs] == case.expected
     if scenario in ("swap", "recompute"):
         assert llm.engine.scheduler.num_preemptions_total > 0
     check_pool(llm)
 
 
-def test_prefix_cache_hits_keep_outputs_exact(family_case):
-    model_dir, prompts, expected = family_case
-    llm = LLM(str(model_dir), block_size=4)
-    first = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
-    assert [o.token_ids for o in first] == expected
-    again = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
-    assert [o.token_ids for o in again] == expected
-    for prompt, out in zip(prompts, again):
+def test_prefix_cache_hits_keep_outputs_exact(case):
+    bs = case.block_size
+    llm = LLM(str(case.model_dir), block_size=bs)
+    params = [greedy(n) for n in case.max_tokens]
+    first = llm.generate(case.prompts, params)
+    assert [o.token_ids for o in first] == case.expected
+    again = llm.generate(case.prompts, params)
+    assert [o.token_ids for o in again] == case.expected
+    for prompt, out in zip(case.prompts, again):
         # Every full prompt block is cached, but one token is always recomputed.
-        assert out.num_cached_tokens == ((len(prompt) - 1) // 4) * 4
+        assert out.num_cached_tokens == ((len(prompt) - 1) // bs) * bs
+    assert any(o.num_cached_tokens > 0 for o in again)
     check_pool(llm)
 
 
-def test_requests_arriving_while_others_decode(family_case):
-    model_dir, prompts, expected = family_case
-    llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
-    reqs = [llm.make_request(p, greedy(n)) for p, n in zip(prompts, MAX_TOKENS)]
+def test_requests_arriving_while_others_decode(case):
+    llm = LLM(str(case.model_dir), block_size=case.block_size, max_num_batched_tokens=32, max_num_seqs=8)
+    reqs = [llm.make_request(p, greedy(n)) for p, n in zip(case.prompts, case.max_tokens)]
     got = {r.request_id: [] for r in reqs}
     for r in reqs[:4]:
         llm.engine.add_request(r)
@@ -88,5 +137,5 @@ def test_requests_arriving_while_others_decode(family_case):
             got[out.request_id] += out.new_token_ids
         if pending and llm.engine.num_steps % 3 == 0:
             llm.engine.add_request(pending.pop(0))
-    assert [got[r.request_id] for r in reqs] == expected
+    assert [got[r.request_id] for r in reqs] == case.expected
     check_pool(llm)

@@ -78,14 +78,15 @@ def _cumsum(values):
         yield total
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native_decode", "torch_decode"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (9, 3), (4, 1)])
-def test_mixed_batch_matches_dense_reference(hq, hkv, window):
+def test_mixed_batch_matches_dense_reference(hq, hkv, window, native):
     seq_lens = [1, 7, 17, 12, 9, 23]
     query_lens = [1, 1, 1, 12, 4, 23]  # 3 decodes, a fresh prompt, a chunk with context, a long prompt
     kv_cache, meta, qs, ks, vs, q_pos, full = make_case(seq_lens, query_lens, 4, 40, hq, hkv, 8, seed=hq * 10 + hkv)
     scale = 1 / math.sqrt(8)
-    out = TorchAttentionBackend().forward(
+    out = TorchAttentionBackend(native_decode=native).forward(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta, scale, window
     )
     start = 0
@@ -100,3 +101,29 @@ def test_new_keys_are_written_to_their_slots():
     TorchAttentionBackend().forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta, 0.5)
     flat_k = kv_cache[0].view(-1, 2, 4)
     torch.testing.assert_close(flat_k[meta.slot_mapping], torch.cat(ks))
+
+
+def test_many_decodes_in_several_groups_of_any_order(monkeypatch):
+    # Groups of a few requests each, lengths unsorted (the runner sorts for
+    # speed; correctness must not depend on it).
+    from workers.model.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_BYTES", 2 * 2 * 8 * 4 * 30)
+    backend = TorchAttentionBackend(native_decode=False)
+    rng = random.Random(7)
+    seq_lens = [rng.randint(1, 40) for _ in range(37)] + [15]
+    query_lens = [1] * 37 + [6]
+    kv_cache, meta, qs, ks, vs, q_pos, full = make_case(seq_lens, query_lens, 4, 400, 6, 2, 8, seed=3)
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta, 0.3, 9)
+    start = 0
+    for i, (q, pos) in enumerate(zip(qs, q_pos)):
+        ref = dense_reference(q, full[i][0], full[i][1], pos, 0.3, 9)
+        torch.testing.assert_close(out[start : start + len(pos)], ref, atol=1e-5, rtol=1e-5)
+        start += len(pos)
+
+
+def test_native_decode_kernel_is_built_here():
+    # These machines have a C compiler: the fast path must not silently vanish.
+    from workers.model.attention import cpu_decode
+
+    assert cpu_decode.load() is not None
