@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import sys
 import typing
@@ -92,10 +93,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.run_offline(args, engine_kwargs(args))
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (a typo must not silently pick another flag), and
+    unknown flags get the closest known one suggested."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            known = [opt for action in self._all_actions() for opt in action.option_strings]
+            hints = []
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+                if close:
+                    hints.append(f"{arg}: did you mean {close[0]}?")
+            if hints:
+                message += "\n" + "\n".join(hints)
+        super().error(message)
+
+    def _all_actions(self) -> list[argparse.Action]:
+        actions = list(self._actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    actions.extend(sub._all_actions() if isinstance(sub, _Parser) else sub._actions)
+        return actions
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="prefixserve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="run the offline engine on one prompt and stream the text")
     gen.add_argument("prompt")
@@ -110,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     bench_parser = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
+    bench_sub = bench_parser.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     off = bench_sub.add_parser("offline", help="our engine vs Hugging Face generate, same workload")
     from cluster import bench as bench_mod
 
