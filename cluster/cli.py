@@ -1,5 +1,6 @@
 """The ``prefixserve`` command line.
 
+    prefixserve up [--replicas N] [--tensor-parallel-size M] [engine flags]   local cluster
     prefixserve generate "prompt" [--chat] [engine flags]   offline, streams text
     prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
 
@@ -87,6 +88,74 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+    import threading
+
+    from cluster.config import ClusterConfig, EngineConfig
+    from cluster.local import LocalCluster
+
+    config = ClusterConfig(
+        replicas=args.replicas,
+        replica_num_cpus=args.replica_num_cpus,
+        rank_num_cpus=args.rank_num_cpus,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        max_ongoing_requests=args.max_ongoing_requests,
+        engine=EngineConfig.from_kwargs(**engine_kwargs(args)),
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(config)
+    try:
+        cluster.start()
+        rss_mib, count = _tree_rss_mib()
+        logger.info("ready: start-up %.1fs, %d processes, RSS %.0f MiB; Ctrl-C or SIGTERM stops",
+                    cluster.startup_seconds, count, rss_mib)
+        if args.prompt:
+            asyncio.run(_stream_prompt(cluster, args.prompt, args.max_tokens))
+        if not args.exit_after_prompt:
+            stop.wait()
+    finally:
+        cluster.stop()
+    return 0
+
+
+async def _stream_prompt(cluster, prompt: str, max_tokens: int) -> None:
+    from tokenizers import Tokenizer
+
+    from cluster.types import GenerationRequest, SamplingParams
+    from workers.model.loader import resolve_model
+
+    model_dir = resolve_model(cluster.config.engine.model)
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(prompt).ids
+    request = GenerationRequest("cli-prompt", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    async for chunk in cluster.generate(request):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.finished:
+            sys.stdout.write("\n")
+            logger.info("replica=%s finish_reason=%s cached_prompt_tokens=%d",
+                        chunk.replica_id, chunk.finish_reason.value, chunk.cached_prompt_tokens)
+
+
+def _tree_rss_mib() -> tuple[float, int]:
+    """RSS of this process and all its descendants (Ray, Redis, replicas)."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20, len(procs)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cluster import bench
 
@@ -138,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    up = sub.add_parser("up", help="start a local cluster: Ray on loopback, redis-server, replicas")
+    up.add_argument("--replicas", type=int, default=1)
+    up.add_argument("--replica-num-cpus", type=float, default=0.5, help="CPUs reserved per replica (fractional)")
+    up.add_argument("--rank-num-cpus", type=float, default=0.5, help="CPUs reserved per tensor-parallel rank")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
+    up.add_argument("--namespace", default="default", help="prefix-directory namespace")
+    up.add_argument("--max-ongoing-requests", type=int, default=256)
+    up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
+    up.add_argument("--max-tokens", type=int, default=64, help="for --prompt")
+    up.add_argument("--exit-after-prompt", action="store_true", help="stop after --prompt instead of serving")
+    add_engine_args(up)
+    up.set_defaults(func=_cmd_up)
 
     bench_parser = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench_parser.add_subparsers(dest="bench", required=True, parser_class=_Parser)

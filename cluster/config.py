@@ -168,3 +168,36 @@ class EngineConfig:
         for sec in ("cache", "scheduler", "parallel"):
             out.update(dataclasses.asdict(out.pop(sec)))
         return out
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A local or KubeRay cluster: replicas of one engine, and the directory.
+
+    Attributes:
+        replicas: Serve replicas (each owns one engine and its TP group).
+        replica_num_cpus: CPUs reserved per replica actor; fractional so
+            several fit on a small machine.
+        rank_num_cpus: CPUs reserved per tensor-parallel rank actor.
+        redis_url: The prefix directory; None lets the local launcher start
+            a ``redis-server`` on a loopback port.
+        namespace: Directory namespace (one per model / cluster).
+        max_ongoing_requests: Serve's cap of concurrent requests per replica.
+        engine: The engine of every replica.
+    """
+
+    replicas: int = 1
+    replica_num_cpus: float = 0.5
+    rank_num_cpus: float = 0.5
+    redis_url: Optional[str] = None
+    namespace: str = "default"
+    max_ongoing_requests: int = 256
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replica_num_cpus <= 0 or self.rank_num_cpus <= 0:
+            raise ValueError("replica_num_cpus and rank_num_cpus must be > 0 (fractions are fine)")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")

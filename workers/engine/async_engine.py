@@ -19,7 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from cluster.types import GenerationRequest, ReplicaStats
 from workers.engine.engine import LLMEngine
@@ -28,6 +28,7 @@ from workers.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -37,8 +38,9 @@ class AsyncEngine:
         engine: The engine; after ``start()`` only the engine thread touches it.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, after_step: Optional[Callable[[], None]] = None) -> None:
         self.engine = engine
+        self._after_step = after_step  # runs on the engine thread after each step
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
@@ -99,6 +101,18 @@ class AsyncEngine:
         """Asks the engine thread to abort a request (no-op if unknown)."""
         self._inbox.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` on the engine thread between steps; returns its result.
+
+        Anything that reads or changes engine state (block pool snapshots,
+        prefix-cache resets) goes through here, never from another thread.
+        """
+        self.start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._inbox.put(("call", (fn, loop, future)))
+        return await future
+
     # ------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -108,6 +122,8 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    if self._after_step is not None:
+                        self._after_step()
                 self._stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - report to every waiting stream
             logger.exception("engine loop failed")
@@ -132,6 +148,27 @@ class AsyncEngine:
                 out = self.engine.abort_request(payload)  # type: ignore[arg-type]
                 if out is not None:
                     self._deliver([out])
+            elif kind == "call":
+                self._call(*payload)  # type: ignore[misc]
+
+    def _call(self, fn: Callable[[LLMEngine], object], loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+            result, error = None, exc
+
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed
+            pass
 
     def _add(self, request: GenerationRequest) -> None:
         try:

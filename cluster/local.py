@@ -1,0 +1,127 @@
+"""The local launcher behind ``prefixserve up``: Ray on loopback, a
+``redis-server`` for the prefix directory, and the Serve application.
+
+Everything listens on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+keeps Ray's own traffic there). ``stop()`` shuts Serve, Ray and Redis down
+in that order, so no process outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, Optional
+
+from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, build_app
+from cluster.config import ClusterConfig
+from cluster.types import GenerationRequest, StreamChunk
+
+logger = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """Starts and stops a whole cluster on this machine.
+
+    Args:
+        config: What to run.
+        num_cpus: CPUs Ray may schedule (default: what the machine has, at
+            least enough for the replicas' fractional reservations).
+    """
+
+    def __init__(self, config: ClusterConfig, num_cpus: Optional[float] = None) -> None:
+        self.config = config
+        self.num_cpus = num_cpus
+        self.redis = None
+        self.redis_url = config.redis_url
+        self.handle: Any = None
+        self.started_ray = False
+        self.startup_seconds = 0.0
+
+    def start(self) -> "LocalCluster":
+        """Starts Redis (unless a URL was given), Ray and Serve; waits for replicas."""
+        import ray
+        from ray import serve
+
+        from cluster.ray_local import init_local_ray
+
+        began = time.monotonic()
+        if self.redis_url is None:
+            from cluster.redis_server import RedisServer
+
+            self.redis = RedisServer().start()
+            self.redis_url = self.redis.url
+            logger.info("redis-server on %s", self.redis_url)
+        self.started_ray = not ray.is_initialized()
+        init_local_ray(num_cpus=self.num_cpus or self._cpus_needed())
+        serve.start(http_options={"location": "NoServer"})
+        config = self.config if self.config.redis_url == self.redis_url else _with_redis(self.config, self.redis_url)
+        self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
+        self._wait_ready()
+        self.startup_seconds = time.monotonic() - began
+        logger.info("cluster ready in %.1fs: %d replica(s), tensor_parallel_size %d",
+                    self.startup_seconds, self.config.replicas, self.config.engine.parallel.tensor_parallel_size)
+        return self
+
+    def _cpus_needed(self) -> float:
+        tp = self.config.engine.parallel.tensor_parallel_size
+        per_replica = self.config.replica_num_cpus + (self.config.rank_num_cpus * tp if tp > 1 else 0)
+        return max(float(os.cpu_count() or 1), per_replica * self.config.replicas)
+
+    def _wait_ready(self, timeout: float = 600.0) -> None:
+        from ray import serve
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = serve.status().applications.get(APP_NAME)
+            if status is not None and status.status == "RUNNING":
+                return
+            if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"the Serve application failed to start: {status.message or status}")
+            time.sleep(0.5)
+        raise TimeoutError(f"replicas not ready after {timeout:.0f}s")
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        """Streams a request through Serve (the minimal in-process client)."""
+        stream = self.handle.options(stream=True, method_name="generate").remote(request)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.cancel()  # a consumer that stops early aborts the request
+
+    def stop(self) -> None:
+        """Shuts down Serve, Ray (if started here) and Redis (if started here)."""
+        import ray
+        from ray import serve
+
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - keep tearing down
+            logger.exception("serve.shutdown failed")
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        logger.info("cluster stopped")
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _with_redis(config: ClusterConfig, redis_url: Optional[str]) -> ClusterConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, redis_url=redis_url)
+
+
+def replica_handle(app_name: str = APP_NAME) -> Any:
+    """A handle to the replica deployment of a running application."""
+    from ray import serve
+
+    return serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app_name)

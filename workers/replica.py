@@ -1,0 +1,262 @@
+"""One replica: an engine behind an async streaming API, for Ray Serve.
+
+``ReplicaServer`` is a plain class (the engine is injected or built from an
+``EngineConfig``), so tests can drive it without Serve; ``cluster/app.py``
+wraps it with ``serve.deployment``. It:
+
+- streams ``StreamChunk``s from ``generate()``; when the caller goes away
+  (Serve cancels the generator), the sequence is aborted and its blocks
+  return to the pool;
+- after every engine step, drains the block pool's KV events (on the engine
+  thread) and publishes their net effect to the Redis prefix directory from
+  its event loop; a gap or a directory restart triggers a full resync from
+  a snapshot taken on the engine thread;
+- answers ``record_routing_stats()`` (Serve's request router) and
+  ``record_autoscaling_stats()`` (custom autoscaling metrics).
+
+The engine never runs on the event loop: ``AsyncEngine`` steps it on its own
+thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import uuid
+from dataclasses import asdict
+from typing import Any, AsyncIterator, Iterable, Optional
+
+from cluster.config import EngineConfig
+from cluster.types import GenerationRequest, StreamChunk
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from workers.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def net_kv_changes(events: Iterable[object]) -> tuple[bool, list[bytes], list[bytes]]:
+    """Folds one batch of KV events into its net effect.
+
+    Returns:
+        ``(cleared, removed, stored)`` to apply in that order: clear all
+        first if ``cleared``, then drop ``removed``, then add ``stored``.
+    """
+    cleared = False
+    present: dict[bytes, bool] = {}  # final state of each hash touched since the last clear
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            cleared = True
+            present.clear()
+        elif isinstance(event, BlockStored):
+            present.update((h, True) for h in event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            present.update((h, False) for h in event.block_hashes)
+    removed = [] if cleared else [h for h, here in present.items() if not here]
+    return cleared, removed, [h for h, here in present.items() if here]
+
+
+def default_replica_id() -> str:
+    """Serve's replica id when running in Serve, else a random one."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+class ReplicaServer:
+    """An engine replica with streaming, stats and KV-event publishing.
+
+    Args:
+        engine_config: Flat engine arguments or an ``EngineConfig`` (used
+            when ``engine`` is not given).
+        redis_url: The prefix directory; None disables publishing.
+        namespace: Directory namespace (one per model / cluster).
+        replica_id: Defaults to Serve's replica id.
+        engine: A ready engine (tests inject one).
+    """
+
+    def __init__(
+        self,
+        engine_config: Any = None,
+        redis_url: Optional[str] = None,
+        namespace: str = "default",
+        replica_id: Optional[str] = None,
+        engine: Optional[LLMEngine] = None,
+    ) -> None:
+        self._parts = None
+        if engine is None:
+            from workers.builder import build_engine
+
+            config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_kwargs(
+                **(engine_config or {}))
+            self._parts = build_engine(config)
+            engine = self._parts.engine
+        self.engine = engine
+        self.replica_id = replica_id or default_replica_id()
+        self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
+        self._covered_through = 0  # batches up to this seq_no are in the last snapshot
+        self._front = AsyncEngine(engine, after_step=self._collect_events)
+        self._front.start()
+        self._publisher = None
+        self._publish_wakeup: Optional[asyncio.Event] = None
+        self._publish_loop_obj: Optional[asyncio.AbstractEventLoop] = None
+        self._closing = False
+        self._redis_url = redis_url
+        self._namespace = namespace
+        if redis_url is not None:
+            self._start_publisher()
+        logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
+
+    # ---------------------------------------------------------- requests
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        """Streams the request's output as chunks; the last has a finish reason.
+
+        Raises:
+            ValueError: The request is invalid (says what to change).
+        """
+        async for out in self._front.generate(request):
+            yield StreamChunk(
+                request_id=out.request_id,
+                token_ids=out.new_token_ids,
+                text=out.new_text,
+                finish_reason=out.finish_reason,
+                logprobs=out.new_logprobs,
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_prompt_tokens=out.num_cached_tokens,
+                replica_id=self.replica_id,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        self._front.abort(request_id)
+
+    # ------------------------------------------------------------- stats
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load figures for Serve's request router (no engine-thread access)."""
+        stats = self._front.stats
+        return {**asdict(stats), "replica_id": self.replica_id}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics: KV use and queue, not request counts alone."""
+        stats = self._front.stats
+        return {
+            "kv_cache_usage": float(stats.kv_cache_usage),
+            "num_waiting": float(stats.num_waiting),
+            "num_running": float(stats.num_running),
+            "num_swapped": float(stats.num_swapped),
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        """Detailed stats, read on the engine thread (consistent)."""
+
+        def read(engine: LLMEngine) -> dict[str, Any]:
+            kv = engine.scheduler.kv_manager
+            return {
+                **asdict(engine.stats(self.replica_id)),
+                "num_free_blocks": kv.num_free_blocks,
+                "num_device_blocks": kv.num_device_blocks,
+                "num_used_blocks": kv.device_pool.num_used_blocks,
+                "num_preemptions": engine.scheduler.num_preemptions_total,
+                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            }
+
+        return await self._front.call(read)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops the prefix cache when no request holds blocks (publishes the clear)."""
+        done = await self._front.call(lambda engine: engine.scheduler.kv_manager.reset_prefix_cache())
+        await self._front.call(lambda engine: self._collect_events())
+        self._wake_publisher()
+        return done
+
+    async def check_health(self) -> None:
+        """Serve health check: fails when the engine loop died."""
+        if self._front.error is not None:
+            raise RuntimeError(f"engine loop failed: {self._front.error!r}")
+
+    def shutdown(self) -> None:
+        """Stops the engine thread, the publisher (unregisters) and TP ranks."""
+        self._closing = True
+        self._wake_publisher()
+        if getattr(self, "_publisher_thread", None) is not None:
+            self._publisher_thread.join(timeout=5)
+        self._front.shutdown()
+        if self._parts is not None and hasattr(self._parts.runner, "shutdown"):
+            self._parts.runner.shutdown()
+
+    def __del__(self) -> None:  # Serve calls no explicit hook on replica teardown
+        try:
+            self._front.shutdown(timeout=1.0)
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    # ------------------------------------------------------- KV events
+    def _collect_events(self) -> None:
+        """Engine thread: drain this step's KV events for the publisher."""
+        batch = self.engine.scheduler.kv_manager.take_events()
+        if batch is not None:
+            self._pending.put(batch)
+            self._wake_publisher()
+
+    def _wake_publisher(self) -> None:
+        wakeup, loop = self._publish_wakeup, self._publish_loop_obj
+        if wakeup is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wakeup.set)
+
+    def _start_publisher(self) -> None:
+        """Runs the directory publisher on its own thread and event loop, so
+        heartbeats start with the replica and never wait on Serve's loop."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self._publish_loop_obj = loop
+            self._publish_wakeup = asyncio.Event()
+            loop.run_until_complete(self._publisher_main(ready))
+
+        self._publisher_thread = threading.Thread(target=run, name="kv-publisher", daemon=True)
+        self._publisher_thread.start()
+        ready.wait(timeout=30)
+
+    async def _publisher_main(self, ready: threading.Event) -> None:
+        from cluster.directory import DirectoryPublisher, PrefixDirectory
+
+        directory = PrefixDirectory(self._redis_url, namespace=self._namespace)
+        self._publisher = DirectoryPublisher(directory, self.replica_id)
+        try:
+            await self._publisher.start()
+        finally:
+            ready.set()
+        assert self._publish_wakeup is not None
+        try:
+            while not self._closing:
+                await self._publish_wakeup.wait()
+                self._publish_wakeup.clear()
+                await self._publish_pending()
+        finally:
+            await self._publisher.stop()
+
+    async def _publish_pending(self) -> None:
+        assert self._publisher is not None
+        while True:
+            try:
+                batch = self._pending.get_nowait()
+            except queue.Empty:
+                return
+            if batch.seq_no <= self._covered_through:
+                continue  # already part of the snapshot a resync sent
+            cleared, removed, stored = net_kv_changes(batch.events)
+            await self._publisher.publish_batch(batch.seq_no, stored, removed, cleared, self._snapshot)
+
+    async def _snapshot(self) -> tuple[int, list[bytes]]:
+        """A full snapshot, taken on the engine thread (for a resync)."""
+        snap = await self._front.call(lambda engine: engine.scheduler.kv_manager.take_snapshot())
+        self._covered_through = snap.seq_no
+        return snap.seq_no, list(snap.block_hashes)
