@@ -8,9 +8,10 @@ wraps it with ``serve.deployment``. It:
   (Serve cancels the generator), the sequence is aborted and its blocks
   return to the pool;
 - after every engine step, drains the block pool's KV events (on the engine
-  thread) and publishes their net effect to the Redis prefix directory from
-  its event loop; a gap or a directory restart triggers a full resync from
-  a snapshot taken on the engine thread;
+  thread) and publishes them to the Redis prefix directory from a publisher
+  thread with its own event loop (heartbeats start with the replica); a gap
+  or a directory restart triggers a full resync from a snapshot taken on the
+  engine thread;
 - answers ``record_routing_stats()`` (Serve's request router) and
   ``record_autoscaling_stats()`` (custom autoscaling metrics).
 
@@ -27,36 +28,15 @@ import queue
 import threading
 import uuid
 from dataclasses import asdict
-from typing import Any, AsyncIterator, Iterable, Optional
+from typing import Any, AsyncIterator, Optional
 
 from cluster.config import EngineConfig
 from cluster.types import GenerationRequest, StreamChunk
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-def net_kv_changes(events: Iterable[object]) -> tuple[bool, list[bytes], list[bytes]]:
-    """Folds one batch of KV events into its net effect.
-
-    Returns:
-        ``(cleared, removed, stored)`` to apply in that order: clear all
-        first if ``cleared``, then drop ``removed``, then add ``stored``.
-    """
-    cleared = False
-    present: dict[bytes, bool] = {}  # final state of each hash touched since the last clear
-    for event in events:
-        if isinstance(event, AllBlocksCleared):
-            cleared = True
-            present.clear()
-        elif isinstance(event, BlockStored):
-            present.update((h, True) for h in event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            present.update((h, False) for h in event.block_hashes)
-    removed = [] if cleared else [h for h, here in present.items() if not here]
-    return cleared, removed, [h for h, here in present.items() if here]
 
 
 def default_replica_id() -> str:
@@ -100,7 +80,6 @@ class ReplicaServer:
         self.engine = engine
         self.replica_id = replica_id or default_replica_id()
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
-        self._covered_through = 0  # batches up to this seq_no are in the last snapshot
         self._front = AsyncEngine(engine, after_step=self._collect_events)
         self._front.start()
         self._publisher = None
@@ -226,10 +205,11 @@ class ReplicaServer:
         ready.wait(timeout=30)
 
     async def _publisher_main(self, ready: threading.Event) -> None:
-        from cluster.directory import DirectoryPublisher, PrefixDirectory
+        from cluster.directory import Directory
+        from cluster.directory_publisher import DirectoryPublisher
 
-        directory = PrefixDirectory(self._redis_url, namespace=self._namespace)
-        self._publisher = DirectoryPublisher(directory, self.replica_id)
+        directory = Directory.from_url(self._redis_url, self._namespace)
+        self._publisher = DirectoryPublisher(directory, self.replica_id, self._snapshot)
         try:
             await self._publisher.start()
         finally:
@@ -250,13 +230,10 @@ class ReplicaServer:
                 batch = self._pending.get_nowait()
             except queue.Empty:
                 return
-            if batch.seq_no <= self._covered_through:
-                continue  # already part of the snapshot a resync sent
-            cleared, removed, stored = net_kv_changes(batch.events)
-            await self._publisher.publish_batch(batch.seq_no, stored, removed, cleared, self._snapshot)
+            # Batches already covered by a resync's snapshot are skipped there.
+            await self._publisher.publish_events(batch)
 
     async def _snapshot(self) -> tuple[int, list[bytes]]:
         """A full snapshot, taken on the engine thread (for a resync)."""
         snap = await self._front.call(lambda engine: engine.scheduler.kv_manager.take_snapshot())
-        self._covered_through = snap.seq_no
         return snap.seq_no, list(snap.block_hashes)

@@ -1,0 +1,341 @@
+"""The Redis prefix directory: which replica caches which KV blocks.
+
+Replicas publish their KV events (one script call per engine step); routers
+ask, in one round trip, how many leading blocks of a request's hash chain
+each live replica holds. Liveness comes from a registry with heartbeats and
+epochs: entries of a replica that stopped heartbeating, or of an earlier
+epoch of a restarted one, are never returned. The key schema and scripts are
+in ``cluster/directory_lua.py``; the design, consistency argument and memory
+cost are in docs/DIRECTORY.md.
+
+    router:   counts = await directory.lookup(block_hashes)   # {replica_id: n}
+    replica:  DirectoryPublisher (cluster/directory_publisher.py) wraps
+              register / heartbeat / publish / resync below.
+
+Failure convention: Redis unreachable (refused, timed out, loading, read-only,
+out of memory) raises ``DirectoryUnavailable`` within about one socket
+timeout; after that, calls fail at once for ``unavailable_backoff_s`` so a
+router falls back to load-only routing without waiting on every request.
+Other Redis errors raise ``DirectoryError`` (its base class).
+
+Defaults (documented in docs/DIRECTORY.md): heartbeat every 1 s, liveness
+TTL 5 s, connect timeout 0.25 s, socket timeout 0.5 s, one immediate retry
+(a pooled connection broken by a Redis restart reconnects once), backoff 1 s.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Awaitable, Callable, Iterable, Sequence, TypeVar
+
+import redis.asyncio as aioredis
+from redis import exceptions as rex
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from cluster import directory_lua as lua
+from cluster.hashing import DIGEST_BYTES
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_TTL_S = 5.0
+DEFAULT_CONNECT_TIMEOUT_S = 0.25
+DEFAULT_SOCKET_TIMEOUT_S = 0.5
+DEFAULT_UNAVAILABLE_BACKOFF_S = 1.0
+RESYNC_CHUNK = 4096  # hashes per SADD command of a resync pipeline
+
+T = TypeVar("T")
+
+# Errors that mean "Redis cannot serve us now", as opposed to a bug.
+_UNAVAILABLE = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.BusyLoadingError,
+    rex.ReadOnlyError,
+    rex.OutOfMemoryError,
+    OSError,
+)
+
+
+class DirectoryError(Exception):
+    """A directory call failed; routers treat it as "no cache information"."""
+
+
+class DirectoryUnavailable(DirectoryError):
+    """Redis is unreachable or cannot serve writes right now."""
+
+
+class PublishStatus(str, enum.Enum):
+    """What the directory did with a publish, resync or heartbeat."""
+
+    OK = lua.OK
+    GAP = lua.GAP  # seq_no was not last + 1: set dropped, resync needed
+    NEEDS_RESYNC = lua.NEEDS_RESYNC  # registered or gapped, no resync yet
+    UNKNOWN = lua.UNKNOWN  # registry entry expired or Redis restarted: re-register
+    SUPERSEDED = lua.SUPERSEDED  # a newer epoch of this replica id exists
+
+
+def check_block_hashes(block_hashes: Iterable[bytes]) -> list[bytes]:
+    """Returns the hashes as a list, raising ``ValueError`` on a bad one.
+
+    The directory stores raw 16-byte digests (``cluster.hashing``); a hex
+    string or a truncated digest would silently never match, so reject it.
+    """
+    out = list(block_hashes)
+    for h in out:
+        if not isinstance(h, (bytes, bytearray)) or len(h) != DIGEST_BYTES:
+            raise ValueError(f"block hashes must be {DIGEST_BYTES}-byte digests from cluster.hashing, got {h!r}")
+    return out
+
+
+def pairs_to_dict(flat: Sequence) -> dict[str, int]:
+    """Turns a script's flat ``[id, count, id, count, ...]`` reply into a dict."""
+    ids = [x.decode() if isinstance(x, bytes) else str(x) for x in flat[0::2]]
+    return {rid: int(v) for rid, v in zip(ids, flat[1::2])}
+
+
+class Directory:
+    """Async client of one namespace of the prefix directory.
+
+    Args:
+        client: A ``redis.asyncio.Redis`` with ``decode_responses=False``
+            (hashes are raw bytes). ``from_url`` builds one with the
+            directory's timeouts.
+        namespace: Key namespace (one per model / cluster).
+        ttl_s: Liveness TTL: a replica whose last heartbeat or publish is
+            older than this is dead for lookups. Several heartbeat periods.
+        unavailable_backoff_s: After an unavailable error, calls fail fast
+            for this long instead of waiting on Redis again (0: never).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        namespace: str = "default",
+        ttl_s: float = DEFAULT_TTL_S,
+        unavailable_backoff_s: float = DEFAULT_UNAVAILABLE_BACKOFF_S,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self._client = client
+        self.namespace = namespace
+        self.prefix = lua.key_prefix(namespace)
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.unavailable_backoff_s = unavailable_backoff_s
+        self._down_until = 0.0
+        self._down_reason = ""
+        self._scripts = {
+            name: client.register_script(getattr(lua, name))
+            for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC")
+        }
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        namespace: str = "default",
+        ttl_s: float = DEFAULT_TTL_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        unavailable_backoff_s: float = DEFAULT_UNAVAILABLE_BACKOFF_S,
+    ) -> "Directory":
+        """Builds a directory with its own connection pool (no I/O yet).
+
+        Timeouts bound how long a call waits before ``DirectoryUnavailable``:
+        a refused connection fails in milliseconds, a hung Redis after about
+        2 x ``socket_timeout_s`` (one immediate retry).
+        """
+        client = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=False,
+        )
+        return cls(client, namespace, ttl_s=ttl_s, unavailable_backoff_s=unavailable_backoff_s)
+
+    async def aclose(self) -> None:
+        """Closes the connection pool."""
+        await self._client.aclose()
+
+    # ------------------------------------------------------------- registry
+    async def register(self, replica_id: str) -> int:
+        """Starts a new epoch of ``replica_id`` with an empty block set.
+
+        The replica must then ``resync`` (its ``seq`` is "needs resync") and
+        heartbeat at least every TTL. Mutates the directory.
+
+        Returns:
+            The new epoch, larger than every earlier epoch of this id.
+        """
+        rid = lua.check_replica_id(replica_id)
+        keys = [lua.rep_key(self.prefix, rid), lua.blk_key(self.prefix, rid), lua.replicas_key(self.prefix)]
+        epoch = await self._run("register", lambda: self._scripts["REGISTER"](keys, [rid, self.ttl_ms]))
+        logger.info("directory %s: replica %s registered epoch %d", self.namespace, rid, epoch)
+        return int(epoch)
+
+    async def heartbeat(self, replica_id: str, epoch: int) -> PublishStatus:
+        """Refreshes the liveness TTL of ``replica_id`` at ``epoch``.
+
+        Returns:
+            OK, or UNKNOWN / SUPERSEDED: the caller must register again.
+        """
+        keys = self._replica_keys(replica_id) + [lua.replicas_key(self.prefix)]
+        args = [epoch, self.ttl_ms, replica_id]
+        reply = await self._run("heartbeat", lambda: self._scripts["HEARTBEAT"](keys, args))
+        return PublishStatus(reply.decode())
+
+    async def deregister(self, replica_id: str, epoch: int) -> bool:
+        """Removes the replica at once (graceful shutdown). Returns False if
+        ``epoch`` is not its current one (nothing changed)."""
+        keys = self._replica_keys(replica_id) + [lua.replicas_key(self.prefix)]
+        return bool(await self._run("deregister", lambda: self._scripts["DEREGISTER"](keys, [epoch, replica_id])))
+
+    async def live_replicas(self) -> dict[str, int]:
+        """Returns ``{replica_id: epoch}`` of every replica with a live TTL."""
+        keys = [lua.replicas_key(self.prefix)]
+        flat = await self._run("live_replicas", lambda: self._scripts["LIVE_REPLICAS"](keys, [self.prefix]))
+        return {rid: int(epoch) for rid, epoch in zip(self._decode_ids(flat[0::3]), flat[1::3])}
+
+    async def gc(self) -> list[str]:
+        """Drops index entries and leftover sets of dead replicas.
+
+        Returns:
+            The replica ids dropped.
+        """
+        keys = [lua.replicas_key(self.prefix)]
+        dropped = self._decode_ids(await self._run("gc", lambda: self._scripts["GC"](keys, [self.prefix])))
+        if dropped:
+            logger.info("directory %s: gc dropped dead replicas %s", self.namespace, dropped)
+        return dropped
+
+    # ------------------------------------------------------------ publishing
+    async def publish(
+        self,
+        replica_id: str,
+        epoch: int,
+        seq_no: int,
+        stored: Sequence[bytes] = (),
+        removed: Sequence[bytes] = (),
+        cleared: bool = False,
+    ) -> PublishStatus:
+        """Applies one batch of KV events atomically, in one round trip.
+
+        Order of application: ``cleared`` empties the set, then ``removed``
+        hashes leave it, then ``stored`` hashes join it. ``net_effect`` in
+        ``cluster.directory_publisher`` turns an ordered event list into such
+        a batch.
+
+        Args:
+            replica_id: The publishing replica.
+            epoch: Its epoch from ``register``.
+            seq_no: The batch number; it must be the last applied + 1.
+            stored: Hashes that entered its prefix cache.
+            removed: Hashes that left it.
+            cleared: Whether its whole prefix cache was dropped first.
+
+        Returns:
+            OK; GAP or NEEDS_RESYNC (call ``resync``); UNKNOWN or SUPERSEDED
+            (call ``register`` then ``resync``).
+        """
+        removed = check_block_hashes(removed)
+        stored = check_block_hashes(stored)
+        keys = self._replica_keys(replica_id)
+        args = [epoch, seq_no, self.ttl_ms, int(bool(cleared)), len(removed), *removed, *stored]
+        reply = await self._run("publish", lambda: self._scripts["PUBLISH"](keys, args))
+        status = PublishStatus(reply.decode())
+        if status is not PublishStatus.OK:
+            logger.info("directory %s: publish of %s batch %d: %s", self.namespace, replica_id, seq_no, status.value)
+        return status
+
+    async def resync(self, replica_id: str, epoch: int, seq_no: int, block_hashes: Iterable[bytes]) -> PublishStatus:
+        """Replaces the replica's whole set atomically (one pipeline).
+
+        The hashes are staged in a temporary set in chunks (no single command
+        blocks Redis for long), then a script checks the epoch and swaps the
+        staged set in. The next ``publish`` must carry ``seq_no + 1``.
+
+        Returns:
+            OK, or UNKNOWN / SUPERSEDED (register again, then resync).
+        """
+        hashes = check_block_hashes(block_hashes)
+        rid = lua.check_replica_id(replica_id)
+        tmp = lua.tmp_key(self.prefix, rid, epoch)
+
+        async def call():
+            pipe = self._client.pipeline(transaction=False)
+            pipe.unlink(tmp)
+            for i in range(0, len(hashes), RESYNC_CHUNK):
+                pipe.sadd(tmp, *hashes[i : i + RESYNC_CHUNK])
+            pipe.pexpire(tmp, max(self.ttl_ms, 60_000))  # a crash mid-resync leaves no garbage
+            # EVAL (not EVALSHA) keeps this to one round trip; resyncs are rare.
+            pipe.eval(lua.FINISH_RESYNC, 3, *self._replica_keys(rid), tmp, epoch, seq_no, self.ttl_ms)
+            return (await pipe.execute())[-1]
+
+        status = PublishStatus((await self._run("resync", call)).decode())
+        logger.info(
+            "directory %s: resync of %s epoch %d to batch %d with %d blocks: %s",
+            self.namespace, rid, epoch, seq_no, len(hashes), status.value,
+        )  # fmt: skip
+        return status
+
+    async def replica_block_hashes(self, replica_id: str) -> set[bytes]:
+        """Returns the set the directory holds for a replica (tests, debugging)."""
+        key = lua.blk_key(self.prefix, lua.check_replica_id(replica_id))
+        return set(await self._run("smembers", lambda: self._client.smembers(key)))
+
+    # --------------------------------------------------------------- lookup
+    async def lookup(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """For a request's hash chain, how many leading blocks each live
+        replica caches. One round trip; no mutation.
+
+        Args:
+            block_hashes: The chain ``h_1 .. h_n`` of the request, in order.
+
+        Returns:
+            ``{replica_id: n_leading_blocks}`` for every live replica at its
+            current epoch (0 included, so the caller also learns who is live).
+            A replica waiting for a resync reports 0: its set is not trusted.
+
+        Raises:
+            DirectoryUnavailable: Redis cannot answer (fall back to load only).
+        """
+        hashes = check_block_hashes(block_hashes)
+        keys = [lua.replicas_key(self.prefix)]
+        flat = await self._run("lookup", lambda: self._scripts["LOOKUP"](keys, [self.prefix, *hashes]))
+        return pairs_to_dict(flat)
+
+    # --------------------------------------------------------------- helpers
+    def _replica_keys(self, replica_id: str) -> list[str]:
+        rid = lua.check_replica_id(replica_id)
+        return [lua.rep_key(self.prefix, rid), lua.blk_key(self.prefix, rid)]
+
+    @staticmethod
+    def _decode_ids(raw: Sequence) -> list[str]:
+        return [x.decode() if isinstance(x, bytes) else str(x) for x in raw]
+
+    async def _run(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Runs one Redis call, translating errors (see the module docstring)."""
+        now = time.monotonic()
+        if now < self._down_until:
+            raise DirectoryUnavailable(
+                f"directory {what}: Redis unavailable ({self._down_reason}); "
+                f"next try in {self._down_until - now:.2f} s"
+            )
+        try:
+            result = await call()
+        except _UNAVAILABLE as exc:
+            if not self._down_reason:
+                logger.warning("directory %s: Redis unavailable during %s: %s", self.namespace, what, exc)
+            self._down_reason = f"{type(exc).__name__}: {exc}"
+            self._down_until = time.monotonic() + self.unavailable_backoff_s
+            raise DirectoryUnavailable(f"directory {what}: Redis unavailable ({self._down_reason})") from exc
+        except rex.RedisError as exc:
+            raise DirectoryError(f"directory {what} failed: {type(exc).__name__}: {exc}") from exc
+        if self._down_reason:
+            logger.info("directory %s: Redis reachable again", self.namespace)
+            self._down_reason = ""
+        return result

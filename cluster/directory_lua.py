@@ -1,0 +1,242 @@
+"""Key schema and Lua scripts of the Redis prefix directory.
+
+Every key of one directory starts with ``ps:{<namespace>}:``; the braces are a
+Redis Cluster hash tag, so all keys of a namespace live on one shard and the
+scripts below (which build key names from the namespace prefix) touch a single
+node. Several models or clusters share one Redis under different namespaces.
+
+    ps:{ns}:replicas          SET   replica ids ever registered and not yet gc'ed
+    ps:{ns}:rep:<replica>     HASH  epoch, seq        TTL = liveness (heartbeats)
+    ps:{ns}:blk:<replica>     SET   16-byte block hashes the replica caches now
+                                    (same TTL as rep:, refreshed together)
+    ps:{ns}:tmp:<replica>:<epoch>  SET  staging area of a running resync
+
+``seq`` is the last applied KV event batch, or -1 when the replica must
+resync (just registered, or a gap was seen) -- its ``blk:`` set is then empty.
+Why these choices (and what they cost) is in docs/DIRECTORY.md.
+
+Lua here is Redis' Lua 5.1: ``unpack`` takes at most a few thousand values, so
+long argument lists are applied in chunks of ``CHUNK`` hashes.
+"""
+
+from __future__ import annotations
+
+CHUNK = 1000  # hashes per SADD / SREM / SMISMEMBER call inside a script
+
+# Replies of the write scripts (bulk strings).
+OK = "ok"
+GAP = "gap"
+NEEDS_RESYNC = "needs_resync"
+UNKNOWN = "unknown"
+SUPERSEDED = "superseded"
+
+
+def key_prefix(namespace: str) -> str:
+    """Returns ``ps:{namespace}:`` (validated: the hash tag must stay intact)."""
+    if not namespace or any(c in namespace for c in "{}\n\r "):
+        raise ValueError(f"namespace must be non-empty without braces, spaces or newlines, got {namespace!r}")
+    return f"ps:{{{namespace}}}:"
+
+
+def check_replica_id(replica_id: str) -> str:
+    """Returns ``replica_id`` if it is usable in key names, else raises."""
+    if not isinstance(replica_id, str) or not replica_id or "\n" in replica_id:
+        raise ValueError(f"replica_id must be a non-empty one-line string, got {replica_id!r}")
+    return replica_id
+
+
+def replicas_key(prefix: str) -> str:
+    return prefix + "replicas"
+
+
+def rep_key(prefix: str, replica_id: str) -> str:
+    return prefix + "rep:" + replica_id
+
+
+def blk_key(prefix: str, replica_id: str) -> str:
+    return prefix + "blk:" + replica_id
+
+
+def tmp_key(prefix: str, replica_id: str, epoch: int) -> str:
+    return f"{prefix}tmp:{replica_id}:{epoch}"
+
+
+# Applies redis.call(cmd, key, ARGV[first..last]) in chunks (unpack limit).
+_APPLY = f"""
+local function apply(cmd, key, first, last)
+  local i = first
+  while i <= last do
+    local j = math.min(i + {CHUNK} - 1, last)
+    redis.call(cmd, key, unpack(ARGV, i, j))
+    i = j + 1
+  end
+end
+"""
+
+# Checks the caller's epoch against the registry. Returns nil when current.
+_CHECK_EPOCH = f"""
+local function check_epoch(rep, epoch)
+  local cur = redis.call('HGET', rep, 'epoch')
+  if not cur then return '{UNKNOWN}' end
+  if cur ~= epoch then return '{SUPERSEDED}' end
+  return nil
+end
+"""
+
+# KEYS: rep, blk, replicas   ARGV: replica_id, ttl_ms   -> new epoch (integer)
+# The epoch is max(previous + 1, server time in ms): strictly increasing while
+# the registry entry lives, and still larger than any earlier epoch after the
+# entry expired or Redis restarted empty (no persistence), so a stale process
+# can never match a newer registration.
+REGISTER = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local prev = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+local epoch = math.max(prev + 1, now_ms)
+redis.call('UNLINK', KEYS[2])
+redis.call('HSET', KEYS[1], 'epoch', string.format('%d', epoch), 'seq', '-1')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[1])
+return epoch
+"""
+
+# KEYS: rep, blk, replicas   ARGV: epoch, ttl_ms, replica_id
+# -> ok | unknown | superseded
+# Re-adding the id to the index heals an index lost to eviction (O(1)).
+HEARTBEAT = (
+    _CHECK_EPOCH
+    + f"""
+local bad = check_epoch(KEYS[1], ARGV[1])
+if bad then return bad end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[3])
+return '{OK}'
+"""
+)
+
+# KEYS: rep, blk
+# ARGV: epoch, seq_no, ttl_ms, cleared (0|1), num_removed, removed..., stored...
+# -> ok | gap | needs_resync | unknown | superseded
+# Anything but seq_no == last + 1 (a lost batch, or a batch replayed after an
+# ambiguous timeout) empties the set and demands a resync: a set that missed a
+# batch may name blocks the replica evicted, and routing must not trust it.
+PUBLISH = (
+    _APPLY
+    + _CHECK_EPOCH
+    + f"""
+local bad = check_epoch(KEYS[1], ARGV[1])
+if bad then return bad end
+local last = tonumber(redis.call('HGET', KEYS[1], 'seq'))
+if last < 0 then return '{NEEDS_RESYNC}' end
+if tonumber(ARGV[2]) ~= last + 1 then
+  redis.call('UNLINK', KEYS[2])
+  redis.call('HSET', KEYS[1], 'seq', '-1')
+  return '{GAP}'
+end
+if ARGV[4] == '1' then redis.call('UNLINK', KEYS[2]) end
+local num_removed = tonumber(ARGV[5])
+apply('SREM', KEYS[2], 6, 5 + num_removed)
+apply('SADD', KEYS[2], 6 + num_removed, #ARGV)
+redis.call('HSET', KEYS[1], 'seq', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return '{OK}'
+"""
+)
+
+# KEYS: rep, blk, tmp   ARGV: epoch, snapshot_seq_no, ttl_ms
+# Runs after the client filled ``tmp`` (in the same pipeline): swaps it in
+# atomically, so lookups see either the old set or the whole new one.
+FINISH_RESYNC = (
+    _CHECK_EPOCH
+    + f"""
+local bad = check_epoch(KEYS[1], ARGV[1])
+if bad then
+  redis.call('UNLINK', KEYS[3])
+  return bad
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('RENAME', KEYS[3], KEYS[2])
+else
+  redis.call('UNLINK', KEYS[2])
+end
+redis.call('HSET', KEYS[1], 'seq', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return '{OK}'
+"""
+)
+
+# KEYS: rep, blk, replicas   ARGV: epoch, replica_id   -> 1 if removed, else 0
+DEREGISTER = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
+redis.call('UNLINK', KEYS[1], KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[2])
+return 1
+"""
+
+# KEYS: replicas   ARGV: prefix   -> flat [replica_id, epoch, seq, ...] of live ones
+# A replica whose rep: key expired (no heartbeat for a TTL) is simply absent.
+LIVE_REPLICAS = """
+local out = {}
+for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local cur = redis.call('HMGET', ARGV[1] .. 'rep:' .. rid, 'epoch', 'seq')
+  if cur[1] then
+    out[#out + 1] = rid
+    out[#out + 1] = cur[1]
+    out[#out + 1] = cur[2]
+  end
+end
+return out
+"""
+
+# KEYS: replicas   ARGV: prefix, hash_1, ..., hash_n (a chain, in order)
+# -> flat [replica_id, leading_hits, ...] for every live replica.
+# Per replica, SMISMEMBER probes the chain in growing windows (4, 8, 16, ...,
+# CHUNK) and stops at the first miss, so a cold replica costs one small probe
+# and a hit of k blocks costs O(k) membership tests.
+LOOKUP = f"""
+local prefix = ARGV[1]
+local last = #ARGV
+local out = {{}}
+for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local cur = redis.call('HMGET', prefix .. 'rep:' .. rid, 'epoch', 'seq')
+  if cur[1] then
+    local hits = 0
+    if tonumber(cur[2]) >= 0 then
+      local blk = prefix .. 'blk:' .. rid
+      local lo, size = 2, 4
+      while lo <= last do
+        local hi = math.min(lo + size - 1, last)
+        local found = redis.call('SMISMEMBER', blk, unpack(ARGV, lo, hi))
+        local whole = true
+        for i = 1, #found do
+          if found[i] == 1 then hits = hits + 1 else whole = false; break end
+        end
+        if not whole then break end
+        lo = hi + 1
+        size = math.min(size * 2, {CHUNK})
+      end
+    end
+    out[#out + 1] = rid
+    out[#out + 1] = hits
+  end
+end
+return out
+"""
+
+# KEYS: replicas   ARGV: prefix   -> replica ids whose entries were dropped
+# Entries of a dead replica expire with its rep: key anyway; gc prunes the
+# index and unlinks any leftover set (belt and braces for skewed expiry).
+GC = """
+local dropped = {}
+for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. 'rep:' .. rid) == 0 then
+    redis.call('UNLINK', ARGV[1] .. 'blk:' .. rid)
+    redis.call('SREM', KEYS[1], rid)
+    dropped[#dropped + 1] = rid
+  end
+end
+return dropped
+"""

@@ -1,0 +1,58 @@
+"""Starting Ray on this machine with every connection on 127.0.0.1.
+
+On Linux Ray uses the machine's external address for its own traffic (GCS,
+raylet, object manager, workers). With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+it takes the loopback address instead, as it does on a laptop; every process
+Ray starts inherits the variable from this one. Ray reads the flag when it is
+imported, so a process that imported ``ray`` before calling
+``init_local_ray`` gets the flag patched in too.
+
+Shared by the offline ``LLM`` (tensor-parallel ranks), the local launcher
+and the integration tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def init_local_ray(num_cpus: Optional[float] = None, object_store_mb: int = 256) -> None:
+    """Starts a local Ray on loopback, unless this process is already connected.
+
+    Args:
+        num_cpus: CPUs Ray may schedule (rounded up); defaults to the
+            machine's cores. Actors ask for fractions of them.
+        object_store_mb: Object store size; Ray's default reserves 30% of RAM.
+
+    Raises:
+        ValueError: If ``num_cpus`` or ``object_store_mb`` is not positive.
+    """
+    if num_cpus is not None and num_cpus <= 0:
+        raise ValueError(f"num_cpus must be > 0, got {num_cpus}")
+    if object_store_mb <= 0:
+        raise ValueError(f"object_store_mb must be > 0, got {object_store_mb}")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reporting attempts off the machine
+    import ray
+    from ray._private import ray_constants
+
+    if ray.is_initialized():
+        return
+    # Read at `import ray`: set it here for a process that imported ray earlier.
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    cpus = math.ceil(num_cpus) if num_cpus is not None else (os.cpu_count() or 2)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        object_store_memory=object_store_mb * 1024**2,
+        _node_ip_address=LOOPBACK,
+    )
+    logger.info("started local Ray on %s with %d CPUs, %d MiB object store", LOOPBACK, cpus, object_store_mb)

@@ -1,0 +1,53 @@
+"""RedisServer: a real redis-server on loopback, stopped and restarted in place."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cluster.directory import Directory, DirectoryUnavailable
+from cluster.redis_server import RedisServer, find_free_port
+
+
+def test_start_stop_restart_on_the_same_port_with_a_password():
+    with RedisServer(password="s3cret") as server:
+        port, pid = server.port, server.pid
+        assert server.url == f"redis://:s3cret@127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(server.url)
+        client.set("k", "v")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0)).set("k", "v")
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        server.restart()
+        assert server.port == port and server.pid != pid and server.is_running
+        assert redis.Redis.from_url(server.url).get("k") is None  # nothing persisted
+        server.stop()
+        assert not server.is_running
+        server.stop()  # twice is fine
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(server.url, retry=Retry(NoBackoff(), 0)).ping()
+        client.close()
+
+
+def test_directory_fails_fast_then_backs_off():
+    url = f"redis://127.0.0.1:{find_free_port()}/0"  # nothing listens there
+
+    async def main():
+        directory = Directory.from_url(url, "t", unavailable_backoff_s=30.0)
+        try:
+            start = time.monotonic()
+            with pytest.raises(DirectoryUnavailable, match="Redis unavailable"):
+                await directory.lookup([b"\0" * 16])
+            with pytest.raises(DirectoryUnavailable, match="next try in"):
+                await directory.register("r")  # no Redis call during the backoff
+            assert time.monotonic() - start < 0.5
+        finally:
+            await directory.aclose()
+
+    asyncio.run(main())
