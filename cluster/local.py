@@ -54,7 +54,7 @@ class LocalCluster:
             logger.info("redis-server on %s", self.redis_url)
         self.started_ray = not ray.is_initialized()
         init_local_ray(num_cpus=self.num_cpus or self._cpus_needed())
-        serve.start(http_options={"location": "NoServer"})
+        serve.start(proxy_location="Disabled")
         config = self.config if self.config.redis_url == self.redis_url else _with_redis(self.config, self.redis_url)
         self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
         self._wait_ready()

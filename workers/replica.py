@@ -166,12 +166,14 @@ class ReplicaServer:
         if getattr(self, "_publisher_thread", None) is not None:
             self._publisher_thread.join(timeout=5)
         self._front.shutdown()
-        if self._parts is not None and hasattr(self._parts.runner, "shutdown"):
-            self._parts.runner.shutdown()
+        parts, self._parts = self._parts, None
+        if parts is not None and hasattr(parts.runner, "shutdown"):
+            parts.runner.shutdown()
 
-    def __del__(self) -> None:  # Serve calls no explicit hook on replica teardown
+    def __del__(self) -> None:
+        # Serve calls __del__ when it stops a replica (scale-down, delete).
         try:
-            self._front.shutdown(timeout=1.0)
+            self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
