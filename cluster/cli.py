@@ -106,11 +106,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
         engine=EngineConfig.from_kwargs(**engine_kwargs(args)),
     )
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     cluster = LocalCluster(config)
     try:
         cluster.start()
+        # ray.init installs its own SIGTERM handler (it aborts): take it back.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         rss_mib, count = _tree_rss_mib()
         logger.info("ready: start-up %.1fs, %d processes, RSS %.0f MiB; Ctrl-C or SIGTERM stops",
                     cluster.startup_seconds, count, rss_mib)
@@ -130,6 +137,8 @@ async def _stream_prompt(cluster, prompt: str, max_tokens: int) -> None:
     from workers.model.loader import resolve_model
 
     model_dir = resolve_model(cluster.config.engine.model)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{model_dir} has no tokenizer.json: --prompt needs one")
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(prompt).ids
     request = GenerationRequest("cli-prompt", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     async for chunk in cluster.generate(request):
@@ -245,6 +254,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    except RuntimeError as exc:
+        from cluster.redis_server import RedisServerNotFound
+
+        if not isinstance(exc, RedisServerNotFound):
+            raise
+        logger.error("%s", exc)
+        return 3
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ TINY = dict(
 )
 
 
-def make_tiny_model_dir(family: str, path: Path, seed: int = 0, **overrides) -> Path:
-    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2) to ``path``."""
+def make_tiny_model_dir(family: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
+    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2) to
+    ``path``, with a tiny byte-level BPE ``tokenizer.json`` unless told not to."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -43,7 +44,26 @@ def make_tiny_model_dir(family: str, path: Path, seed: int = 0, **overrides) -> 
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(path)
+    if with_tokenizer:
+        save_tiny_tokenizer(path, config.vocab_size)
     return path
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
+    """Trains a byte-level BPE of at most ``vocab_size`` tokens on a few
+    sentences and saves it as ``tokenizer.json`` (ids 0-2 are special)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["hello world", "the quick brown fox jumps over the lazy dog", "prefix caching and paged attention"]
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.save(str(Path(path) / "tokenizer.json"))
 
 
 def hf_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
