@@ -8,7 +8,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from tokenizers import Tokenizer
@@ -19,8 +19,14 @@ from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.scheduler import Scheduler
 from workers.model.attention import get_attention_backend
-from workers.model.loader import load_model, model_fingerprint, resolve_dtype, resolve_model
+from workers.model.config import ModelArchConfig
+from workers.model.llama import LlamaForCausalLM
+from workers.model.loader import load_model, model_fingerprint, read_arch, resolve_dtype, resolve_model
+from workers.model.tp import TPContext
 from workers.runner import GiB, ModelRunner, kv_block_bytes
+
+if TYPE_CHECKING:
+    from workers.parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ class EngineParts:
     """What ``build_engine`` made, for callers that need more than the engine."""
 
     engine: LLMEngine
-    runner: ModelRunner
+    runner: Union[ModelRunner, "TensorParallelRunner"]  # both have execute() and shutdown()
     tokenizer: Optional[Tokenizer]
     model_dir: Path
     eos_token_ids: list[int]
@@ -77,39 +83,83 @@ def num_kv_blocks_for(config: EngineConfig, block_bytes: int, device: torch.devi
     return max(1, min(useful, int(budget // block_bytes)))
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
-    """Loads the model and builds a ready engine (logs progress)."""
-    started = time.monotonic()
-    model_dir = resolve_model(config.model)
-    device = pick_device(config)
-    # float32 on CPU: bf16 matmuls are 5-60x slower without AVX-512.
-    dtype = resolve_dtype(config.dtype, device)
-    backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size)
-    model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
-    tokenizer = load_tokenizer(model_dir, config.tokenizer)
+def num_cpu_blocks_for(config: EngineConfig, block_bytes: int, num_kv_blocks: int) -> int:
+    """CPU swap blocks: ``swap_space`` GiB, at most twice the device blocks; 0 without swap."""
+    if config.scheduler.preemption_mode != "swap":
+        return 0
+    return min(int(config.cache.swap_space * GiB // block_bytes), 2 * num_kv_blocks)
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
+    """``max_model_len``, defaulting to the model's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: If it exceeds the model's positions.
+    """
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{arch.max_position_embeddings}: lower max_model_len"
         )
-    block_size = config.cache.block_size
-    block_bytes = kv_block_bytes(arch.num_hidden_layers, block_size, arch.num_key_value_heads, arch.head_dim, dtype)
+    return max_model_len
+
+
+def load_model_for(
+    config: EngineConfig, model_dir: Path, device: torch.device, tp: Optional[TPContext] = None
+) -> tuple[LlamaForCausalLM, ModelArchConfig, torch.dtype]:
+    """Loads the model (or, with ``tp``, one rank's shard) with the configured
+    dtype and attention backend."""
+    # float32 on CPU: bf16 matmuls are 5-60x slower without AVX-512.
+    dtype = resolve_dtype(config.dtype, device)
+    backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size)
+    model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp)
+    return model, arch, dtype
+
+
+def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int) -> ModelRunner:
+    """The model and its KV cache in this process (``tensor_parallel_size`` 1)."""
+    device = pick_device(config)
+    model, arch, dtype = load_model_for(config, model_dir, device)
+    block_bytes = kv_block_bytes(arch.num_hidden_layers, config.cache.block_size, arch.num_key_value_heads,
+                                 arch.head_dim, dtype)
     num_blocks = num_kv_blocks_for(config, block_bytes, device, max_model_len)
-    swap = config.scheduler.preemption_mode == "swap"
-    num_cpu_blocks = min(int(config.cache.swap_space * GiB // block_bytes), 2 * num_blocks) if swap else 0
-    runner = ModelRunner(
+    return ModelRunner(
         model,
         num_layers=arch.num_hidden_layers,
         num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,
-        block_size=block_size,
+        block_size=config.cache.block_size,
         num_kv_blocks=num_blocks,
-        num_cpu_blocks=num_cpu_blocks,
+        num_cpu_blocks=num_cpu_blocks_for(config, block_bytes, num_blocks),
         dtype=dtype,
         device=device,
         seed=config.seed,
     )
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Loads the model and builds a ready engine (logs progress).
+
+    With ``tensor_parallel_size`` N > 1 the model runs on N rank actors
+    (``workers/parallel.py``; a local Ray is started when this process has
+    none), inside the caller's placement group when it has one.
+    """
+    started = time.monotonic()
+    model_dir = resolve_model(config.model)
+    arch = read_arch(model_dir)
+    max_model_len = resolve_max_model_len(config, arch)
+    tp = config.parallel.tensor_parallel_size
+    runner: Union[ModelRunner, TensorParallelRunner]
+    if tp > 1:
+        from workers.parallel import TensorParallelRunner
+
+        runner = TensorParallelRunner.create(config, model_dir, max_model_len)
+    else:
+        runner = build_local_runner(config, model_dir, max_model_len)
+    tokenizer = load_tokenizer(model_dir, config.tokenizer)
+    block_size = config.cache.block_size
+    num_blocks, num_cpu_blocks = runner.num_kv_blocks, runner.num_cpu_blocks
     kv_manager = KVCacheManager(
         BlockPool(num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching),
         BlockPool(num_cpu_blocks, block_size, enable_caching=False) if num_cpu_blocks else None,
@@ -125,8 +175,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model_fingerprint=model_fingerprint(model_dir),
     )
     logger.info(
-        "engine ready in %.1fs: %s, %s on %s, %d KV blocks of %d tokens (%.2f GiB), %d swap blocks, max_model_len %d",
-        time.monotonic() - started, model_dir.name, str(dtype).removeprefix("torch."), device,
-        num_blocks, block_size, num_blocks * block_bytes / GiB, num_cpu_blocks, max_model_len,
+        "engine ready in %.1fs: %s, %s, tensor_parallel_size %d, %d KV blocks of %d tokens (%.2f GiB), "
+        "%d swap blocks, max_model_len %d",
+        time.monotonic() - started, model_dir.name, runner.description, tp, num_blocks, block_size,
+        runner.kv_cache_bytes / GiB, num_cpu_blocks, max_model_len,
     )
     return EngineParts(engine, runner, tokenizer, model_dir, eos)

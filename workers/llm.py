@@ -1,4 +1,4 @@
-"""Offline API without Ray, named like vLLM's::
+"""Offline API, named like vLLM's (Ray only for ``tensor_parallel_size > 1``)::
 
     from workers import LLM, SamplingParams
     llm = LLM()                                   # the packaged default model
@@ -38,7 +38,13 @@ class CompletionOutput:
 
 
 class LLM:
-    """An engine in this process.
+    """An engine in this process (its model on tensor-parallel Ray actors when
+    ``tensor_parallel_size > 1``; a local Ray on loopback is started if this
+    process has none). Call ``shutdown()``, or use it as a context manager, to
+    stop the ranks::
+
+        with LLM(tensor_parallel_size=2) as llm:
+            llm.generate("Hello")
 
     Args:
         model: Folder, ``.gguf`` file, or None for the default model.
@@ -46,7 +52,8 @@ class LLM:
             ``max_num_seqs``, ``max_num_batched_tokens``,
             ``enable_prefix_caching``, ``enable_chunked_prefill``,
             ``swap_space``, ``preemption_mode``, ``num_kv_blocks``,
-            ``max_model_len``, ``dtype``, ``seed``, ...). Unknown names raise
+            ``max_model_len``, ``dtype``, ``seed``, ``tensor_parallel_size``,
+            ...). Unknown names raise
             ValueError naming the argument.
     """
 
@@ -58,6 +65,16 @@ class LLM:
         self.tokenizer = parts.tokenizer
         self.model_dir = parts.model_dir
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks, if any (idempotent); the LLM is unusable after."""
+        self.runner.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens (e.g. BOS) as the tokenizer adds

@@ -38,7 +38,8 @@ class ModelRunner:
 
     Args:
         model: A model with ``forward(input_ids, positions, kv_caches, meta)``
-            and ``compute_logits(hidden)``.
+            and ``compute_logits(hidden)`` (None on tensor-parallel ranks
+            other than 0, which then return an empty ``ModelOutput``).
         num_layers / num_kv_heads / head_dim: KV geometry of this rank.
         block_size: Tokens per block.
         num_kv_blocks: Device blocks.
@@ -65,6 +66,10 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.kv_cache_bytes = num_kv_blocks * kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.description = f"{str(dtype).removeprefix('torch.')} on {device}"
         shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN
         # garbage there would poison masked softmax sums.
@@ -107,11 +112,16 @@ class ModelRunner:
         if sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+                return ModelOutput(sampled_token_ids=[], logprobs=[])
             token_ids, token_logprobs = self.sampler(logits, sample_reqs)
             for owner, tok, lp in zip(owners, token_ids, token_logprobs):
                 sampled[owner] = [tok]
                 logprobs[owner] = lp
         return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the tensor-parallel runner stops its ranks)."""
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

@@ -11,11 +11,15 @@ context. Projections are fused (``qkv_proj``, ``gate_up_proj``): one matmul
 instead of three (two), which matters on CPU. Parameter names follow HF with
 the fused projections renamed, so ``load_weights`` takes HF names.
 
-Tensor parallelism is not implemented, but the modules take their *local*
-sizes (heads, KV heads, intermediate size) as constructor arguments, and
-weight loading goes through per-module ``*_shard_rows`` helpers, so a later
-change can build one rank's slice (possibly uneven, e.g. 3 KV heads over 2
-ranks as 2 + 1) without touching the forward code.
+Tensor parallelism: given a ``TPContext`` (``tp.py``), the model holds one
+rank's slice. Modules take their *local* sizes (heads, KV heads,
+intermediate size, vocab rows) as constructor arguments, ``o_proj`` and
+``down_proj`` become row-parallel (all-reduce, then the bias), the embedding
+vocab-parallel, and ``compute_logits`` gathers the vocab slices to rank 0.
+Loading takes HF names of the full checkpoint and copies the rank's slice
+(``shard_checkpoint_tensor``). Without a context (one process) every module
+is a plain ``nn.Linear`` / ``nn.Embedding``: the single-process forward pass,
+with no collective.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ from torch import nn
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
 from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from workers.model.tp import (
+    TPContext,
+    TPShard,
+    plan_shards,
+    row_parallel_linear,
+    shard_checkpoint_tensor,
+    vocab_embedding,
+)
 
 # HF projection name -> (our fused projection, shard id).
 _STACKED_PARAMS = (
@@ -49,6 +61,7 @@ class LlamaAttention(nn.Module):
         num_heads: Query heads held by this module (all of them without TP).
         num_kv_heads: KV heads held by this module.
         sliding_window: Attend only to the last ``sliding_window`` positions.
+        tp: The tensor-parallel context; ``o_proj`` is row-parallel with one.
     """
 
     def __init__(
@@ -61,6 +74,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         sliding_window: Optional[int] = None,
+        tp: Optional[TPContext] = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -72,7 +86,7 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window
         self.attn_backend = attn_backend
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.o_proj = row_parallel_linear(self.q_size, hidden_size, o_bias, tp)
 
     def qkv_shard_rows(self, shard_id: str) -> tuple[int, int]:
         """``(first row, number of rows)`` of the q, k or v part of ``qkv_proj``."""
@@ -100,13 +114,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP with fused gate/up projection; ``intermediate_size`` is the local one."""
+    """SwiGLU MLP with fused gate/up projection; ``intermediate_size`` is the local one
+    (``down_proj`` is row-parallel with a ``tp`` context)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Optional[TPContext] = None
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, bias, tp)
         self.act_fn = SiluAndMul()
 
     def gate_up_shard_rows(self, shard_id: str) -> tuple[int, int]:
@@ -120,19 +137,27 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, arch: ModelArchConfig, layer_idx: int, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        shard: TPShard,
+        tp: Optional[TPContext] = None,
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
             hidden_size=arch.hidden_size,
-            num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
+            num_heads=shard.num_heads,
+            num_kv_heads=shard.num_kv_heads,
             head_dim=arch.head_dim,
             attn_backend=attn_backend,
             qkv_bias=arch.attention_bias,
             o_bias=arch.o_proj_bias,
             sliding_window=arch.layer_sliding_window(layer_idx),
+            tp=tp,
         )
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+        self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -152,11 +177,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: AttentionBackend, shard: TPShard, tp: Optional[TPContext] = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = vocab_embedding(shard.vocab_size, arch.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, attn_backend) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, i, attn_backend, shard, tp) for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -181,15 +208,23 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM running on a paged KV cache.
 
     Args:
-        arch: The model's architecture.
+        arch: The model's architecture (full sizes).
         attn_backend: Attention implementation shared by all layers.
+        tp: This rank's tensor-parallel context; None (or a group of one)
+            builds the whole model.
     """
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: AttentionBackend, tp: Optional[TPContext] = None
+    ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, attn_backend)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.shard = self.tp.shard if self.tp is not None else plan_shards(
+            arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1
+        )[0]
+        self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
+        self.lm_head = nn.Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -220,9 +255,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab_size]`` of hidden states ``[N, hidden_size]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Float32 logits ``[N, vocab_size]`` of hidden states ``[N, hidden_size]``.
+
+        With tensor parallelism every rank must call it (it gathers the vocab
+        slices); rank 0 gets the full logits, the other ranks None.
+        """
+        logits = F.linear(hidden, self.lm_head.weight).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -245,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
             target, shard_id = _fused_name(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.arch.family} model")
+            if self.tp is not None:
+                tensor = shard_checkpoint_tensor(self.shard, self.arch.head_dim, target, shard_id, tensor)
             self._copy_into(params[target], target, shard_id, tensor)
             loaded.add((target, shard_id))
         self._check_all_loaded(loaded)

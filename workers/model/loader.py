@@ -36,6 +36,7 @@ import torch
 from workers.model.attention.base import AttentionBackend
 from workers.model.config import ModelArchConfig
 from workers.model.llama import LlamaForCausalLM
+from workers.model.tp import TPContext
 
 logger = logging.getLogger(__name__)
 
@@ -206,16 +207,27 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch
     return names[dtype]
 
 
+def read_arch(model_dir: Union[str, os.PathLike]) -> ModelArchConfig:
+    """The architecture of a model folder (its ``config.json``), without loading weights.
+
+    Raises:
+        ValueError: If the config is not supported.
+    """
+    return ModelArchConfig.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
 def load_model(
     model_dir: Union[str, os.PathLike],
     dtype: Union[str, torch.dtype],
     device: Union[str, torch.device],
     attn_backend: AttentionBackend,
+    tp: Optional[TPContext] = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Builds the model of a folder (see ``resolve_model``) and loads its weights.
 
     The model is created on the ``meta`` device and materialized directly on
-    ``device``, so no time goes into random initialization.
+    ``device``, so no time goes into random initialization. With ``tp`` only
+    the rank's slice is materialized and copied from the checkpoint.
 
     Raises:
         ValueError: If the folder's config or weights are not supported.
@@ -223,10 +235,10 @@ def load_model(
     start = time.monotonic()
     folder = Path(model_dir)
     device = torch.device(device)
-    arch = ModelArchConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    arch = read_arch(folder)
     torch_dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, attn_backend)
+        model = LlamaForCausalLM(arch, attn_backend, tp)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.load_weights(iter_weights(folder))
     model.eval()
