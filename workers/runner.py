@@ -27,6 +27,22 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose CPU pages are committed only when first written.
+
+    ``torch.zeros`` on CPU writes every byte up front: gigabytes of KV cache
+    cost seconds at start-up and show as resident memory before any request.
+    NumPy's ``zeros`` uses ``calloc``, which maps untouched pages to the
+    shared zero page, so a replica's RSS grows with the blocks it uses.
+    """
+    if device.type != "cpu" or dtype not in (torch.float32, torch.float16):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    np_dtype = np.float32 if dtype == torch.float32 else np.float16
+    return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+
+
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -73,11 +89,12 @@ class ModelRunner:
         shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN
         # garbage there would poison masked softmax sums.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_caches = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.cpu_caches = [
-            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
+            torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if pin else lazy_zeros(cpu_shape, dtype, device)
+            for _ in range(num_layers)
         ] if num_cpu_blocks else []
         self.sampler = Sampler(seed)
 
