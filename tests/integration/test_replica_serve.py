@@ -167,3 +167,25 @@ def test_killed_replica_leaves_the_directory_within_the_ttl(ray_local, redis_ser
         assert time.monotonic() - killed_at <= ttl_s + 2.0
     finally:
         serve.delete("kill-test")
+
+
+def test_tensor_parallel_replica_in_its_placement_group(ray_local, redis_server, model_dir):
+    # A TP=2 replica: Serve reserves 1 + 2 bundles, the ranks take bundles 1-2,
+    # and greedy tokens equal the single-process engine's.
+    from ray import serve
+
+    from workers.llm import LLM
+
+    prompt, n = list(range(9, 40)), 8
+    expected = LLM(str(model_dir), block_size=BLOCK).generate([prompt], greedy(n))[0].token_ids
+    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK, num_kv_blocks=40, tensor_parallel_size=2)
+    config = ClusterConfig(replicas=1, redis_url=redis_server.url, namespace=f"tp-{uuid.uuid4().hex[:6]}",
+                           engine=engine, replica_num_cpus=0.25, rank_num_cpus=0.5)
+    handle = serve.run(build_app(config), name="tp-test", route_prefix=None)
+    try:
+        chunks = generate(handle, GenerationRequest("tp1", prompt, greedy(n)))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        chain = chain_of(model_dir, prompt)
+        assert wait_for(lambda: lookup(config, chain).get(chunks[-1].replica_id, 0) == len(prompt) // BLOCK)
+    finally:
+        serve.delete("tp-test")
