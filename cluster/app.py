@@ -30,12 +30,35 @@ def replica_options(config: ClusterConfig) -> dict[str, Any]:
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 30,
     }
+    options["request_router_config"] = request_router_config(config)
     if tp > 1:
         options["placement_group_bundles"] = [{"CPU": config.replica_num_cpus}] + [
             {"CPU": config.rank_num_cpus} for _ in range(tp)
         ]
         options["placement_group_strategy"] = "STRICT_PACK"
     return options
+
+
+def request_router_config(config: ClusterConfig) -> Any:
+    """Serve's request router: our prefix-aware router with the policy."""
+    from ray.serve.config import RequestRouterConfig
+
+    from router.serve_router import PrefixAwareRequestRouter
+    from workers.model.loader import model_fingerprint, resolve_model
+
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRequestRouter,
+        request_router_kwargs={
+            "redis_url": config.redis_url,
+            "namespace": config.namespace,
+            "policy": config.routing_policy,
+            "block_size": config.engine.cache.block_size,
+            "model_fingerprint": model_fingerprint(resolve_model(config.engine.model)),
+        },
+        # Load figures for the policy; the router also counts its own in-flight requests.
+        request_routing_stats_period_s=1.0,
+        request_routing_stats_timeout_s=5.0,
+    )
 
 
 def build_app(config: ClusterConfig) -> Any:

@@ -103,6 +103,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         namespace=args.namespace,
         max_ongoing_requests=args.max_ongoing_requests,
+        routing_policy=args.routing_policy,
         engine=EngineConfig.from_kwargs(**engine_kwargs(args)),
     )
     stop = threading.Event()
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     up.add_argument("--namespace", default="default", help="prefix-directory namespace")
     up.add_argument("--max-ongoing-requests", type=int, default=256)
+    up.add_argument("--routing-policy", default="cache_aware",
+                    choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
     up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
     up.add_argument("--max-tokens", type=int, default=64, help="for --prompt")
     up.add_argument("--exit-after-prompt", action="store_true", help="stop after --prompt instead of serving")

@@ -183,6 +183,8 @@ class ClusterConfig:
             a ``redis-server`` on a loopback port.
         namespace: Directory namespace (one per model / cluster).
         max_ongoing_requests: Serve's cap of concurrent requests per replica.
+        routing_policy: ``cache_aware`` (default), ``least_load``,
+            ``power_of_two`` or ``round_robin`` (``router/policies/``).
         engine: The engine of every replica.
     """
 
@@ -192,6 +194,7 @@ class ClusterConfig:
     redis_url: Optional[str] = None
     namespace: str = "default"
     max_ongoing_requests: int = 256
+    routing_policy: str = "cache_aware"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
