@@ -1,0 +1,333 @@
+"""OpenAI request parsing and response bodies for ``router.openai`` (no I/O).
+
+Requests are JSON objects as the OpenAI API (and vLLM's extras) define them.
+Validation errors are :class:`APIError` whose message names the field as the
+client spells it and says what to change; ``router.openai`` turns them into
+``{"error": {"message", "type", "param", "code"}}`` bodies.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from cluster.types import MAX_LOGPROBS, GenerationRequest, SamplingParams, StreamChunk, TokenLogprob
+from router.backend import ModelInfo
+from router.tokenizer import RouterTokenizer
+
+MAX_CACHE_SALT_CHARS = 256
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("seed", "top_k")
+
+
+class APIError(Exception):
+    """An error returned to the client as an OpenAI error body.
+
+    Args:
+        status: HTTP status code.
+        message: What went wrong and what to change.
+        param: The request field at fault, if any.
+        type_: OpenAI error type.
+        code: Machine-readable code, if any.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        type_: str = "invalid_request_error",
+        code: Optional[str] = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param)
+
+
+def param_of(message: str) -> Optional[str]:
+    """The field a ``SamplingParams``/tokenizer message starts with (``top_p must ...`` → ``top_p``)."""
+    head = message.split(" ", 1)[0].split("[", 1)[0]
+    return head if head.replace("_", "").isalnum() else None
+
+
+@dataclass
+class ParsedRequest:
+    """A validated OpenAI request, ready for ``Backend.stream``."""
+
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    chat: bool
+    echo_model: str
+
+
+def _number(body: dict, name: str, integer: bool) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "an integer" if integer else "a number"
+        raise bad_request(f"{name} must be {kind}, got {value!r}", name)
+    if integer and not isinstance(value, int):
+        if not float(value).is_integer():
+            raise bad_request(f"{name} must be an integer, got {value!r}", name)
+        value = int(value)
+    if not integer:
+        value = float(value)
+        if not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value!r}", name)
+    return value
+
+
+def _check_model(body: dict, model: ModelInfo) -> str:
+    name = body.get("model")
+    if name is None:
+        return model.name
+    if not isinstance(name, str):
+        raise bad_request(f"model must be a string, got {name!r}", "model")
+    if name != model.name:
+        raise APIError(
+            404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
+            code="model_not_found",
+        )
+    return name
+
+
+def _check_unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad_request(f"n = {n!r} is not supported: only n = 1 (one choice per request) is", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad_request(f"best_of = {best_of!r} is not supported: only 1 is", "best_of")
+    if body.get("echo"):
+        raise bad_request("echo is not supported: set echo to false", "echo")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported: leave it unset", "suffix")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported: leave it unset", "logit_bias")
+    if body.get("tools") or body.get("functions"):
+        raise bad_request("tools are not supported: leave tools unset", "tools")
+
+
+def _prompt_ids(body: dict, tokenizer: RouterTokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"prompt has {len(prompt)} prompts: batched prompts are not supported, send one per request", "prompt"
+            )
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt is empty: send at least one character", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        if not prompt:
+            raise bad_request("prompt is empty: send at least one token id", "prompt")
+        try:
+            tokenizer.check_token_ids(prompt, "prompt")
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt") from None
+        return list(prompt)
+    if prompt is None:
+        raise bad_request("prompt is required: send a string or a list of token ids", "prompt")
+    raise bad_request(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+
+
+def _message_content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}: "
+                    "only text content is supported", "messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _chat_ids(body: dict, tokenizer: RouterTokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    plain = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] must be an object with role and content", "messages")
+        plain.append({"role": msg.get("role"), "content": _message_content(msg.get("content"), i)})
+    try:
+        ids = tokenizer.render_chat(plain)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    if not ids:
+        raise bad_request("messages rendered to an empty prompt: send at least one non-empty message", "messages")
+    return ids
+
+
+def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo) -> SamplingParams:
+    kwargs: dict[str, Any] = {}
+    for name in _FLOATS:
+        value = _number(body, name, integer=False)
+        if value is not None:
+            kwargs[name] = value
+    for name in _INTS:
+        value = _number(body, name, integer=True)
+        if value is not None:
+            kwargs[name] = value
+    room = model.max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens but max_model_len is {model.max_model_len}: "
+            f"shorten it to at most {model.max_model_len - 1} tokens", "messages" if chat else "prompt",
+        )
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, max_name, integer=True)
+    if max_tokens is None:
+        max_tokens = room if chat else min(16, room)
+    elif max_tokens > room:
+        raise bad_request(
+            f"{max_name} = {max_tokens} is too large: the prompt has {prompt_len} tokens and max_model_len is "
+            f"{model.max_model_len}, so request at most {room}", max_name,
+        )
+    kwargs["max_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("stop must be a string or a list of strings", "stop")
+        kwargs["stop"] = tuple(stop)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise bad_request("stop_token_ids must be a list of integer token ids", "stop_token_ids")
+        kwargs["stop_token_ids"] = tuple(stop_ids)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise bad_request("ignore_eos must be true or false", "ignore_eos")
+        kwargs["ignore_eos"] = ignore_eos
+    kwargs["logprobs"] = _logprobs(body, chat)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), param_of(str(exc))) from None
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    if not chat:
+        return _number(body, "logprobs", integer=True)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad_request("logprobs must be true or false for chat completions", "logprobs")
+    top = _number(body, "top_logprobs", integer=True)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs needs logprobs: set logprobs to true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def parse_request(body: Any, chat: bool, tokenizer: RouterTokenizer, model: ModelInfo) -> ParsedRequest:
+    """Validates an OpenAI completions / chat completions body.
+
+    Args:
+        body: The decoded JSON body.
+        chat: True for ``/v1/chat/completions``.
+        tokenizer: The model's router tokenizer.
+        model: The served model.
+
+    Raises:
+        APIError: 400 for invalid input (naming the field), 404 for an unknown model.
+    """
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    name = _check_model(body, model)
+    _check_unsupported(body)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object like {'include_usage': true}", "stream_options")
+    include_usage = bool((options or {}).get("include_usage"))
+    prompt_ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
+    params = _sampling_params(body, chat, len(prompt_ids), model)
+    salt = body.get("cache_salt") or ""
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+    priority = _number(body, "priority", integer=True) or 0
+    request = GenerationRequest(
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling_params=params,
+        priority=priority, cache_salt=salt, arrival_time=time.time(),
+    )
+    return ParsedRequest(request, stream, include_usage, chat, name)
+
+
+def usage_body(last: Optional[StreamChunk]) -> dict[str, Any]:
+    """``usage`` from the final chunk's counters."""
+    prompt = last.prompt_tokens if last else 0
+    completion = last.completion_tokens if last else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": last.cached_prompt_tokens if last else 0},
+    }
+
+
+def finish_reason(chunk: StreamChunk) -> Optional[str]:
+    """The finish reason as OpenAI spells it (``stop`` / ``length``; ``abort`` as vLLM does), None until the end."""
+    return chunk.finish_reason.value if chunk.finish_reason is not None else None
+
+
+def completion_logprobs(entries: list[TokenLogprob], tokenizer: RouterTokenizer, offset: int) -> dict[str, Any]:
+    """Legacy completions ``logprobs`` object for ``entries`` (text offsets start at ``offset``)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        token = tokenizer.decode([entry.token_id], skip_special_tokens=False)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(entry.logprob)
+        out["top_logprobs"].append(
+            {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in entry.top_logprobs}
+        )
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(entries: list[TokenLogprob], tokenizer: RouterTokenizer) -> dict[str, Any]:
+    """Chat ``logprobs`` object (``{"content": [...]}``) for ``entries``."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]}
+            for e in entries
+        ]
+    }
