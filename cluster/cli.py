@@ -2,6 +2,7 @@
 
     prefixserve up [--replicas N] [--tensor-parallel-size M] [engine flags]   local cluster
     prefixserve generate "prompt" [--chat] [engine flags]   offline, streams text
+    prefixserve generate --url HOST:PORT "prompt" [--chat]   via a running cluster (gRPC)
     prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
 
 Engine flags are generated from ``EngineConfig`` and named as vLLM names them
@@ -55,6 +56,10 @@ def _base_type(hint: Any) -> type:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.url:
+        import asyncio
+
+        return asyncio.run(_generate_remote(args))
     from cluster.chat_template import ChatTemplate
     from cluster.types import SamplingParams
     from workers.llm import LLM
@@ -88,6 +93,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _generate_remote(args: argparse.Namespace) -> int:
+    """``generate --url``: streams the text of one request from a running cluster over gRPC."""
+    import grpc
+
+    from router.pb import generation_pb2 as pb
+    from router.pb import generation_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k, stop=list(args.stop or ()))
+    if args.sampling_seed is not None:
+        sampling.seed = args.sampling_seed
+    request = pb.GenerateRequest(sampling=sampling)
+    if args.chat:
+        request.messages.items.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    async with grpc.aio.insecure_channel(args.url) as channel:
+        try:
+            async for chunk in pb_grpc.GenerationStub(channel).Generate(request, timeout=args.timeout):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    sys.stdout.write("\n")
+                    logger.info("replica=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
+                                "cached_prompt_tokens=%d", chunk.replica_id, chunk.finish_reason,
+                                chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+                                chunk.usage.cached_prompt_tokens)
+        except grpc.aio.AioRpcError as exc:
+            logger.error("%s: %s", exc.code().name, exc.details())
+            return 4
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -113,15 +151,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    cluster = LocalCluster(config)
+    cluster = LocalCluster(config, grpc_port=args.grpc_port, grpc_host=args.grpc_host)
     try:
         cluster.start()
         # ray.init installs its own SIGTERM handler (it aborts): take it back.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
         rss_mib, count = _tree_rss_mib()
-        logger.info("ready: start-up %.1fs, %d processes, RSS %.0f MiB; Ctrl-C or SIGTERM stops",
-                    cluster.startup_seconds, count, rss_mib)
+        logger.info("ready: gRPC on %s, start-up %.1fs, %d processes, RSS %.0f MiB; Ctrl-C or SIGTERM stops",
+                    cluster.grpc_address, cluster.startup_seconds, count, rss_mib)
         if args.prompt:
             asyncio.run(_stream_prompt(cluster, args.prompt, args.max_tokens))
         if not args.exit_after_prompt:
@@ -215,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--url", default=None,
+                     help="HOST:PORT of a running cluster's gRPC router (default: run the offline engine)")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline of a --url request in seconds")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -227,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-ongoing-requests", type=int, default=256)
     up.add_argument("--routing-policy", default="cache_aware",
                     choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
+    up.add_argument("--grpc-port", type=int, default=50051, help="port of the gRPC router (0: pick a free one)")
+    up.add_argument("--grpc-host", default="127.0.0.1", help="interface the gRPC router binds")
     up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
     up.add_argument("--max-tokens", type=int, default=64, help="for --prompt")
     up.add_argument("--exit-after-prompt", action="store_true", help="stop after --prompt instead of serving")

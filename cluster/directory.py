@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import Awaitable, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
 
 import redis.asyncio as aioredis
 from redis import exceptions as rex
@@ -97,6 +97,18 @@ def pairs_to_dict(flat: Sequence) -> dict[str, int]:
     return {rid: int(v) for rid, v in zip(ids, flat[1::2])}
 
 
+def _number(raw: Union[bytes, str]) -> float:
+    """A stats value from Redis: int when integral, float otherwise (nan if garbled)."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return float("nan")
+
+
 class Directory:
     """Async client of one namespace of the prefix directory.
 
@@ -129,7 +141,7 @@ class Directory:
         self._down_reason = ""
         self._scripts = {
             name: client.register_script(getattr(lua, name))
-            for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC")
+            for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC", "REPLICA_STATS")
         }
 
     @classmethod
@@ -177,21 +189,34 @@ class Directory:
         logger.info("directory %s: replica %s registered epoch %d", self.namespace, rid, epoch)
         return int(epoch)
 
-    async def heartbeat(self, replica_id: str, epoch: int) -> PublishStatus:
+    async def heartbeat(
+        self, replica_id: str, epoch: int, stats: Optional[Mapping[str, Union[int, float, str]]] = None
+    ) -> PublishStatus:
         """Refreshes the liveness TTL of ``replica_id`` at ``epoch``.
+
+        Args:
+            replica_id: The replica.
+            epoch: Its epoch from ``register``.
+            stats: Small ``{name: number}`` load figures; when given they
+                replace the replica's stats hash in the same round trip
+                (read back with ``replica_stats``).
 
         Returns:
             OK, or UNKNOWN / SUPERSEDED: the caller must register again.
         """
-        keys = self._replica_keys(replica_id) + [lua.replicas_key(self.prefix)]
-        args = [epoch, self.ttl_ms, replica_id]
+        rid = lua.check_replica_id(replica_id)
+        keys = self._replica_keys(rid) + [lua.replicas_key(self.prefix), lua.stats_key(self.prefix, rid)]
+        args: list = [epoch, self.ttl_ms, rid]
+        for name, value in (stats or {}).items():
+            args += [str(name), value if isinstance(value, (int, float, str)) else str(value)]
         reply = await self._run("heartbeat", lambda: self._scripts["HEARTBEAT"](keys, args))
         return PublishStatus(reply.decode())
 
     async def deregister(self, replica_id: str, epoch: int) -> bool:
         """Removes the replica at once (graceful shutdown). Returns False if
         ``epoch`` is not its current one (nothing changed)."""
-        keys = self._replica_keys(replica_id) + [lua.replicas_key(self.prefix)]
+        rid = lua.check_replica_id(replica_id)
+        keys = self._replica_keys(rid) + [lua.replicas_key(self.prefix), lua.stats_key(self.prefix, rid)]
         return bool(await self._run("deregister", lambda: self._scripts["DEREGISTER"](keys, [epoch, replica_id])))
 
     async def live_replicas(self) -> dict[str, int]:
@@ -199,6 +224,21 @@ class Directory:
         keys = [lua.replicas_key(self.prefix)]
         flat = await self._run("live_replicas", lambda: self._scripts["LIVE_REPLICAS"](keys, [self.prefix]))
         return {rid: int(epoch) for rid, epoch in zip(self._decode_ids(flat[0::3]), flat[1::3])}
+
+    async def replica_stats(self) -> dict[str, dict[str, float]]:
+        """Returns ``{replica_id: {name: number}}`` of every live replica.
+
+        The figures are those of its last heartbeat with stats (``{}`` before
+        the first one); values are parsed as int when integral, else float.
+        One round trip; no mutation.
+        """
+        keys = [lua.replicas_key(self.prefix)]
+        flat = await self._run("replica_stats", lambda: self._scripts["REPLICA_STATS"](keys, [self.prefix]))
+        out: dict[str, dict[str, float]] = {}
+        for rid, pairs in zip(self._decode_ids(flat[0::2]), flat[1::2]):
+            names = self._decode_ids(pairs[0::2])
+            out[rid] = {name: _number(raw) for name, raw in zip(names, pairs[1::2])}
+        return out
 
     async def gc(self) -> list[str]:
         """Drops index entries and leftover sets of dead replicas.

@@ -9,6 +9,9 @@ node. Several models or clusters share one Redis under different namespaces.
     ps:{ns}:rep:<replica>     HASH  epoch, seq        TTL = liveness (heartbeats)
     ps:{ns}:blk:<replica>     SET   16-byte block hashes the replica caches now
                                     (same TTL as rep:, refreshed together)
+    ps:{ns}:stats:<replica>   HASH  load figures the replica sends with each
+                                    heartbeat (num_running, num_waiting,
+                                    kv_cache_usage, num_cached_blocks); same TTL
     ps:{ns}:tmp:<replica>:<epoch>  SET  staging area of a running resync
 
 ``seq`` is the last applied KV event batch, or -1 when the replica must
@@ -57,6 +60,10 @@ def blk_key(prefix: str, replica_id: str) -> str:
     return prefix + "blk:" + replica_id
 
 
+def stats_key(prefix: str, replica_id: str) -> str:
+    return prefix + "stats:" + replica_id
+
+
 def tmp_key(prefix: str, replica_id: str, epoch: int) -> str:
     return f"{prefix}tmp:{replica_id}:{epoch}"
 
@@ -100,9 +107,10 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return epoch
 """
 
-# KEYS: rep, blk, replicas   ARGV: epoch, ttl_ms, replica_id
+# KEYS: rep, blk, replicas, stats   ARGV: epoch, ttl_ms, replica_id[, field, value]...
 # -> ok | unknown | superseded
 # Re-adding the id to the index heals an index lost to eviction (O(1)).
+# Field/value pairs replace the replica's stats hash (same TTL as rep:).
 HEARTBEAT = (
     _CHECK_EPOCH
     + f"""
@@ -111,6 +119,11 @@ if bad then return bad end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[3])
+if #ARGV > 3 then
+  redis.call('UNLINK', KEYS[4])
+  redis.call('HSET', KEYS[4], unpack(ARGV, 4, #ARGV))
+end
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
 return '{OK}'
 """
 )
@@ -168,10 +181,10 @@ return '{OK}'
 """
 )
 
-# KEYS: rep, blk, replicas   ARGV: epoch, replica_id   -> 1 if removed, else 0
+# KEYS: rep, blk, replicas, stats   ARGV: epoch, replica_id   -> 1 if removed, else 0
 DEREGISTER = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
-redis.call('UNLINK', KEYS[1], KEYS[2])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[4])
 redis.call('SREM', KEYS[3], ARGV[2])
 return 1
 """
@@ -186,6 +199,19 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     out[#out + 1] = rid
     out[#out + 1] = cur[1]
     out[#out + 1] = cur[2]
+  end
+end
+return out
+"""
+
+# KEYS: replicas   ARGV: prefix   -> flat [replica_id, {field, value, ...}, ...]
+# of live replicas; the inner list is empty before the first stats heartbeat.
+REPLICA_STATS = """
+local out = {}
+for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. 'rep:' .. rid) == 1 then
+    out[#out + 1] = rid
+    out[#out + 1] = redis.call('HGETALL', ARGV[1] .. 'stats:' .. rid)
   end
 end
 return out
@@ -233,7 +259,7 @@ GC = """
 local dropped = {}
 for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if redis.call('EXISTS', ARGV[1] .. 'rep:' .. rid) == 0 then
-    redis.call('UNLINK', ARGV[1] .. 'blk:' .. rid)
+    redis.call('UNLINK', ARGV[1] .. 'blk:' .. rid, ARGV[1] .. 'stats:' .. rid)
     redis.call('SREM', KEYS[1], rid)
     dropped[#dropped + 1] = rid
   end

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from cluster.directory import DEFAULT_HEARTBEAT_S, Directory, DirectoryError, PublishStatus
 
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 Snapshot = tuple[int, Sequence[bytes]]
 SnapshotFn = Callable[[], Union[Snapshot, Awaitable[Snapshot]]]
+StatsFn = Callable[[], Mapping[str, Union[int, float]]]
 
 # KV event class names of workers.engine.block_pool, matched by name because
 # the cluster package must not import workers.
@@ -88,6 +89,9 @@ class DirectoryPublisher:
             the module docstring for when it runs.
         heartbeat_s: Period of heartbeats (and of repair attempts).
         gc_every: Run ``Directory.gc`` every this many heartbeats (0: never).
+        stats_fn: Optional; returns a small ``{name: number}`` dict of the
+            replica's load, sent with every heartbeat (``Directory.replica_stats``
+            reads it back). Called on the event loop; it must be cheap.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class DirectoryPublisher:
         snapshot_fn: SnapshotFn,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         gc_every: int = 5,
+        stats_fn: Optional[StatsFn] = None,
     ) -> None:
         if heartbeat_s * 2 > directory.ttl_ms / 1000:
             raise ValueError(
@@ -108,6 +113,7 @@ class DirectoryPublisher:
         self.heartbeat_s = heartbeat_s
         self.gc_every = gc_every
         self._snapshot_fn = snapshot_fn
+        self._stats_fn = stats_fn
         self.epoch: Optional[int] = None  # None: must register (again)
         self.needs_resync = True
         self._synced_seq_no = 0  # batches at or below it are in the last snapshot
@@ -252,8 +258,22 @@ class DirectoryPublisher:
         if self.epoch is None or self.needs_resync:
             await self._repair_locked()
             return
-        status = await self.directory.heartbeat(self.replica_id, self.epoch)
+        stats = self._read_stats()
+        if stats is None:
+            status = await self.directory.heartbeat(self.replica_id, self.epoch)
+        else:
+            status = await self.directory.heartbeat(self.replica_id, self.epoch, stats=stats)
         if status is not PublishStatus.OK:
             logger.warning("replica %s: heartbeat says %s; registering again", self.replica_id, status.value)
             self._handle_rejection(status)
             await self._repair_locked()
+
+    def _read_stats(self) -> Optional[Mapping[str, Union[int, float]]]:
+        """The stats to send with a heartbeat, or None (no ``stats_fn``, or it failed)."""
+        if self._stats_fn is None:
+            return None
+        try:
+            return dict(self._stats_fn())
+        except Exception:  # noqa: BLE001 - stats must never stop heartbeats
+            logger.exception("replica %s: stats_fn failed; heartbeat without stats", self.replica_id)
+            return None

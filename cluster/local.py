@@ -2,14 +2,18 @@
 ``redis-server`` for the prefix directory, and the Serve application.
 
 Everything listens on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
-keeps Ray's own traffic there). ``stop()`` shuts Serve, Ray and Redis down
-in that order, so no process outlives the launcher.
+keeps Ray's own traffic there). With ``grpc_port`` set, the gRPC router
+(``router.server.RouterServer``) runs in this process on its own thread and
+event loop once Serve is up. ``stop()`` shuts the router, Serve, Ray and Redis
+down in that order, so no process outlives the launcher.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -27,9 +31,18 @@ class LocalCluster:
         config: What to run.
         num_cpus: CPUs Ray may schedule (default: what the machine has, at
             least enough for the replicas' fractional reservations).
+        grpc_port: Port of the gRPC router (0 picks a free one); None runs
+            no router.
+        grpc_host: Interface the router binds.
     """
 
-    def __init__(self, config: ClusterConfig, num_cpus: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        num_cpus: Optional[float] = None,
+        grpc_port: Optional[int] = None,
+        grpc_host: str = "127.0.0.1",
+    ) -> None:
         self.config = config
         self.num_cpus = num_cpus
         self.redis = None
@@ -37,6 +50,12 @@ class LocalCluster:
         self.handle: Any = None
         self.started_ray = False
         self.startup_seconds = 0.0
+        self.grpc_port = grpc_port
+        self.grpc_host = grpc_host
+        self.grpc_address: Optional[str] = None
+        self._router: Any = None
+        self._router_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._router_thread: Optional[threading.Thread] = None
 
     def start(self) -> "LocalCluster":
         """Starts Redis (unless a URL was given), Ray and Serve; waits for replicas."""
@@ -58,6 +77,8 @@ class LocalCluster:
         config = self.config if self.config.redis_url == self.redis_url else _with_redis(self.config, self.redis_url)
         self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
         self._wait_ready()
+        if self.grpc_port is not None:
+            self._start_router()
         self.startup_seconds = time.monotonic() - began
         logger.info("cluster ready in %.1fs: %d replica(s), tensor_parallel_size %d",
                     self.startup_seconds, self.config.replicas, self.config.engine.parallel.tensor_parallel_size)
@@ -81,6 +102,48 @@ class LocalCluster:
             time.sleep(0.5)
         raise TimeoutError(f"replicas not ready after {timeout:.0f}s")
 
+    def _start_router(self) -> None:
+        """Starts the gRPC router on a daemon thread with its own event loop."""
+        from cluster.directory import Directory
+        from router.backend import ModelInfo, RouterBackend
+        from router.server import RouterServer
+        from router.tokenizer import RouterTokenizer
+        from workers.model.loader import resolve_model
+
+        model_dir = resolve_model(self.config.engine.model)
+        tokenizer = RouterTokenizer.from_model_dir(model_dir)
+        model = ModelInfo(str(self.config.engine.model or model_dir.name), _max_model_len(self.config, model_dir))
+        backend = RouterBackend(self.handle, tokenizer, model)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="grpc-router", daemon=True)
+        thread.start()
+        self._router_loop, self._router_thread = loop, thread
+
+        async def start() -> Any:
+            directory = Directory.from_url(self.redis_url, self.config.namespace) if self.redis_url else None
+            server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port)
+            await server.start()
+            return server
+
+        self._router = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+        self.grpc_address = self._router.address
+
+    def _stop_router(self, grace: float = 5.0) -> None:
+        loop, thread, router = self._router_loop, self._router_thread, self._router
+        self._router = self._router_loop = self._router_thread = None
+        if loop is None:
+            return
+        try:
+            if router is not None:
+                asyncio.run_coroutine_threadsafe(router.stop(grace), loop).result(timeout=grace + 10)
+        except Exception:  # noqa: BLE001 - keep tearing down
+            logger.exception("stopping the gRPC router failed")
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=10)
+        if not loop.is_running():
+            loop.close()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """Streams a request through Serve (the minimal in-process client)."""
         stream = self.handle.options(stream=True, method_name="generate").remote(request)
@@ -91,10 +154,11 @@ class LocalCluster:
             stream.cancel()  # a consumer that stops early aborts the request
 
     def stop(self) -> None:
-        """Shuts down Serve, Ray (if started here) and Redis (if started here)."""
+        """Shuts down the gRPC router, Serve, Ray (if started here) and Redis (if started here)."""
         import ray
         from ray import serve
 
+        self._stop_router()
         try:
             if ray.is_initialized():
                 serve.shutdown()
@@ -112,6 +176,17 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _max_model_len(config: ClusterConfig, model_dir: Any) -> int:
+    """The engine's max_model_len: the configured one, else the model's."""
+    import json
+
+    if config.engine.max_model_len is not None:
+        return config.engine.max_model_len
+    config_file = model_dir / "config.json"
+    hf = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return int(hf.get("max_position_embeddings") or 2048)
 
 
 def _with_redis(config: ClusterConfig, redis_url: Optional[str]) -> ClusterConfig:

@@ -211,7 +211,9 @@ class ReplicaServer:
         from cluster.directory_publisher import DirectoryPublisher
 
         directory = Directory.from_url(self._redis_url, self._namespace)
-        self._publisher = DirectoryPublisher(directory, self.replica_id, self._snapshot)
+        self._publisher = DirectoryPublisher(
+            directory, self.replica_id, self._snapshot, stats_fn=self._directory_stats
+        )
         try:
             await self._publisher.start()
         finally:
@@ -234,6 +236,16 @@ class ReplicaServer:
                 return
             # Batches already covered by a resync's snapshot are skipped there.
             await self._publisher.publish_events(batch)
+
+    def _directory_stats(self) -> dict[str, float]:
+        """Load figures sent with each directory heartbeat (``ListReplicas``)."""
+        stats = self._front.stats
+        return {
+            "num_running": int(stats.num_running),
+            "num_waiting": int(stats.num_waiting),
+            "kv_cache_usage": float(stats.kv_cache_usage),
+            "num_cached_blocks": int(stats.num_cached_blocks),
+        }
 
     async def _snapshot(self) -> tuple[int, list[bytes]]:
         """A full snapshot, taken on the engine thread (for a resync)."""

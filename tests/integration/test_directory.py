@@ -173,6 +173,52 @@ def test_heartbeat_heals_a_lost_index(redis_server):
     run(scenario, redis_server.url)
 
 
+def test_heartbeat_stats_are_listed_for_live_replicas_only(redis_server):
+    blocks = chain(list(range(8)))
+
+    async def scenario(d: Directory):
+        epoch = await registered(d, "r", blocks)
+        other = await registered(d, "s", [])
+        assert await d.replica_stats() == {"r": {}, "s": {}}  # live, no stats yet
+        stats = {"num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.25, "num_cached_blocks": 2}
+        assert await d.heartbeat("r", epoch, stats=stats) is PublishStatus.OK
+        assert (await d.replica_stats())["r"] == stats
+        assert await d.heartbeat("r", epoch + 1, stats={"num_running": 9}) is PublishStatus.SUPERSEDED
+        assert (await d.replica_stats())["r"] == stats  # a stale process writes nothing
+        ttl = await d._client.pttl(f"{d.prefix}stats:r")
+        assert 0 < ttl <= d.ttl_ms  # expires with the replica
+        await d.deregister("s", other)
+        assert await d.deregister("r", epoch)
+        assert await d.replica_stats() == {}
+        assert not await d._client.exists(f"{d.prefix}stats:r")
+
+    run(scenario, redis_server.url)
+
+
+def test_publisher_sends_stats_with_heartbeats(redis_server):
+    async def scenario(d: Directory):
+        calls = []
+
+        def stats_fn():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("boom")  # a failing stats_fn never stops heartbeats
+            return {"num_running": 1, "kv_cache_usage": 0.5}
+
+        publisher = DirectoryPublisher(d, "p", lambda: (1, []), heartbeat_s=0.05, gc_every=0, stats_fn=stats_fn)
+        await publisher.start()
+        try:
+            deadline = time.monotonic() + 5
+            while (await d.replica_stats()).get("p") != {"num_running": 1, "kv_cache_usage": 0.5}:
+                assert time.monotonic() < deadline, await d.replica_stats()
+                await asyncio.sleep(0.05)
+        finally:
+            await publisher.stop()
+        assert await d.replica_stats() == {}
+
+    run(scenario, redis_server.url)
+
+
 def fill_pool(pool: BlockPool, tokens: list[int]) -> list[int]:
     """Caches every full block of ``tokens`` in ``pool`` and frees them."""
     hashes = chain(tokens)

@@ -1,0 +1,217 @@
+"""The gRPC front end: ``prefixserve.v1.Generation`` over ``grpc.aio``.
+
+    server = RouterServer(backend, directory=Directory.from_url(url, ns))
+    port = await server.start()          # 127.0.0.1:<port>, SERVING
+    ...
+    await server.stop(grace=5.0)
+
+Besides ``Generation`` the server answers the standard
+``grpc.health.v1.Health`` service (SERVING for ``""`` and
+``prefixserve.v1.Generation`` once started, NOT_SERVING while stopping) and
+server reflection.
+
+Errors map as the backend documents them (``router/backend.py``):
+
+    ValueError          INVALID_ARGUMENT    the message names the field
+    OverloadedError     RESOURCE_EXHAUSTED
+    NoReplicaError      UNAVAILABLE
+    deadline passed     DEADLINE_EXCEEDED
+    anything else       INTERNAL            logged; the server keeps serving
+
+Cancellation: when the client cancels or its deadline passes, gRPC cancels the
+handler task; the ``async for`` over ``backend.stream()`` is interrupted, and
+its ``finally`` cancels the Serve response, so the replica aborts the
+sequence and frees its blocks. The handler also bounds the stream by the
+deadline itself (``asyncio.timeout``), so a deadline is honoured even if the
+transport notices it late.
+
+The server is stateless: several routers on one Redis behave as one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router import convert
+from router.backend import Backend, NoReplicaError, OverloadedError
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # prefixserve.v1.Generation
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and details for an error raised while serving a request."""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NoReplicaError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Implements ``prefixserve.v1.Generation`` over a ``Backend``.
+
+    Args:
+        backend: Streams requests to the replicas (``RouterBackend`` or a fake).
+        directory: The prefix directory (``cluster.directory.Directory``) whose
+            replica stats answer ``ListReplicas``; None answers UNAVAILABLE.
+    """
+
+    def __init__(self, backend: Backend, directory: Any = None) -> None:
+        self.backend = backend
+        self.directory = directory
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Validates the request and streams its chunks (see the module docstring)."""
+        failure: Optional[tuple[grpc.StatusCode, str]] = None
+        request_id = request.request_id or "(unassigned)"
+        try:
+            engine_request = convert.request_from_proto(request, self.backend.tokenizer, self.backend.model.max_model_len)
+            request_id = engine_request.request_id
+            stream = self.backend.stream(engine_request)
+            try:
+                while True:
+                    # Bound each wait by the deadline (None: no deadline); not the
+                    # yield, which runs gRPC's own code in this task.
+                    async with asyncio.timeout(context.time_remaining()):
+                        try:
+                            chunk = await anext(stream)
+                        except StopAsyncIteration:
+                            break
+                    yield convert.chunk_to_proto(chunk)
+            finally:
+                await stream.aclose()  # cancels the Serve response if still running
+        except asyncio.CancelledError:
+            logger.info("request %s cancelled by the client", request_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status, never a crash
+            failure = status_for(exc)
+            if failure[0] is grpc.StatusCode.INTERNAL:
+                logger.exception("request %s failed", request_id)
+            else:
+                logger.info("request %s: %s: %s", request_id, failure[0].name, failure[1])
+        if failure is not None:
+            await context.abort(*failure)
+
+    async def ListReplicas(  # noqa: N802 - gRPC method name
+        self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListReplicasResponse:
+        """Each live replica's load, as its last directory heartbeat reported it."""
+        if self.directory is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this router has no prefix directory configured")
+        try:
+            stats = await self.directory.replica_stats()
+        except Exception as exc:  # noqa: BLE001 - DirectoryError and bugs alike
+            logger.warning("ListReplicas: directory unavailable: %s", exc)
+            failure = (grpc.StatusCode.UNAVAILABLE, f"the replica directory is unavailable: {exc}")
+        else:
+            return pb.ListReplicasResponse(replicas=[_replica_info(rid, s) for rid, s in sorted(stats.items())])
+        await context.abort(*failure)
+
+
+def _replica_info(replica_id: str, stats: dict) -> pb.ReplicaInfo:
+    def number(name: str, cast: type) -> Any:
+        value = stats.get(name, 0)
+        try:
+            return max(cast(value), 0)
+        except (TypeError, ValueError, OverflowError):
+            return cast(0)
+
+    return pb.ReplicaInfo(
+        replica_id=replica_id,
+        num_running=number("num_running", int),
+        num_waiting=number("num_waiting", int),
+        kv_cache_usage=number("kv_cache_usage", float),
+        num_cached_blocks=number("num_cached_blocks", int),
+    )
+
+
+class RouterServer:
+    """A ``grpc.aio`` server with Generation, Health and reflection.
+
+    Args:
+        backend: What serves the requests (``RouterBackend``).
+        directory: Prefix directory for ``ListReplicas`` (optional).
+        host: Interface to bind (loopback by default).
+        port: Port to bind; 0 picks a free one (see ``port`` after ``start``).
+    """
+
+    def __init__(self, backend: Backend, directory: Any = None, host: str = DEFAULT_HOST,
+                 port: int = DEFAULT_PORT) -> None:
+        self.backend = backend
+        self.directory = directory
+        self.host = host
+        self.requested_port = port
+        self.port: Optional[int] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._health = health.aio.HealthServicer()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as bound (after ``start``)."""
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Binds, starts serving and reports SERVING.
+
+        Returns:
+            The bound port.
+
+        Raises:
+            RuntimeError: The address could not be bound.
+        """
+        if self._server is not None:
+            raise RuntimeError("the router server is already started")
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.backend, self.directory), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        try:
+            port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot bind the gRPC router to {self.host}:{self.requested_port}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"cannot bind the gRPC router to {self.host}:{self.requested_port}")
+        await server.start()
+        self._server, self.port = server, port
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("gRPC router serving on %s", self.address)
+        return port
+
+    async def stop(self, grace: Optional[float] = 5.0) -> None:
+        """Reports NOT_SERVING, then stops; in-flight RPCs get ``grace`` seconds."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await server.stop(grace)
+        if self.directory is not None:
+            try:
+                await self.directory.aclose()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                logger.debug("closing the directory client failed", exc_info=True)
+        logger.info("gRPC router on %s stopped", self.address)
+
+    async def wait_for_termination(self) -> None:
+        """Blocks until the server stops."""
+        if self._server is not None:
+            await self._server.wait_for_termination()

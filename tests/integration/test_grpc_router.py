@@ -1,0 +1,177 @@
+"""The gRPC router on a real local cluster: Ray Serve with two tiny-model
+replicas, the Redis directory, and a ``RouterServer`` on a loopback port,
+spoken to through a real ``grpc.aio`` channel and the generated stub."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.app import build_app
+from cluster.config import ClusterConfig, EngineConfig
+from cluster.directory import Directory
+from router.backend import ModelInfo, RouterBackend
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from router.server import RouterServer
+from router.tokenizer import RouterTokenizer
+from tests.factories import make_tiny_model_dir
+
+APP = "grpc-router"
+PREFIX = list(range(100, 164))  # 16 blocks of 4
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, redis_server, tmp_path_factory):
+    """A 2-replica app; yields (handle, model_dir, redis_url, namespace)."""
+    from ray import serve
+
+    model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("grpc-llama"))
+    namespace = f"grpc-{uuid.uuid4().hex[:6]}"
+    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=200)
+    config = ClusterConfig(replicas=2, redis_url=redis_server.url, namespace=namespace, engine=engine,
+                           replica_num_cpus=0.25, routing_policy="cache_aware")
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(build_app(config), name=APP, route_prefix=None)
+    try:
+        yield handle, model_dir, redis_server.url, namespace
+    finally:
+        serve.delete(APP)
+
+
+def serve_grpc(cluster, body):
+    """Runs ``await body(stub, channel)`` against a fresh RouterServer."""
+    handle, model_dir, redis_url, namespace = cluster
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+
+    async def main():
+        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", max_len))
+        server = RouterServer(backend, Directory.from_url(redis_url, namespace), port=0)
+        port = await server.start()
+        assert port > 0 and server.address == f"127.0.0.1:{port}"
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                return await body(pb_grpc.GenerationStub(channel), channel)
+        finally:
+            await server.stop(grace=1.0)
+
+    return asyncio.run(main())
+
+
+async def collect(stub, request, timeout=30.0):
+    return [chunk async for chunk in stub.Generate(request, timeout=timeout)]
+
+
+def ids_request(ids, max_tokens=2, **sampling):
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling))
+
+
+def test_streams_text_and_routes_a_repeated_prefix_to_its_replica(cluster):
+    async def body(stub, channel):
+        request = pb.GenerateRequest(prompt="hello world",
+                                     sampling=pb.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        chunks = await collect(stub, request)
+        last = chunks[-1]
+        assert last.finish_reason == "length"
+        assert all(c.replica_id == last.replica_id != "" for c in chunks)
+        assert all(c.finish_reason == "" for c in chunks[:-1])
+        assert sum(len(c.token_ids) for c in chunks) == 5 == last.usage.completion_tokens
+        assert last.usage.prompt_tokens > 0
+        assert "".join(c.text for c in chunks)  # text deltas are streamed
+
+        warm = (await collect(stub, ids_request(PREFIX + [5])))[-1]
+        await asyncio.sleep(1.5)  # the directory learns the blocks after the step
+        finals = [(await collect(stub, ids_request(PREFIX + [6 + i, 7])))[-1] for i in range(3)]
+        assert {f.replica_id for f in finals} == {warm.replica_id}
+        assert all(f.usage.cached_prompt_tokens > 0 for f in finals)
+
+    serve_grpc(cluster, body)
+
+
+def test_bad_inputs_get_invalid_argument_naming_the_field(cluster):
+    cases = [
+        (pb.GenerateRequest(prompt=""), "prompt"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p"),
+        (ids_request([1, 10**6]), "prompt_token_ids.ids[1]"),
+        (pb.GenerateRequest(), "prompt, prompt_token_ids or messages"),
+    ]
+
+    async def body(stub, channel):
+        for request, field in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(stub, request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert field in info.value.details()
+        # The server survives them all.
+        assert (await collect(stub, ids_request([1, 2, 3])))[-1].finish_reason
+
+    serve_grpc(cluster, body)
+
+
+def wait_for_zero_used_blocks(handle, replica_id, timeout=20.0):
+    """Polls replica stats (Serve picks the replica) until ``replica_id`` reports no used blocks."""
+    deadline = time.monotonic() + timeout
+    seen = {}
+    while time.monotonic() < deadline:
+        stats = handle.stats.remote().result()
+        seen[stats["replica_id"]] = stats
+        if stats["replica_id"] == replica_id and stats["num_used_blocks"] == 0 and stats["num_running"] == 0:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"replica {replica_id} still holds blocks: {seen}")
+
+
+def test_cancelled_stream_and_deadline_free_the_replicas_blocks(cluster):
+    handle = cluster[0]
+
+    async def body(stub, channel):
+        served = []
+        call = stub.Generate(ids_request(list(range(300, 340)), max_tokens=400, ignore_eos=True), timeout=60)
+        async for chunk in call:
+            served.append(chunk)
+            if len(served) == 2:
+                call.cancel()
+                break
+        assert served[-1].finish_reason == ""  # stopped mid-stream
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, ids_request(list(range(340, 380)), max_tokens=400, ignore_eos=True), timeout=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return served[-1].replica_id
+
+    replica_id = serve_grpc(cluster, body)
+    wait_for_zero_used_blocks(handle, replica_id)
+
+
+def test_health_reflection_and_list_replicas(cluster):
+    async def body(stub, channel):
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "prefixserve.v1.Generation"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = [s.name async for r in replies for s in r.list_services_response.service]
+        assert "prefixserve.v1.Generation" in names and "grpc.health.v1.Health" in names
+
+        await collect(stub, ids_request(list(range(20, 30))))  # two full blocks cached somewhere
+        deadline = time.monotonic() + 10
+        while True:  # stats arrive with the next heartbeat (every second)
+            replicas = (await stub.ListReplicas(pb.ListReplicasRequest(), timeout=5)).replicas
+            if len(replicas) == 2 and any(r.num_cached_blocks for r in replicas) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.3)
+        assert len({r.replica_id for r in replicas}) == 2
+        assert all(r.replica_id for r in replicas)
+        assert any(r.num_cached_blocks > 0 for r in replicas)
+        assert all(0.0 <= r.kv_cache_usage <= 1.0 for r in replicas)
+
+    serve_grpc(cluster, body)
