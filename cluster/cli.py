@@ -151,15 +151,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    cluster = LocalCluster(config, grpc_port=args.grpc_port, grpc_host=args.grpc_host)
+    cluster = LocalCluster(config, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
+                           http_port=None if args.http_port < 0 else args.http_port)
     try:
         cluster.start()
         # ray.init installs its own SIGTERM handler (it aborts): take it back.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
         rss_mib, count = _tree_rss_mib()
-        logger.info("ready: gRPC on %s, start-up %.1fs, %d processes, RSS %.0f MiB; Ctrl-C or SIGTERM stops",
-                    cluster.grpc_address, cluster.startup_seconds, count, rss_mib)
+        logger.info("ready: gRPC on %s, OpenAI HTTP on %s, start-up %.1fs, %d processes, RSS %.0f MiB; "
+                    "Ctrl-C or SIGTERM stops", cluster.grpc_address, cluster.http_url, cluster.startup_seconds,
+                    count, rss_mib)
         if args.prompt:
             asyncio.run(_stream_prompt(cluster, args.prompt, args.max_tokens))
         if not args.exit_after_prompt:
@@ -202,6 +204,12 @@ def _tree_rss_mib() -> tuple[float, int]:
         except psutil.Error:
             pass
     return total / 2**20, len(procs)
+
+
+def _cmd_bench_routing(args: argparse.Namespace) -> int:
+    from cluster import bench_routing
+
+    return bench_routing.run_routing(args, engine_kwargs(args))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -269,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--routing-policy", default="cache_aware",
                     choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
     up.add_argument("--grpc-port", type=int, default=50051, help="port of the gRPC router (0: pick a free one)")
-    up.add_argument("--grpc-host", default="127.0.0.1", help="interface the gRPC router binds")
+    up.add_argument("--grpc-host", default="127.0.0.1", help="interface the gRPC and HTTP routers bind")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="port of the OpenAI-compatible HTTP API (0: pick a free one; -1: none)")
     up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
     up.add_argument("--max-tokens", type=int, default=64, help="for --prompt")
     up.add_argument("--exit-after-prompt", action="store_true", help="stop after --prompt instead of serving")
@@ -284,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_mod.add_offline_args(off)
     add_engine_args(off)
     off.set_defaults(func=_cmd_bench)
+    routing = bench_sub.add_parser("routing", help="the same multi-tenant workload once per routing policy")
+    from cluster import bench_routing
+
+    bench_routing.add_routing_args(routing)
+    add_engine_args(routing)
+    routing.set_defaults(func=_cmd_bench_routing)
     return parser
 
 

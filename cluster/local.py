@@ -33,7 +33,9 @@ class LocalCluster:
             least enough for the replicas' fractional reservations).
         grpc_port: Port of the gRPC router (0 picks a free one); None runs
             no router.
-        grpc_host: Interface the router binds.
+        grpc_host: Interface the routers bind (gRPC and HTTP).
+        http_port: Port of the OpenAI-compatible HTTP API (0 picks a free
+            one); None runs none.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class LocalCluster:
         num_cpus: Optional[float] = None,
         grpc_port: Optional[int] = None,
         grpc_host: str = "127.0.0.1",
+        http_port: Optional[int] = None,
     ) -> None:
         self.config = config
         self.num_cpus = num_cpus
@@ -53,6 +56,9 @@ class LocalCluster:
         self.grpc_port = grpc_port
         self.grpc_host = grpc_host
         self.grpc_address: Optional[str] = None
+        self.http_port = http_port
+        self.http_url: Optional[str] = None
+        self._http: Any = None
         self._router: Any = None
         self._router_loop: Optional[asyncio.AbstractEventLoop] = None
         self._router_thread: Optional[threading.Thread] = None
@@ -77,7 +83,7 @@ class LocalCluster:
         config = self.config if self.config.redis_url == self.redis_url else _with_redis(self.config, self.redis_url)
         self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
         self._wait_ready()
-        if self.grpc_port is not None:
+        if self.grpc_port is not None or self.http_port is not None:
             self._start_router()
         self.startup_seconds = time.monotonic() - began
         logger.info("cluster ready in %.1fs: %d replica(s), tensor_parallel_size %d",
@@ -119,25 +125,36 @@ class LocalCluster:
         thread.start()
         self._router_loop, self._router_thread = loop, thread
 
-        async def start() -> Any:
-            directory = Directory.from_url(self.redis_url, self.config.namespace) if self.redis_url else None
-            server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port)
-            await server.start()
-            return server
+        async def start() -> tuple[Any, Any]:
+            server = http = None
+            if self.grpc_port is not None:
+                directory = Directory.from_url(self.redis_url, self.config.namespace) if self.redis_url else None
+                server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port)
+                await server.start()
+            if self.http_port is not None:
+                from router.openai import serve_openai
 
-        self._router = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
-        self.grpc_address = self._router.address
+                http = await serve_openai(backend, host=self.grpc_host, port=self.http_port)
+            return server, http
+
+        self._router, self._http = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+        if self._router is not None:
+            self.grpc_address = self._router.address
+        if self._http is not None:
+            self.http_url = self._http.url
 
     def _stop_router(self, grace: float = 5.0) -> None:
-        loop, thread, router = self._router_loop, self._router_thread, self._router
-        self._router = self._router_loop = self._router_thread = None
+        loop, thread, router, http = self._router_loop, self._router_thread, self._router, self._http
+        self._router = self._router_loop = self._router_thread = self._http = None
         if loop is None:
             return
-        try:
-            if router is not None:
-                asyncio.run_coroutine_threadsafe(router.stop(grace), loop).result(timeout=grace + 10)
-        except Exception:  # noqa: BLE001 - keep tearing down
-            logger.exception("stopping the gRPC router failed")
+        for name, front in (("HTTP", http), ("gRPC", router)):
+            try:
+                if front is not None:
+                    stop = front.stop(grace) if name == "gRPC" else front.stop()
+                    asyncio.run_coroutine_threadsafe(stop, loop).result(timeout=grace + 10)
+            except Exception:  # noqa: BLE001 - keep tearing down
+                logger.exception("stopping the %s router failed", name)
         loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join(timeout=10)

@@ -4,11 +4,14 @@ with no process left behind."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -38,7 +41,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "up", "--replicas", "2", "--model", str(model_dir),
          "--block-size", "4", "--kv-cache-memory", "0.01", "--swap-space", "0.01", "--replica-num-cpus", "0.25",
-         "--prompt", "hello world", "--max-tokens", "4"],
+         "--prompt", "hello world", "--max-tokens", "4", "--grpc-port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )
     try:
@@ -49,8 +52,15 @@ def test_up_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
             log.seek(0)
             text = log.read()
             assert proc.poll() is None, text[-3000:]
-        assert "ready: start-up" in text, text[-3000:]
+        assert "ready: gRPC on" in text and "start-up" in text, text[-3000:]
         assert "replica=" in text and "finish_reason=length" in text, text[-3000:]
+        # The OpenAI-compatible API answers through the cluster.
+        url = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
+        body = json.dumps({"prompt": "hello world", "max_tokens": 3, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert reply["usage"]["completion_tokens"] == 3 and reply["choices"][0]["finish_reason"] == "length"
+        assert re.search(r"gRPC on 127\.0\.0\.1:\d+", text)
         # Everything `up` started: Ray's GCS, raylet, workers, replicas, redis-server.
         tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         names = " ".join(p.name() for p in psutil.Process(proc.pid).children(recursive=True))
