@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, build_app
@@ -22,6 +23,8 @@ from cluster.config import ClusterConfig
 from cluster.types import GenerationRequest, StreamChunk
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class LocalCluster:
@@ -118,7 +121,9 @@ class LocalCluster:
 
         model_dir = resolve_model(self.config.engine.model)
         tokenizer = RouterTokenizer.from_model_dir(model_dir)
-        model = ModelInfo(str(self.config.engine.model or model_dir.name), _max_model_len(self.config, model_dir))
+        # The name clients pass as `model`: the folder or file name, or the default model's own name.
+        name = Path(self.config.engine.model).name if self.config.engine.model else DEFAULT_MODEL_NAME
+        model = ModelInfo(name, _max_model_len(self.config, model_dir))
         backend = RouterBackend(self.handle, tokenizer, model)
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="grpc-router", daemon=True)
