@@ -197,7 +197,8 @@ class RedisServer:
         # land there, and nothing can fill a pipe nobody reads.
         with open(self._data_dir / "stderr.log", "wb") as stderr:
             self._proc = subprocess.Popen(
-                self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr
+                self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + self.startup_timeout_s
         client = redis.Redis(
@@ -228,3 +229,18 @@ class RedisServer:
                 log += path.read_text(errors="replace")[-2000:]
         self.stop()
         raise RedisServerError(f"{reason} (port {self.port}); log tail:\n{log}")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it
+    dies, even by SIGKILL or a crash, so no redis-server outlives its owner
+    (Linux only; elsewhere ``stop()`` remains the way out)."""
+    try:
+        import ctypes
+        import signal as _signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(_signal.SIGTERM), 0, 0, 0)
+    except Exception:  # noqa: BLE001 - best effort, never block the start
+        pass

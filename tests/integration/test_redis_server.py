@@ -51,3 +51,37 @@ def test_directory_fails_fast_then_backs_off():
             await directory.aclose()
 
     asyncio.run(main())
+
+
+def test_redis_server_dies_with_a_killed_owner(tmp_path):
+    # The owner is SIGKILLed (no cleanup runs): its redis-server must not linger.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = (
+        "import time\n"
+        "from cluster.redis_server import RedisServer\n"
+        "server = RedisServer().start()\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    redis_pid = int(owner.stdout.readline())
+    assert psutil.pid_exists(redis_pid)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(redis_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"redis-server {redis_pid} outlived its killed owner")
