@@ -3,6 +3,7 @@
     prefixserve up [--replicas N] [--tensor-parallel-size M] [engine flags]   local cluster
     prefixserve generate "prompt" [--chat] [engine flags]   offline, streams text
     prefixserve generate --url HOST:PORT "prompt" [--chat]   via a running cluster (gRPC)
+    prefixserve chat [--url HOST:PORT] [--system TEXT]       multi-turn chat on the terminal
     prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
 
 Engine flags are generated from ``EngineConfig`` and named as vLLM names them
@@ -124,6 +125,12 @@ async def _generate_remote(args: argparse.Namespace) -> int:
             logger.error("%s: %s", exc.code().name, exc.details())
             return 4
     return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from cluster import chat_client
+
+    return chat_client.run_chat(args, engine_kwargs(args))
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -266,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline of a --url request in seconds")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="multi-turn chat: offline engine, or a running cluster with --url")
+    from cluster import chat_client
+
+    chat_client.add_chat_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=_cmd_chat)
 
     up = sub.add_parser("up", help="start a local cluster: Ray on loopback, redis-server, replicas")
     up.add_argument("--replicas", type=int, default=1)

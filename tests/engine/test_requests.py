@@ -176,3 +176,16 @@ def test_bench_offline_counts_what_it_asked_for(tiny_dir, tmp_path):
     assert report["throughput_ratio"] > 0
     assert report["prefix_cache"]["num_cached_tokens"] == 16
     assert "throughput ratio" in proc.stdout
+
+
+def test_cli_chat_keeps_the_conversation():
+    # The second turn only makes sense with the first in the history.
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "chat", "--max-tokens", "20", "--max-model-len", "512",
+         "--kv-cache-memory", "0.05"],
+        input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()[:2]
+    assert "Paris" in first
+    assert "Rome" in second
