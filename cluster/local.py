@@ -25,6 +25,8 @@ from cluster.types import GenerationRequest, StreamChunk
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Serve drains replicas (graceful_shutdown_timeout_s 30 s) before it returns.
+SERVE_SHUTDOWN_TIMEOUT_S = 60.0
 
 
 class LocalCluster:
@@ -181,11 +183,16 @@ class LocalCluster:
         from ray import serve
 
         self._stop_router()
-        try:
-            if ray.is_initialized():
-                serve.shutdown()
-        except Exception:  # noqa: BLE001 - keep tearing down
-            logger.exception("serve.shutdown failed")
+        if ray.is_initialized():
+            # Bounded: if Ray's own processes were signalled too (a terminal's
+            # process group, `timeout`), the controller may never answer; then
+            # ray.shutdown() below ends every Ray process anyway.
+            done = threading.Thread(target=_serve_shutdown, name="serve-shutdown", daemon=True)
+            done.start()
+            done.join(SERVE_SHUTDOWN_TIMEOUT_S)
+            if done.is_alive():
+                logger.warning("serve.shutdown did not finish in %.0fs; stopping Ray directly",
+                               SERVE_SHUTDOWN_TIMEOUT_S)
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         if self.redis is not None:
@@ -198,6 +205,15 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _serve_shutdown() -> None:
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception:  # noqa: BLE001 - keep tearing down
+        logger.exception("serve.shutdown failed")
 
 
 def _max_model_len(config: ClusterConfig, model_dir: Any) -> int:
