@@ -56,8 +56,8 @@ class RunResult:
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": round(self.tokens_per_s, 2),
             "ttft_mean_s": round(statistics.fmean(ttft), 4) if ttft else None,
-            "ttft_p50_s": round(_pct(ttft, 50), 4) if ttft else None,
-            "ttft_p99_s": round(_pct(ttft, 99), 4) if ttft else None,
+            "ttft_p50_s": round(percentile(ttft, 50), 4) if ttft else None,
+            "ttft_p99_s": round(percentile(ttft, 99), 4) if ttft else None,
         }
 
 
@@ -220,8 +220,7 @@ def _print_table(report: dict[str, Any]) -> None:
     for r in report["runs"]:
         rows.append((r["name"], f"{r['seconds']:.1f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = format_table(rows)
     if "throughput_ratio" in report:
         lines.append(f"throughput ratio (prefixserve / hf): {report['throughput_ratio']:.2f}x")
     if "prefix_cache" in report:
@@ -233,6 +232,13 @@ def _print_table(report: dict[str, Any]) -> None:
     print("\n".join(lines))  # the table is the program's output, not a log
 
 
-def _pct(sorted_values: list[float], pct: float) -> float:
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of already sorted values (shared by the benchmarks)."""
     k = min(len(sorted_values) - 1, max(0, round(pct / 100 * (len(sorted_values) - 1))))
     return sorted_values[k]
+
+
+def format_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns, two spaces apart (shared by the benchmarks)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]

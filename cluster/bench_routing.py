@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from cluster.bench import format_table, percentile
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("cache_aware", "round_robin", "least_load", "power_of_two")
@@ -192,12 +194,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "mean": 0.0}
     data = sorted(values)
-
-    def pct(p: float) -> float:
-        return data[min(len(data) - 1, max(0, round(p / 100 * (len(data) - 1))))]
-
-    return {"p50": round(pct(50), 4), "p95": round(pct(95), 4), "p99": round(pct(99), 4),
-            "mean": round(statistics.fmean(data), 4)}
+    return {"p50": round(percentile(data, 50), 4), "p95": round(percentile(data, 95), 4),
+            "p99": round(percentile(data, 99), 4), "mean": round(statistics.fmean(data), 4)}
 
 
 def _print_table(report: dict[str, Any]) -> None:
@@ -206,8 +204,7 @@ def _print_table(report: dict[str, Any]) -> None:
         rows.append((r["policy"], f"{r['hit_rate']:.1%}", f"{r['ttft_s']['p50']:.3f}", f"{r['ttft_s']['p95']:.3f}",
                      f"{r['ttft_s']['p99']:.3f}", f"{r['e2e_s']['p50']:.3f}", f"{r['e2e_s']['p99']:.3f}",
                      f"{r['requests_per_s']:.2f}", " ".join(str(v) for v in r["requests_per_replica"].values())))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = format_table(rows)
     for key, value in report.get("ratios", {}).items():
         lines.append(f"{key}: {value:.2f}x")
     print("\n".join(lines))  # the table is the program's output, not a log

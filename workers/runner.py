@@ -145,7 +145,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start = [0]
+        query_lens: list[int] = []
         seq_lens: list[int] = []
         for req in batch:
             start = req.num_computed_tokens
@@ -155,23 +155,12 @@ class ModelRunner:
             positions.extend(pos)
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_start.append(query_start[-1] + n)
+            query_lens.append(n)
             seq_lens.append(start + n)
-        width = max(-(-s // bs) for s in seq_lens)
-        tables = [list(req.block_ids[:width]) + [0] * (width - min(width, len(req.block_ids))) for req in batch]
+        # Tables cut to the blocks this step can touch (a table may hold more).
+        tables = [req.block_ids[: -(-s // bs)] for req, s in zip(batch, seq_lens)]
         dev = self.device
-        query_lens = [len(r.input_token_ids) for r in batch]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            num_decodes=sum(1 for n in query_lens if n == 1),
-        )
+        meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables, dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos_t, meta

@@ -9,7 +9,6 @@ returns the logits of every new token.
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,19 +132,8 @@ class PagedDriver:
             starts.append(starts[-1] + len(new))
             seq_lens.append(len(req.token_ids))
             tables.append(req.block_ids)
-        width = max(len(t) for t in tables)
         query_lens = [len(chunks[rid]) for rid in order]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            num_decodes=sum(1 for n in itertools.takewhile(lambda n: n == 1, query_lens)),
-        )
+        meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
         logits = self.model.compute_logits(hidden)
         return {rid: logits[starts[i] : starts[i + 1]] for i, rid in enumerate(order)}

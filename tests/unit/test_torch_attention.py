@@ -56,26 +56,8 @@ def make_case(seq_lens, query_lens, block_size, num_blocks, hq, hkv, hd, seed):
         k_parts.append(keys[seq_len - qlen :])
         v_parts.append(vals[seq_len - qlen :])
         q_pos.append(list(range(seq_len - qlen, seq_len)))
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_start_loc=torch.tensor([0] + list(_cumsum(query_lens)), dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_list=list(query_lens),
-        seq_lens_list=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=sum(1 for ql in query_lens if ql == 1),
-    )
+    meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables)
     return kv_cache, meta, q_parts, k_parts, v_parts, q_pos, full
-
-
-def _cumsum(values):
-    total = 0
-    for value in values:
-        total += value
-        yield total
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native_decode", "torch_decode"])

@@ -61,18 +61,8 @@ def make_batch(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed):
         qs.append(torch.randn(qlen, hq, head_dim, generator=gen))
         ks.append(keys[ctx:])
         vs.append(values[ctx:])
-    width = max(len(t) for t in tables) + 1  # padding past the longest table
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_start_loc=torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_list=list(query_lens),
-        seq_lens_list=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=sum(1 for n in query_lens if n == 1),
-    )
+    # One padding entry past the longest table.
+    meta = AttentionMetadata.build(slots, query_lens, seq_lens, [t + [0] for t in tables])
     return kv_cache, meta, (torch.cat(qs), torch.cat(ks), torch.cat(vs)), full
 
 

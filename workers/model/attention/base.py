@@ -18,7 +18,8 @@ limited to the last ``sliding_window`` positions when one is set.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+import itertools
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -52,6 +53,38 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_list)
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: Sequence[int],
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        device: Union[str, torch.device] = "cpu",
+    ) -> "AttentionMetadata":
+        """Builds the metadata from host lists, deriving everything derivable.
+
+        Block tables are padded with block 0 to the longest; ``num_decodes``
+        is the leading run of requests with query length 1.
+        """
+        query_lens, seq_lens = list(query_lens), list(seq_lens)
+        width = max(len(t) for t in block_tables)
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for _ in itertools.takewhile(lambda n: n == 1, query_lens)),
+        )
 
 
 class AttentionBackend(Protocol):
