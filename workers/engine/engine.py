@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Callable, Optional, Protocol, Sequence as Seq
 
-from cluster.types import FinishReason, GenerationRequest, ReplicaStats
+from cluster.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams
 from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
@@ -69,8 +69,28 @@ class LLMEngine:
 
     # ----------------------------------------------------------- requests
     def validate(self, request: GenerationRequest) -> None:
-        """Raises ValueError saying what to change if the request cannot run."""
+        """Raises ValueError saying what to change if the request cannot run.
+
+        Checks everything again, even what the router validated: a request
+        that crossed a process boundary (unpickled, ``__post_init__`` not
+        run) must not reach the scheduler with bad values.
+        """
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"expected a GenerationRequest, got {type(request).__name__}")
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
+        if not isinstance(request.priority, int) or not isinstance(request.cache_salt, str):
+            raise ValueError("priority must be an integer and cache_salt a string")
+        params = request.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        try:
+            params.validate()
+        except TypeError as exc:
+            raise ValueError(f"sampling_params has a value of the wrong type: {exc}") from None
         ids = request.prompt_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
         if not ids:
             raise ValueError("prompt is empty: send at least one token (or non-empty text)")
         if len(ids) >= self.max_model_len:
@@ -106,6 +126,7 @@ class LLMEngine:
             priority=request.priority,
             arrival_time=request.arrival_time or self._clock(),
         )
+        seq.queued_time = self._clock()
         self._seqs[request.request_id] = seq
         self._detok[request.request_id] = (
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, request.sampling_params.stop)
@@ -132,6 +153,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling + model step; returns the outputs of this step."""
         sched = self.scheduler.schedule()
+        self._note_first_scheduled(sched)
         if sched.is_empty:
             # schedule() may have finished requests that can never fit; they
             # are reported through update_from_output like any other.
@@ -143,6 +165,15 @@ class LLMEngine:
         for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
             outputs.append(self._make_output(seq, new_ids, new_logprobs))
         return outputs
+
+    def _note_first_scheduled(self, sched: SchedulerOutput) -> None:
+        """Stamps requests scheduled for the first time (for their queue time)."""
+        now = None
+        for scheduled in sched.scheduled:
+            seq = self._seqs.get(scheduled.request_id)
+            if seq is not None and seq.first_scheduled_time is None:
+                now = self._clock() if now is None else now
+                seq.first_scheduled_time = now
 
     def _make_output(self, seq: Sequence, new_ids: list[int], new_logprobs) -> RequestOutput:
         detok = self._detok.get(seq.request_id)
@@ -161,6 +192,7 @@ class LLMEngine:
                 num_output_tokens=len(seq.output_token_ids),
                 num_cached_tokens=seq.num_cached_tokens,
                 new_logprobs=new_logprobs,
+                queue_time=_queue_time(seq),
             )
         out = self._finish_output(seq, new_ids, new_logprobs, reason)
         out.new_text = text + out.new_text
@@ -179,6 +211,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=new_logprobs,
             finish_message=seq.finish_message,
+            queue_time=_queue_time(seq),
         )
 
     # -------------------------------------------------------------- stats
@@ -192,3 +225,10 @@ class LLMEngine:
             kv_cache_usage=kv.usage,
             num_cached_blocks=kv.num_cached_blocks,
         )
+
+
+def _queue_time(seq: Sequence) -> Optional[float]:
+    """Seconds the sequence waited before it was first scheduled (None: not yet)."""
+    if seq.first_scheduled_time is None or seq.queued_time is None:
+        return None
+    return max(0.0, seq.first_scheduled_time - seq.queued_time)

@@ -95,6 +95,7 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: Optional[list[TokenLogprob]] = None
     finish_message: Optional[str] = None  # why the engine (not the user) ended it
+    queue_time: Optional[float] = None  # seconds from add_request to first scheduled (engine clock)
 
     @property
     def finished(self) -> bool:

@@ -86,6 +86,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens hit in the prefix cache at first admission
         self.num_preemptions = 0
+        # Set by the engine, on its clock: added, then first scheduled (queue time).
+        self.queued_time: Optional[float] = None
+        self.first_scheduled_time: Optional[float] = None
 
         # Owned by the KV manager.
         self.block_ids: list[int] = []  # device block table while RUNNING

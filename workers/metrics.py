@@ -1,0 +1,158 @@
+"""Prometheus metrics of one replica, named as vLLM names them with the
+prefix ``prefixserve:`` (so vLLM dashboards and alerts port over by renaming).
+
+Every series carries the labels ``replica`` (Serve's replica id) and
+``model`` (the served model name). Each ``ReplicaMetrics`` owns its own
+``CollectorRegistry`` (never the process-global one), so several replicas in
+one process -- tests -- never collide.
+
+Where the figures come from::
+
+    gauges      num_requests_{running,waiting,swapped}, kv_cache_usage_perc
+                <- ReplicaStats of the last engine step   (set_load, before render)
+    counters    num_preemptions_total, prefix_cache_{queries,hits}_total (tokens)
+                <- the engine's cumulative counters       (record_engine_counters,
+                   after every step on the engine thread)
+    counters    prompt_tokens_total, generation_tokens_total
+    histograms  time_to_first_token_seconds, inter_token_latency_seconds,
+                e2e_request_latency_seconds, request_queue_time_seconds
+                <- each request's outputs, timed where the replica receives
+                   them                                   (RequestTimer)
+
+The replica publishes ``render()``'s text to the prefix directory with its
+heartbeats; the router's ``GET /metrics`` merges the live replicas' texts
+(``router/metrics.py``). No torch here: this module only needs
+``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cluster.metrics_format import METRIC_PREFIX as PREFIX
+from cluster.metrics_format import render_registry
+from cluster.types import ReplicaStats
+from workers.engine.outputs import RequestOutput
+
+LABELS = ("replica", "model")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so quantiles compare.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ReplicaMetrics:
+    """The ``prefixserve:*`` series of one replica.
+
+    Args:
+        replica_id: Value of the ``replica`` label.
+        model_name: Value of the ``model`` label.
+        registry: Where the metrics live; a fresh ``CollectorRegistry`` by default.
+    """
+
+    def __init__(self, replica_id: str, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = {"replica": replica_id, "model": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, LABELS, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus_client appends _total to a counter's samples.
+            return Counter(PREFIX + name.removesuffix("_total"), doc, LABELS, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Used device KV blocks / total (1 = 100%).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (at each admission).")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.")
+        self.num_preemptions = counter("num_preemptions_total", "Sequences preempted (swapped or recomputed).")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of requests that produced output.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From the replica receiving a request to its first token.",
+            TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Between consecutive outputs of a request.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "From the replica receiving a request to its last output.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "From entering the engine to first being scheduled.",
+            REQUEST_LATENCY_BUCKETS)
+        self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+
+    # ----------------------------------------------------------- recording
+    def set_load(self, stats: ReplicaStats) -> None:
+        """Sets the gauges from the last step's load figures."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_swapped.set(stats.num_swapped)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+
+    def record_engine_counters(self, *, num_preemptions: int, prefix_cache_queries: int,
+                               prefix_cache_hits: int) -> None:
+        """Advances the counters to the engine's cumulative values (never backwards)."""
+        targets = {
+            "num_preemptions": (num_preemptions, self.num_preemptions),
+            "prefix_cache_queries": (prefix_cache_queries, self.prefix_cache_queries),
+            "prefix_cache_hits": (prefix_cache_hits, self.prefix_cache_hits),
+        }
+        for name, (value, counter) in targets.items():
+            delta = value - self._engine_counts[name]
+            if delta > 0:
+                counter.inc(delta)
+                self._engine_counts[name] = value
+
+    def start_request(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
+        """A timer for one request, started now."""
+        return RequestTimer(self, clock)
+
+    # ----------------------------------------------------------- exposition
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (without ``*_created`` series)."""
+        return render_registry(self.registry)
+
+
+class RequestTimer:
+    """Times one request's outputs into its replica's metrics.
+
+    Call ``on_output`` with every ``RequestOutput`` as it arrives.
+    """
+
+    def __init__(self, metrics: ReplicaMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._start = clock()
+        self._last_token: Optional[float] = None
+        self._queue_time_seen = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Records one output (mutates the metrics)."""
+        m, now = self._metrics, self._clock()
+        if out.new_token_ids:
+            if self._last_token is None:
+                m.time_to_first_token.observe(now - self._start)
+                m.prompt_tokens.inc(out.num_prompt_tokens)
+            else:
+                m.inter_token_latency.observe(now - self._last_token)
+            self._last_token = now
+            m.generation_tokens.inc(len(out.new_token_ids))
+        if out.queue_time is not None and not self._queue_time_seen:
+            m.request_queue_time.observe(out.queue_time)
+            self._queue_time_seen = True
+        if out.finished:
+            m.e2e_request_latency.observe(now - self._start)
