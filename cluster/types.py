@@ -16,6 +16,25 @@ MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
 
 
+class ReplicaOverloadedError(RuntimeError):
+    """A replica's waiting queue is full (``max_waiting_requests``): retry later.
+
+    Raised by the replica before it queues anything; the router maps it to
+    ``RESOURCE_EXHAUSTED`` / HTTP 429 with ``retry_after_s`` as the hint.
+
+    Args:
+        message: Says which bound was hit.
+        retry_after_s: When a retry is likely to be admitted, in seconds.
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its hint
+        return (type(self), (str(self), self.retry_after_s))
+
+
 class FinishReason(str, enum.Enum):
     """Why a request ended. ``str`` values are what the APIs return."""
 
@@ -68,6 +87,14 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._validate()
+
+    def validate(self) -> None:
+        """Checks every field again (an unpickled copy skipped ``__post_init__``).
+
+        Raises:
+            ValueError: A value is out of range, named in the message.
+        """
         self._validate()
 
     def _validate(self) -> None:

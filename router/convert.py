@@ -8,12 +8,14 @@ unset takes the Python default of ``cluster.types.SamplingParams``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from dataclasses import fields
 from typing import Optional
 
 from cluster.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
+from router.limits import Limits
 from router.pb import generation_pb2 as pb
 from router.tokenizer import RouterTokenizer
 
@@ -103,6 +105,7 @@ def request_from_proto(
     msg: pb.GenerateRequest,
     tokenizer: RouterTokenizer,
     max_model_len: Optional[int] = None,
+    limits: Optional[Limits] = None,
 ) -> GenerationRequest:
     """Validates a ``GenerateRequest`` and turns it into an engine request.
 
@@ -110,25 +113,43 @@ def request_from_proto(
         msg: The request as received.
         tokenizer: The model's router tokenizer.
         max_model_len: When given, prompts must leave room for one output
-            token (``len(prompt) < max_model_len``).
+            token (``len(prompt) < max_model_len``) and ``prompt +
+            max_tokens <= max_model_len``; an unset ``max_tokens`` becomes
+            ``min(16, room)``.
+        limits: The server's input limits (default ``Limits()``).
 
     Returns:
         The request; ``request_id`` is a fresh uuid4 hex when ``msg`` has none.
 
     Raises:
-        ValueError: Any invalid field, named in the message.
+        ValueError: Any invalid field, named in the message (``LimitError``
+            for a limit, naming it and the value allowed).
     """
+    limits = limits or Limits()
     if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id has {len(msg.request_id)} characters: use at most {MAX_REQUEST_ID_CHARS}")
     if len(msg.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise ValueError(f"cache_salt has {len(msg.cache_salt)} characters: use at most {MAX_CACHE_SALT_CHARS}")
-    params = sampling_params_from_proto(msg.sampling)
+    sampling = msg.sampling
+    limits.check_stop(sampling.stop, "sampling.stop")
+    limits.check_stop_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids")
+    if sampling.HasField("logprobs"):
+        limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
+    params = sampling_params_from_proto(sampling)
+    kind = msg.WhichOneof("input")
+    prompt_field = {"prompt_token_ids": "prompt_token_ids.ids", "messages": "messages.items"}.get(kind, "prompt")
+    if kind == "messages":
+        limits.check_messages(len(msg.messages.items), "messages.items")
+    if kind == "prompt_token_ids" and max_model_len is not None:  # before checking every id
+        limits.check_prompt(len(msg.prompt_token_ids.ids), max_model_len, prompt_field)
     prompt_ids = prompt_ids_from_proto(msg, tokenizer)
-    if max_model_len is not None and len(prompt_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}: "
-            f"shorten it to at most {max_model_len - 1} tokens"
-        )
+    if max_model_len is not None:
+        limits.check_prompt(len(prompt_ids), max_model_len, prompt_field)
+    requested = params.max_tokens if sampling.HasField("max_tokens") else None
+    max_tokens = limits.resolve_max_tokens(requested, len(prompt_ids), max_model_len, "sampling.max_tokens",
+                                           default=params.max_tokens)
+    if max_tokens is not None and max_tokens != params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=max_tokens)
     return GenerationRequest(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,

@@ -14,13 +14,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from cluster.types import MAX_LOGPROBS, GenerationRequest, SamplingParams, StreamChunk, TokenLogprob
+from cluster.types import GenerationRequest, SamplingParams, StreamChunk, TokenLogprob
 from router.backend import ModelInfo
+from router.limits import LimitError, Limits
 from router.tokenizer import RouterTokenizer
 
 MAX_CACHE_SALT_CHARS = 256
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("seed", "top_k")
+# Integer ranges of the gRPC contract (int64 seed, int32 top_k and priority), enforced on HTTP too.
+_INT_RANGES = {"seed": (-2**63, 2**64 - 1), "top_k": (-2**31, 2**31 - 1), "priority": (-2**31, 2**31 - 1)}
 
 
 class APIError(Exception):
@@ -32,6 +35,7 @@ class APIError(Exception):
         param: The request field at fault, if any.
         type_: OpenAI error type.
         code: Machine-readable code, if any.
+        headers: Extra response headers (``Retry-After`` of a 429).
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class APIError(Exception):
         param: Optional[str] = None,
         type_: str = "invalid_request_error",
         code: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,6 +53,7 @@ class APIError(Exception):
         self.param = param
         self.type = type_
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON error body."""
@@ -91,6 +97,9 @@ def _number(body: dict, name: str, integer: bool) -> Any:
         value = float(value)
         if not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number, got {value!r}", name)
+    elif name in _INT_RANGES and not _INT_RANGES[name][0] <= value <= _INT_RANGES[name][1]:
+        low, high = _INT_RANGES[name]
+        raise bad_request(f"{name} must be in [{low}, {high}], got {value!r}", name)
     return value
 
 
@@ -168,10 +177,11 @@ def _message_content(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _chat_ids(body: dict, tokenizer: RouterTokenizer) -> list[int]:
+def _chat_ids(body: dict, tokenizer: RouterTokenizer, limits: Limits) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    limits.check_messages(len(messages), "messages")
     plain = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -186,7 +196,7 @@ def _chat_ids(body: dict, tokenizer: RouterTokenizer) -> list[int]:
     return ids
 
 
-def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo) -> SamplingParams:
+def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, limits: Limits) -> SamplingParams:
     kwargs: dict[str, Any] = {}
     for name in _FLOATS:
         value = _number(body, name, integer=False)
@@ -196,21 +206,10 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo) 
         value = _number(body, name, integer=True)
         if value is not None:
             kwargs[name] = value
-    room = model.max_model_len - prompt_len
-    if room < 1:
-        raise bad_request(
-            f"the prompt has {prompt_len} tokens but max_model_len is {model.max_model_len}: "
-            f"shorten it to at most {model.max_model_len - 1} tokens", "messages" if chat else "prompt",
-        )
+    limits.check_prompt(prompt_len, model.max_model_len, "messages" if chat else "prompt")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, max_name, integer=True)
-    if max_tokens is None:
-        max_tokens = room if chat else min(16, room)
-    elif max_tokens > room:
-        raise bad_request(
-            f"{max_name} = {max_tokens} is too large: the prompt has {prompt_len} tokens and max_model_len is "
-            f"{model.max_model_len}, so request at most {room}", max_name,
-        )
+    max_tokens = limits.resolve_max_tokens(_number(body, max_name, integer=True), prompt_len, model.max_model_len,
+                                           max_name, default=None if chat else 16)
     kwargs["max_tokens"] = max_tokens
     stop = body.get("stop")
     if stop is not None:
@@ -218,39 +217,48 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo) 
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad_request("stop must be a string or a list of strings", "stop")
+        limits.check_stop(stop, "stop")
         kwargs["stop"] = tuple(stop)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise bad_request("stop_token_ids must be a list of integer token ids", "stop_token_ids")
+        limits.check_stop_token_ids(stop_ids, "stop_token_ids")
+        if any(not 0 <= t < 2**32 for t in stop_ids):
+            raise bad_request("stop_token_ids must be token ids in [0, 2**32)", "stop_token_ids")
         kwargs["stop_token_ids"] = tuple(stop_ids)
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None:
         if not isinstance(ignore_eos, bool):
             raise bad_request("ignore_eos must be true or false", "ignore_eos")
         kwargs["ignore_eos"] = ignore_eos
-    kwargs["logprobs"] = _logprobs(body, chat)
+    kwargs["logprobs"] = _logprobs(body, chat, limits)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise bad_request(str(exc), param_of(str(exc))) from None
 
 
-def _logprobs(body: dict, chat: bool) -> Optional[int]:
+def _logprobs(body: dict, chat: bool, limits: Limits) -> Optional[int]:
     if not chat:
-        return _number(body, "logprobs", integer=True)
+        num = _number(body, "logprobs", integer=True)
+        limits.check_logprobs(num, "logprobs")
+        return num
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise bad_request("logprobs must be true or false for chat completions", "logprobs")
     top = _number(body, "top_logprobs", integer=True)
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    limits.check_logprobs(top, "top_logprobs")
+    if top is not None and top < 0:
+        raise bad_request(f"top_logprobs must be in [0, {limits.max_logprobs}], got {top}", "top_logprobs")
     if top is not None and not wanted:
         raise bad_request("top_logprobs needs logprobs: set logprobs to true", "top_logprobs")
     return (top or 0) if wanted else None
 
 
-def parse_request(body: Any, chat: bool, tokenizer: RouterTokenizer, model: ModelInfo) -> ParsedRequest:
+def parse_request(
+    body: Any, chat: bool, tokenizer: RouterTokenizer, model: ModelInfo, limits: Optional[Limits] = None,
+) -> ParsedRequest:
     """Validates an OpenAI completions / chat completions body.
 
     Args:
@@ -258,10 +266,21 @@ def parse_request(body: Any, chat: bool, tokenizer: RouterTokenizer, model: Mode
         chat: True for ``/v1/chat/completions``.
         tokenizer: The model's router tokenizer.
         model: The served model.
+        limits: The server's input limits (default ``Limits()``).
 
     Raises:
-        APIError: 400 for invalid input (naming the field), 404 for an unknown model.
+        APIError: 400 for invalid input (naming the field and, for a limit,
+            the value allowed), 404 for an unknown model.
     """
+    try:
+        return _parse_request(body, chat, tokenizer, model, limits or Limits())
+    except LimitError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def _parse_request(
+    body: Any, chat: bool, tokenizer: RouterTokenizer, model: ModelInfo, limits: Limits,
+) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     name = _check_model(body, model)
@@ -273,8 +292,8 @@ def parse_request(body: Any, chat: bool, tokenizer: RouterTokenizer, model: Mode
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object like {'include_usage': true}", "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    prompt_ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
-    params = _sampling_params(body, chat, len(prompt_ids), model)
+    prompt_ids = _chat_ids(body, tokenizer, limits) if chat else _prompt_ids(body, tokenizer)
+    params = _sampling_params(body, chat, len(prompt_ids), model, limits)
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
         raise bad_request(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")

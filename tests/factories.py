@@ -84,3 +84,48 @@ def hf_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens:
             )
             outs.append(gen[0, len(prompt) :].tolist())
     return outs
+
+
+def make_test_certs(folder: Path) -> dict[str, str]:
+    """A CA, a server certificate (127.0.0.1, localhost) and a client certificate signed
+    by it, as ``<stem>.crt`` / ``<stem>.key`` PEM files; returns ``{stem: folder/stem}``
+    for ``ca``, ``server`` and ``client``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def build(subject: str, key, issuer_name, issuer_key, ca: bool, san=None):
+        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer_name)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def save(stem: str, cert, key) -> None:
+        (folder / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (folder / f"{stem}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = build("prefixserve test CA", ca_key, name("prefixserve test CA"), ca_key, ca=True)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    server = build("127.0.0.1", server_key, ca.subject, ca_key, ca=False, san=san)
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = build("client", client_key, ca.subject, ca_key, ca=False)
+    save("ca", ca, ca_key)
+    save("server", server, server_key)
+    save("client", client, client_key)
+    return {stem: str(folder / stem) for stem in ("ca", "server", "client")}

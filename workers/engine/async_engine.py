@@ -11,6 +11,13 @@ the thread through a queue; outputs go back to per-request asyncio queues via
 
 Cancelling the consumer of ``generate()`` (client gone, deadline) aborts the
 request in the engine, which frees its blocks.
+
+Admission: with ``max_waiting_requests`` set, ``generate()`` rejects a request
+at once (``ReplicaOverloadedError``, nothing queued) while the replica already
+holds ``max_num_seqs + max_waiting_requests`` unfinished requests, i.e. when
+more than ``max_waiting_requests`` would wait beyond one full batch. Counted
+here, on the caller's loop, so a burst is bounded exactly, not as of the last
+engine step.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import queue
 import threading
 from typing import AsyncIterator, Callable, Optional, TypeVar
 
-from cluster.types import GenerationRequest, ReplicaStats
+from cluster.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestOutput
 
@@ -36,10 +43,15 @@ class AsyncEngine:
 
     Args:
         engine: The engine; after ``start()`` only the engine thread touches it.
+        after_step: Runs on the engine thread after each step.
+        max_waiting_requests: Admission bound (see the module docstring);
+            None admits everything.
     """
 
-    def __init__(self, engine: LLMEngine, after_step: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, engine: LLMEngine, after_step: Optional[Callable[[], None]] = None,
+                 max_waiting_requests: Optional[int] = None) -> None:
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
         self._after_step = after_step  # runs on the engine thread after each step
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -70,11 +82,13 @@ class AsyncEngine:
 
         Raises:
             ValueError: The request is invalid (nothing was queued).
+            ReplicaOverloadedError: The admission bound is reached (nothing was queued).
             RuntimeError: The engine loop died.
         """
         if self.error is not None:
             raise RuntimeError(f"engine loop stopped: {self.error!r}")
         self.engine.validate(request)  # read-only checks; fail fast in the caller
+        self._admit()
         self.start()
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -96,6 +110,23 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self._inbox.put(("abort", request.request_id))
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests admitted whose stream has not ended."""
+        return len(self._streams)
+
+    def _admit(self) -> None:
+        """Raises ReplicaOverloadedError when one more request would pass the bound."""
+        if self.max_waiting_requests is None:
+            return
+        max_num_seqs = self.engine.scheduler.max_num_seqs
+        capacity = max_num_seqs + self.max_waiting_requests
+        if len(self._streams) >= capacity:
+            raise ReplicaOverloadedError(
+                f"the replica holds {len(self._streams)} unfinished requests, its bound is max_num_seqs "
+                f"{max_num_seqs} + max_waiting_requests {self.max_waiting_requests}: retry later"
+            )
 
     def abort(self, request_id: str) -> None:
         """Asks the engine thread to abort a request (no-op if unknown)."""
@@ -175,6 +206,10 @@ class AsyncEngine:
             self.engine.add_request(request)
         except ValueError as exc:
             self._send(request.request_id, exc)
+        except Exception as exc:  # noqa: BLE001 - bad input must never end the engine loop
+            logger.exception("adding request %r failed", getattr(request, "request_id", None))
+            self.engine.abort_request(request.request_id)  # drops whatever was half-added
+            self._send(request.request_id, ValueError(f"the request could not be queued: {exc!r}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
