@@ -1,5 +1,24 @@
 """Builds the Ray Serve application: the replica deployment (one engine and
-its tensor-parallel group per replica).
+its tensor-parallel group per replica) and, for Serve-managed clusters
+(KubeRay), the router deployment in front of it.
+
+    serve.run(build_app(config))                      # replicas only (local: the
+                                                      # launcher runs the router)
+    serve.run(build_app(config, with_router=True))    # + router replicas
+
+For a RayService's ``serveConfigV2``, ``app_builder`` is the import path
+(``cluster.app:app_builder``) and the cluster config travels as its args::
+
+    applications:
+      - name: prefixserve
+        import_path: cluster.app:app_builder
+        args:
+          config: {replicas: 2, redis_url: "redis://redis:6379", router: {host: 0.0.0.0}}
+        # or: args: {config_path: /etc/prefixserve/cluster.yaml}
+
+The router deployment runs at most one replica per node
+(``max_replicas_per_node=1``) because it binds the node's fixed gRPC and HTTP
+ports; ``router.num_routers`` says how many nodes get one.
 
 With ``tensor_parallel_size = N > 1`` each replica asks Serve for a placement
 group of ``1 + N`` bundles packed on one node (STRICT_PACK): bundle 0 holds
@@ -14,7 +33,9 @@ from typing import Any
 from cluster.config import ClusterConfig
 
 REPLICA_DEPLOYMENT = "replica"
+ROUTER_DEPLOYMENT = "router"
 APP_NAME = "prefixserve"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def replica_options(config: ClusterConfig) -> dict[str, Any]:
@@ -31,11 +52,21 @@ def replica_options(config: ClusterConfig) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": 30,
     }
     options["request_router_config"] = request_router_config(config)
+    if config.autoscaling is not None:
+        from cluster.autoscaling import serve_autoscaling_config
+
+        del options["num_replicas"]
+        options["autoscaling_config"] = serve_autoscaling_config(config)
+    # engine.device "cuda" asks Ray for one GPU per model shard: the replica's
+    # own with tp 1, each rank's bundle with tp > 1.
+    gpu = {"GPU": 1} if config.engine.device == "cuda" else {}
     if tp > 1:
         options["placement_group_bundles"] = [{"CPU": config.replica_num_cpus}] + [
-            {"CPU": config.rank_num_cpus} for _ in range(tp)
+            {"CPU": config.rank_num_cpus, **gpu} for _ in range(tp)
         ]
         options["placement_group_strategy"] = "STRICT_PACK"
+    elif gpu:
+        options["ray_actor_options"]["num_gpus"] = 1
     return options
 
 
@@ -61,11 +92,87 @@ def request_router_config(config: ClusterConfig) -> Any:
     )
 
 
-def build_app(config: ClusterConfig) -> Any:
-    """The bound Serve application (``serve.run`` it)."""
+def router_options(config: ClusterConfig) -> dict[str, Any]:
+    """Serve deployment options of the router deployment."""
+    return {
+        "name": ROUTER_DEPLOYMENT,
+        "num_replicas": config.router.num_routers,
+        # Each router binds its node's fixed ports: never two on one node.
+        "max_replicas_per_node": 1,
+        "ray_actor_options": {"num_cpus": config.router.router_num_cpus,
+                              **({"resources": dict(config.router.router_resources)}
+                                 if config.router.router_resources else {})},
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+        # Serve waits this long for __del__ (the drain) before killing the actor.
+        "graceful_shutdown_timeout_s": config.router.drain_timeout_s + 10,
+    }
+
+
+def model_info(config: ClusterConfig) -> tuple[str, str, int]:
+    """``(model folder, name clients pass as model, max_model_len)`` of the served model."""
+    import json
+    from pathlib import Path
+
+    from workers.model.loader import resolve_model
+
+    model_dir = resolve_model(config.engine.model)
+    name = Path(config.engine.model).name if config.engine.model else DEFAULT_MODEL_NAME
+    if config.engine.max_model_len is not None:
+        max_len = config.engine.max_model_len
+    else:
+        config_file = Path(model_dir) / "config.json"
+        hf = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        max_len = int(hf.get("max_position_embeddings") or 2048)
+    return str(model_dir), name, max_len
+
+
+def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
+    """The bound Serve application (``serve.run`` it).
+
+    Args:
+        config: The cluster.
+        with_router: Put the router deployment (gRPC + HTTP front ends on
+            ``config.router``'s ports) in front of the replicas as ingress.
+    """
     from ray import serve
 
     from workers.replica import ReplicaServer
 
     deployment = serve.deployment(ReplicaServer).options(**replica_options(config))
-    return deployment.bind(config.engine.flat(), config.redis_url, config.namespace)
+    replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace)
+    if not with_router:
+        return replicas
+    from router.deployment import FrontEndOptions, RouterDeployment
+
+    model_dir, name, max_len = model_info(config)
+    front = FrontEndOptions(model_dir=model_dir, model_name=name, max_model_len=max_len, redis_url=config.redis_url,
+                            namespace=config.namespace, routing_policy=config.routing_policy, router=config.router)
+    return serve.deployment(RouterDeployment).options(**router_options(config)).bind(replicas, front)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Serve application builder for ``serveConfigV2`` (``cluster.app:app_builder``).
+
+    Args:
+        args: ``{"config": <cluster config mapping>}`` or
+            ``{"config_path": <YAML file>}`` (the schema of ``prefixserve up
+            --config``); replicas and the router deployment are built.
+
+    Raises:
+        ValueError: Neither or both keys given, another key, or an invalid config.
+    """
+    args = dict(args or {})
+    unknown = sorted(set(args) - {"config", "config_path"})
+    if unknown or ("config" in args) == ("config_path" in args):
+        raise ValueError(
+            "app_builder args must hold exactly one of 'config' (a cluster config mapping) or "
+            f"'config_path' (a YAML file); got keys {sorted(args)}"
+        )
+    if "config_path" in args:
+        config = ClusterConfig.from_yaml(args["config_path"])
+    else:
+        config = ClusterConfig.from_dict(args["config"])
+    if config.redis_url is None:
+        raise ValueError("a Serve-managed cluster needs redis_url (the prefix directory); set it in the config")
+    return build_app(config, with_router=True)

@@ -22,9 +22,11 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import redis
 
@@ -196,7 +198,7 @@ class RedisServer:
         # stderr goes to a file: errors before the log file opens (a bad flag)
         # land there, and nothing can fill a pipe nobody reads.
         with open(self._data_dir / "stderr.log", "wb") as stderr:
-            self._proc = subprocess.Popen(
+            self._proc = _popen_from_a_lasting_thread(
                 self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                 preexec_fn=_die_with_parent,
             )
@@ -229,6 +231,30 @@ class RedisServer:
                 log += path.read_text(errors="replace")[-2000:]
         self.stop()
         raise RedisServerError(f"{reason} (port {self.port}); log tail:\n{log}")
+
+
+# The one thread that forks redis-servers for callers that are not the main
+# thread (see _popen_from_a_lasting_thread); it lives as long as the process.
+_spawner: Optional[ThreadPoolExecutor] = None
+_spawner_lock = threading.Lock()
+
+
+def _popen_from_a_lasting_thread(*args: Any, **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` from a thread that lives as long as the process.
+
+    ``PR_SET_PDEATHSIG`` (``_die_with_parent``) fires when the *thread* that
+    forked the child exits, not the process: a server started from a worker
+    thread (``asyncio.to_thread``, an executor, a launcher thread) would get
+    SIGTERM as soon as that thread finished. The main thread and the one
+    spawner thread here both last until the process ends.
+    """
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(*args, **kwargs)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-spawner")
+    return _spawner.submit(subprocess.Popen, *args, **kwargs).result()
 
 
 def _die_with_parent() -> None:

@@ -8,18 +8,27 @@ For each request (a ``GenerationRequest`` as the first argument) it
    request's ``cache_salt``),
 2. asks the prefix directory how many leading blocks each live replica holds
    (one Lua call; ``DirectoryError`` -> no confirmed cache, load-only),
-3. builds a ``ReplicaView`` per candidate from its routing stats
-   (``record_routing_stats``) and the router's own in-flight count, and
+3. builds a ``ReplicaView`` per candidate: its ongoing requests from
+   Serve's queue-length cache (fresh) split into running / waiting /
+   swapped by its routing stats (``record_routing_stats``, about a second
+   old), which alone count when the cache has no entry, and
 4. returns the policy's ranking, one replica per rank, so Serve falls back
    to the next one when a replica rejects (full queue).
 
 Requests that are not ``GenerationRequest``s (stats, resets) are routed by
 load alone.
+
+Each decision of a ``GenerationRequest`` is timed into
+``prefixserve:router_decision_seconds`` and, when the directory answered,
+the chosen replica's matched / request blocks into
+``prefixserve:router_prefix_match_ratio``; failed lookups count in
+``prefixserve:router_directory_errors_total`` (``router/metrics.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -27,6 +36,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from cluster.directory import Directory, DirectoryError
 from cluster.hashing import hash_block_chain, root_hash
 from cluster.types import GenerationRequest
+from router.metrics import get_router_metrics
 from router.policies import ReplicaView, RoutingInput, get_policy
 
 logger = logging.getLogger(__name__)
@@ -50,6 +60,8 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         self._block_size = block_size
         self._fingerprint = model_fingerprint
         self.num_directory_errors = 0
+        self._directory_down = False
+        self._metrics = get_router_metrics(namespace, policy)
 
     async def choose_replicas(
         self,
@@ -58,6 +70,7 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
+        began = time.perf_counter()
         request = _generation_request(pending_request)
         chain: list[bytes] = []
         if request is not None:
@@ -68,32 +81,53 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         num_tokens = len(request.prompt_token_ids) if request is not None else 0
         ranked = self._policy.choose(RoutingInput(len(chain), num_tokens, views))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if request is not None:
+            matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
+            self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
 
     async def _lookup(self, chain: list[bytes]) -> Optional[dict[str, int]]:
         if self._directory is None or not chain:
             return None
         try:
-            return await self._directory.lookup(chain)
+            counts = await self._directory.lookup(chain)
         except DirectoryError as exc:
             self.num_directory_errors += 1
-            logger.warning("prefix directory unavailable, routing on load only: %s", exc)
+            self._metrics.record_directory_error()
+            # Once per outage, not once per request (the counter and metric count them all).
+            log = logger.debug if self._directory_down else logger.warning
+            log("prefix directory unavailable, routing on load only: %s", exc)
+            self._directory_down = True
             return None
+        self._metrics.record_directory_ok()
+        if self._directory_down:
+            logger.info("prefix directory reachable again, routing on cached prefixes")
+            self._directory_down = False
+        return counts
 
     def _view(self, replica: RunningReplica, counts: Optional[dict[str, int]]) -> ReplicaView:
         replica_id = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
-        # Routing stats arrive every few seconds; the queue length Serve
-        # probes is fresher. Take the larger so bursts are seen at once.
-        queued = self._replica_queue_len_cache.get(replica.replica_id) or 0
         running = int(stats.get("num_running", 0))
         waiting = int(stats.get("num_waiting", 0))
-        running = max(running, queued - waiting)
+        swapped = int(stats.get("num_swapped", 0))
+        # Routing stats are a snapshot the controller pulls about once a
+        # second: they still count requests that finished since. Serve's
+        # queue-length cache is fresher (+1 on each send, -1 on completion,
+        # corrected by the replica's own count when it accepts), so when it has an
+        # entry it gives the number of ongoing requests and the stats only
+        # split it. (Taking the larger of the two made a replica that had just
+        # finished look busy and sent the next request to a busy one.)
+        queued = self._replica_queue_len_cache.get(replica.replica_id)
+        if queued is not None:
+            swapped = min(swapped, queued)
+            waiting = min(waiting, queued - swapped)
+            running = queued - waiting - swapped
         return ReplicaView(
             replica_id=replica_id,
             num_running=running,
             num_waiting=waiting,
-            num_swapped=int(stats.get("num_swapped", 0)),
+            num_swapped=swapped,
             kv_cache_usage=min(1.0, max(0.0, float(stats.get("kv_cache_usage", 0.0)))),
             num_cached_blocks=int(stats.get("num_cached_blocks", 0)),
             matched_blocks=None if counts is None else counts.get(replica_id),

@@ -23,7 +23,15 @@ Algorithm
     3. If some replica is eligible, rank the eligible ones by the longest
        match, then load, then KV use, then id; append every other replica in
        least-load order (fallbacks when the favourite rejects).
-       Otherwise return the least-load order.
+    4. Otherwise (no worthwhile match: a new prefix, or its holders are
+       overloaded) place it like SGLang does, on the *emptiest cache*: among
+       the replicas within the load limit and below the KV high-water mark,
+       the fewest cached blocks (``num_cached_blocks``), then load, KV use,
+       id; then the rest in least-load order (only the least-load order when
+       no replica qualifies). New tenants thus spread over the replicas' caches
+       instead of all landing on the same idle replica (least load breaks
+       ties by id), which would make that replica evict prefixes the others
+       have room for.
 
     ``matched_blocks`` comes only from the Redis directory's LOOKUP, which
     names live, in-sync replicas and counts *leading* blocks they hold by
@@ -51,7 +59,8 @@ Thresholds and defaults (SGLang router name -> ours)
                                    earlier): the fraction of the request's
                                    full blocks that must be cached. Below it
                                    SGLang picks the emptiest tree; we pick
-                                   the least loaded replica.
+                                   the replica with the emptiest cache among
+                                   those within the load limit.
     min_match_blocks = 1           Also need at least this many blocks; raise
                                    it to ignore tiny shared headers (e.g. a
                                    chat template's first block).
@@ -134,7 +143,7 @@ class CacheAwarePolicy:
             return ids_of(by_load)
         favourites = self.affinity_candidates(inp)
         if not favourites:
-            return ids_of(by_load)
+            return self.place_new(inp, by_load)
         favourites.sort(
             key=lambda r: (
                 -self._matched(r, inp.num_blocks),
@@ -145,6 +154,18 @@ class CacheAwarePolicy:
         )
         chosen = {r.replica_id for r in favourites}
         return ids_of(favourites) + [r.replica_id for r in by_load if r.replica_id not in chosen]
+
+    def place_new(self, inp: RoutingInput, by_load: list[ReplicaView]) -> list[str]:
+        """Order for a request no replica holds worth routing on: the emptiest
+        cache among the replicas within the load limit first (step 4)."""
+        min_load = replica_load(by_load[0], self.swapped_weight) if by_load else 0.0
+        limit = self.load_limit(min_load)
+        fit = [r for r in by_load
+               if replica_load(r, self.swapped_weight) <= limit and r.kv_cache_usage < self.kv_high_water]
+        fit.sort(key=lambda r: (r.num_cached_blocks, replica_load(r, self.swapped_weight), r.kv_cache_usage,
+                                r.replica_id))
+        chosen = {r.replica_id for r in fit}
+        return ids_of(fit) + [r.replica_id for r in by_load if r.replica_id not in chosen]
 
     def load_limit(self, min_load: float) -> float:
         """Highest load a cache holder may carry, given the least replica load."""

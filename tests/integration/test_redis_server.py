@@ -85,3 +85,45 @@ def test_redis_server_dies_with_a_killed_owner(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"redis-server {redis_pid} outlived its killed owner")
+
+
+def test_redis_server_started_from_a_worker_thread_outlives_the_thread_but_not_its_owner():
+    # PR_SET_PDEATHSIG fires when the forking *thread* exits; a server started
+    # through asyncio.to_thread must keep running after that thread is gone.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = (
+        "import asyncio, threading, time\n"
+        "import redis\n"
+        "from cluster.redis_server import RedisServer\n"
+        "server = RedisServer()\n"
+        "asyncio.run(asyncio.to_thread(server.start))  # the executor's thread exits with the loop\n"
+        "worker = threading.Thread(target=server.restart)\n"
+        "worker.start(); worker.join()\n"
+        "time.sleep(1.0)\n"
+        "print(server.pid, server.is_running, redis.Redis.from_url(server.url).ping(), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        line = owner.stdout.readline().split()
+        assert line[1:] == ["True", "True"], line
+        redis_pid = int(line[0])
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(redis_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"redis-server {redis_pid} outlived its killed owner")

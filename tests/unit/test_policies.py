@@ -347,7 +347,33 @@ def test_cache_aware_first_choice_is_never_overloaded_or_unconfirmed(inp):
         return
     first = views[ranking[0]]
     if ranking[0] != least[0]:
-        # Only an eligible, confirmed holder may displace the least-loaded replica.
-        assert first in policy.affinity_candidates(inp)
-        assert first.matched_blocks is not None and first.matched_blocks >= 1
+        # Only an eligible, confirmed holder may displace the least-loaded
+        # replica -- or, when there is none, the emptiest cache that is
+        # neither overloaded nor nearly full.
         assert first.kv_cache_usage < policy.kv_high_water
+        candidates = policy.affinity_candidates(inp)
+        if candidates:
+            assert first in candidates
+            assert first.matched_blocks is not None and first.matched_blocks >= 1
+        else:
+            loads = [r.num_running + r.num_waiting + r.num_swapped for r in inp.replicas]
+            assert first.num_running + first.num_waiting + first.num_swapped <= policy.load_limit(min(loads))
+            fit = [r for r in inp.replicas if r.kv_cache_usage < policy.kv_high_water
+                   and r.num_running + r.num_waiting + r.num_swapped <= policy.load_limit(min(loads))]
+            assert first.num_cached_blocks == min(r.num_cached_blocks for r in fit)
+
+
+def test_cache_aware_places_new_prefixes_on_the_emptiest_cache():
+    """No holder: not the idle replica with the smaller id (least load's tie-break)
+    but the one whose cache holds fewer blocks, so tenants spread over the caches."""
+    policy = CacheAwarePolicy()
+    views = (ReplicaView("a", num_cached_blocks=96, matched_blocks=0),
+             ReplicaView("b", num_cached_blocks=32, matched_blocks=0))
+    assert policy.choose(RoutingInput(8, 128, views)) == ["b", "a"]
+    # ... unless it is overloaded or nearly full.
+    busy = (ReplicaView("a", num_cached_blocks=96, matched_blocks=0),
+            ReplicaView("b", num_running=20, num_cached_blocks=32, matched_blocks=0))
+    assert policy.choose(RoutingInput(8, 128, busy)) == ["a", "b"]
+    full = (ReplicaView("a", num_cached_blocks=96, matched_blocks=0),
+            ReplicaView("b", kv_cache_usage=0.99, num_cached_blocks=32, matched_blocks=0))
+    assert policy.choose(RoutingInput(8, 128, full)) == ["a", "b"]

@@ -1,0 +1,355 @@
+"""``prefixserve bench router``: what the router itself costs.
+
+Replicas here answer at once (``EchoReplica``: one chunk, no model), so
+everything measured is router work. Three measurements, in one run:
+
+1. **Decision** (in this process): what routing costs one request --
+   tokenizing the text prompt (``router.tokenizer``), its block-hash chain,
+   one directory lookup (Lua, real Redis) and the policy's ranking, as
+   ``router.server`` and ``router.serve_router`` do them -- P50/P99 over
+   ``--decisions`` requests. The directory holds
+   ``--cached-blocks`` entries per replica, and the requests' system
+   prompts are among them, so lookups walk real matches.
+2. **Routed requests** through the whole gRPC router (``RouterServer`` +
+   ``RouterBackend`` + Serve handle with our ``RequestRouter`` +
+   ``EchoReplica``), run in a child process pinned to one core; the client
+   drives ``--concurrency`` streams from the other core (with Ray's
+   processes). Requests/s and client-side latency P50/P99.
+3. **Baselines**: the same client load against the same gRPC front end in
+   the same kind of child process (a) whose backend answers at once without
+   Serve or routing (tokenization and validation still run), and (b) whose
+   Serve handle uses Serve's default request router (power of two choices,
+   no directory) in front of the same echo replicas. routed / (a) is the
+   price of routing plus the Serve hop; routed / (b) the price of our
+   prefix-aware routing alone.
+
+Prints a table and writes JSON (``--json``). On a 2-core machine the client,
+Ray and the router share the cores: read the ratio, not the absolute rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import random
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+from cluster.bench import format_table, percentile
+from cluster.types import FinishReason, GenerationRequest, StreamChunk
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT = "bench-router"
+APP = "bench-router"
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=2, help="echo replicas behind the router")
+    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--requests", type=int, default=1500, help="routed requests (and as many baseline ones)")
+    parser.add_argument("--concurrency", type=int, default=16, help="client streams in flight")
+    parser.add_argument("--decisions", type=int, default=2000, help="isolated routing decisions to time")
+    parser.add_argument("--tenants", type=int, default=16, help="distinct system prompts")
+    parser.add_argument("--prefix-words", type=int, default=400, help="words of each system prompt (~1.3 tokens each)")
+    parser.add_argument("--cached-blocks", type=int, default=4096, help="directory entries per replica")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="bench-results/router.json")
+
+
+class EchoReplica:
+    """A replica that answers every request at once with one token.
+
+    It registers in the directory like a real replica and publishes a
+    "cache" of ``num_blocks`` hashes: the chains of a random
+    ``1 / num_replicas`` of the tenants, plus random filler, so the router's
+    lookups find real matches.
+    """
+
+    def __init__(self, redis_url: str, namespace: str, chains: list[list[bytes]], num_blocks: int,
+                 num_replicas: int, seed: int) -> None:
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        rng = random.Random(f"{seed}-{self.replica_id}")
+        held = [chain for chain in chains if rng.random() < 1.0 / num_replicas]
+        self._hashes = [h for chain in held for h in chain]
+        self._hashes += [rng.randbytes(16) for _ in range(max(0, num_blocks - len(self._hashes)))]
+        self._redis_url, self._namespace = redis_url, namespace
+        self._publisher: Any = None
+        self._started = False
+
+    async def _ensure_published(self) -> None:
+        if self._started:
+            return
+        from cluster.directory import Directory
+        from cluster.directory_publisher import DirectoryPublisher
+
+        self._started = True
+        directory = Directory.from_url(self._redis_url, self._namespace)
+        self._publisher = DirectoryPublisher(directory, self.replica_id, lambda: (0, self._hashes))
+        await self._publisher.start()
+
+    async def publish(self) -> str:
+        """Registers and publishes this replica's block hashes; returns its id."""
+        await self._ensure_published()
+        return self.replica_id
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        yield StreamChunk(request.request_id, [1], "x", FinishReason.LENGTH, prompt_tokens=len(request.prompt_token_ids),
+                          completion_tokens=1, replica_id=self.replica_id)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "num_running": 0, "num_waiting": 0, "num_swapped": 0,
+                "kv_cache_usage": 0.0, "num_cached_blocks": len(self._hashes)}
+
+
+class _AtOnceBackend:
+    """The baseline backend: answers without Serve or routing."""
+
+    def __init__(self, tokenizer: Any, model: Any) -> None:
+        self.tokenizer, self.model = tokenizer, model
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        yield StreamChunk(request.request_id, [1], "x", FinishReason.LENGTH,
+                          prompt_tokens=len(request.prompt_token_ids), completion_tokens=1, replica_id="at-once")
+
+
+def _serve_front_end(deployment: Optional[str], model_dir: str, gcs_address: Optional[str], cpu: Optional[int],
+                     ready: Any, stop: Any) -> None:
+    """Child process: the gRPC front end over ``deployment`` (None: answers at once) until ``stop`` is set."""
+    logging.basicConfig(level=logging.WARNING)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    from router.backend import ModelInfo, RouterBackend
+    from router.server import RouterServer
+    from router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer.from_model_dir(model_dir)
+    model = ModelInfo("bench", 8192)
+    if deployment is not None:
+        import ray
+        from ray import serve
+
+        ray.init(address=gcs_address, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        backend: Any = RouterBackend(serve.get_deployment_handle(deployment, app_name=APP), tokenizer, model)
+    else:
+        backend = _AtOnceBackend(tokenizer, model)
+
+    async def main() -> None:
+        server = RouterServer(backend, None, port=0)
+        ready.put(await server.start())
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        await server.stop(1.0)
+
+    asyncio.run(main())
+
+
+async def _drive(address: str, prompts: list[str], concurrency: int) -> dict[str, Any]:
+    """Sends every prompt (``concurrency`` at a time); returns req/s and latency percentiles."""
+    import grpc
+
+    from router.pb import generation_pb2 as pb
+    from router.pb import generation_pb2_grpc as pb_grpc
+
+    latencies: list[float] = []
+    errors = 0
+    queue: asyncio.Queue = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def worker() -> None:
+            nonlocal errors
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                began = time.perf_counter()
+                try:
+                    async for _ in stub.Generate(pb.GenerateRequest(
+                            prompt=prompt, sampling=pb.SamplingParams(max_tokens=1)), timeout=60):
+                        pass
+                    latencies.append(time.perf_counter() - began)
+                except grpc.aio.AioRpcError as exc:
+                    errors += 1
+                    logger.warning("request failed: %s", exc.details())
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - began
+    data = sorted(latencies)
+    return {"requests": len(prompts), "errors": errors, "seconds": round(seconds, 3),
+            "requests_per_s": round(len(data) / seconds, 1),
+            "latency_ms": {"p50": round(percentile(data, 50) * 1e3, 3), "p99": round(percentile(data, 99) * 1e3, 3)}}
+
+
+def _run_front_end(deployment: Optional[str], model_dir: str, gcs: Optional[str], prompts: list[str],
+                   concurrency: int, warmup: list[str]) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    cpus = sorted(os.sched_getaffinity(0))
+    child = ctx.Process(target=_serve_front_end, args=(deployment, model_dir, gcs, cpus[0] if len(cpus) > 1 else None,
+                                                       ready, stop), daemon=True)
+    child.start()
+    try:
+        port = ready.get(timeout=120)
+        address = f"127.0.0.1:{port}"
+        asyncio.run(_drive(address, warmup, concurrency))
+        logger.info("%s: %d requests, concurrency %d", deployment or "at once", len(prompts), concurrency)
+        return asyncio.run(_drive(address, prompts, concurrency))
+    finally:
+        stop.set()
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def _make_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    rng = random.Random(args.seed)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+             "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
+    systems = [" ".join(rng.choice(words) for _ in range(args.prefix_words)) for _ in range(args.tenants)]
+    questions = [f"{systems[rng.randrange(args.tenants)]}\nQuestion {i}: {rng.choice(words)} {rng.choice(words)}?"
+                 for i in range(args.requests)]
+    return systems, questions
+
+
+def _time_decisions(args: argparse.Namespace, tokenizer: Any, redis_url: str, namespace: str,
+                    prompts: list[str]) -> dict[str, Any]:
+    """Tokenize + hash chain + one directory lookup + the policy, as a request's routing does it."""
+    from cluster.directory import Directory
+    from router.policies import ReplicaView, RoutingInput, get_policy
+
+    policy = get_policy(args.policy)
+
+    async def main() -> list[float]:
+        directory = Directory.from_url(redis_url, namespace)
+        ids = sorted(await directory.live_replicas())
+        samples = []
+        try:
+            for prompt in prompts:
+                began = time.perf_counter()
+                token_ids = tokenizer.encode(prompt)
+                chain = tokenizer.block_hashes(token_ids, FINGERPRINT, "", args.block_size)
+                counts = await directory.lookup(chain)
+                views = [ReplicaView(replica_id=r, matched_blocks=counts.get(r)) for r in ids]
+                policy.choose(RoutingInput(len(chain), len(token_ids), views))
+                samples.append(time.perf_counter() - began)
+        finally:
+            await directory.aclose()
+        return samples
+
+    data = sorted(asyncio.run(main()))
+    return {"count": len(data), "p50_ms": round(percentile(data, 50) * 1e3, 3),
+            "p99_ms": round(percentile(data, 99) * 1e3, 3), "mean_ms": round(statistics.fmean(data) * 1e3, 3)}
+
+
+def run_router_bench(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from cluster.ray_local import init_local_ray
+    from cluster.redis_server import RedisServer
+    from router.serve_router import PrefixAwareRequestRouter
+    from router.tokenizer import RouterTokenizer
+    from workers.model.loader import resolve_model
+
+    model_dir = str(resolve_model(None))
+    tokenizer = RouterTokenizer.from_model_dir(model_dir)
+    systems, prompts = _make_prompts(args)
+    chains = [tokenizer.block_hashes(tokenizer.encode(s), FINGERPRINT, "", args.block_size) for s in systems]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:  # the client, Ray and the echo replicas on the other cores; the router gets cpus[0]
+        os.sched_setaffinity(0, set(cpus[1:]))
+    namespace = f"bench-router-{uuid.uuid4().hex[:6]}"
+    with RedisServer() as redis_server:
+        init_local_ray(num_cpus=4)
+        try:
+            serve.start(proxy_location="Disabled")
+            router_config = RequestRouterConfig(
+                request_router_class=PrefixAwareRequestRouter,
+                request_router_kwargs={"redis_url": redis_server.url, "namespace": namespace, "policy": args.policy,
+                                       "block_size": args.block_size, "model_fingerprint": FINGERPRINT},
+                request_routing_stats_period_s=1.0,
+            )
+            options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 0.1},
+                       "max_ongoing_requests": 1024, "logging_config": {"enable_access_log": False}}
+            bound = (redis_server.url, namespace, chains, args.cached_blocks, args.replicas, args.seed)
+            echo = serve.deployment(EchoReplica).options(name="echo", request_router_config=router_config, **options)
+            plain = serve.deployment(EchoReplica).options(name="echo-default", **options)
+            # The plain one (Serve's default router) shares the directory namespace; it never publishes.
+            serve.run(serve.deployment(_Pair).options(name="pair").bind(echo.bind(*bound), plain.bind(*bound)), name=APP, route_prefix=None)
+            _publish_all(serve.get_deployment_handle("echo", app_name=APP), args.replicas)
+            logger.info("timing %d routing decisions", args.decisions)
+            decision = _time_decisions(args, tokenizer, redis_server.url, namespace,
+                                       [prompts[i % len(prompts)] for i in range(args.decisions)])
+            gcs = ray.get_runtime_context().gcs_address
+            warmup = prompts[: min(100, len(prompts))]
+            baseline = _run_front_end(None, model_dir, None, prompts, args.concurrency, warmup)
+            serve_default = _run_front_end("echo-default", model_dir, gcs, prompts, args.concurrency, warmup)
+            routed = _run_front_end("echo", model_dir, gcs, prompts, args.concurrency, warmup)
+            serve.delete(APP)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    report = {"settings": {k: getattr(args, k) for k in ("replicas", "policy", "requests", "concurrency", "tenants",
+                                                         "prefix_words", "cached_blocks", "block_size", "seed")},
+              "prompt_tokens_mean": round(statistics.fmean(len(tokenizer.encode(p)) for p in prompts[:200]), 1),
+              "decision": decision, "routed": routed, "baseline": baseline, "serve_default_router": serve_default,
+              "routed_over_baseline_throughput": round(routed["requests_per_s"] / max(baseline["requests_per_s"], 1e-9), 3),
+              "routed_over_serve_default_throughput": round(
+                  routed["requests_per_s"] / max(serve_default["requests_per_s"], 1e-9), 3)}
+    _print(report)
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    logger.info("wrote %s", path)
+    return 0 if routed["errors"] == baseline["errors"] == serve_default["errors"] == 0 else 1
+
+
+class _Pair:
+    """Ingress that only holds both echo deployments in one application."""
+
+    def __init__(self, routed: Any, plain: Any) -> None:
+        self.routed, self.plain = routed, plain
+
+    async def ping(self) -> bool:
+        return True
+
+
+def _publish_all(handle: Any, replicas: int, timeout: float = 60.0) -> None:
+    """Makes every echo replica register and publish (Serve picks replicas; ask until all did)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < replicas and time.monotonic() < deadline:
+        seen.update(handle.publish.remote().result(timeout_s=30) for _ in range(replicas * 2))
+    if len(seen) < replicas:
+        raise TimeoutError(f"only {len(seen)} of {replicas} echo replicas published their blocks")
+    time.sleep(1.5)  # routing stats reach the request router every second
+
+
+def _print(report: dict[str, Any]) -> None:
+    d, r, b, p = report["decision"], report["routed"], report["baseline"], report["serve_default_router"]
+    rows = [("measurement", "req/s", "P50 ms", "P99 ms", "errors"),
+            ("routing decision (tokenize + hash + lookup + policy)", "", f"{d['p50_ms']:.3f}", f"{d['p99_ms']:.3f}", ""),
+            ("gRPC front end, answers at once (baseline)", f"{b['requests_per_s']:.0f}",
+             f"{b['latency_ms']['p50']:.2f}", f"{b['latency_ms']['p99']:.2f}", str(b["errors"])),
+            ("gRPC -> Serve (its default router) -> echo", f"{p['requests_per_s']:.0f}",
+             f"{p['latency_ms']['p50']:.2f}", f"{p['latency_ms']['p99']:.2f}", str(p["errors"])),
+            ("gRPC router -> Serve -> echo replica", f"{r['requests_per_s']:.0f}",
+             f"{r['latency_ms']['p50']:.2f}", f"{r['latency_ms']['p99']:.2f}", str(r["errors"]))]
+    lines = format_table(rows)
+    lines.append(f"routed / baseline throughput: {report['routed_over_baseline_throughput']:.2f}x "
+                 f"(prompts ~{report['prompt_tokens_mean']:.0f} tokens)")
+    lines.append(f"routed / Serve's default router: {report['routed_over_serve_default_throughput']:.2f}x")
+    print("\n".join(lines))  # the table is the program's output, not a log

@@ -1,0 +1,185 @@
+"""Helpers of the router integration tests: a tiny-model Serve app, gRPC
+routers in front of it, and requests with bounded waits.
+
+Everything is real (Ray Serve, Redis, ``grpc.aio``); ``RecordingBackend``
+only remembers what passes through the real ``RouterBackend``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+import grpc
+
+from cluster.app import REPLICA_DEPLOYMENT, build_app
+from cluster.config import ClusterConfig, EngineConfig
+from cluster.directory import Directory
+from cluster.types import GenerationRequest, StreamChunk
+from router.backend import ModelInfo, RouterBackend
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from router.server import RouterServer
+from router.tokenizer import RouterTokenizer
+from tests.factories import make_tiny_model_dir
+
+T = TypeVar("T")
+
+BLOCK_SIZE = 4
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_chat_model_dir(path: Path) -> Path:
+    """A tiny random-init llama with a byte-level BPE and a ChatML template."""
+    make_tiny_model_dir("llama", path)
+    config = {"chat_template": CHATML, "bos_token": "<s>", "eos_token": "</s>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def deploy(model_dir: Path, redis_url: str, app_name: str, namespace: str, num_kv_blocks: int = 400) -> Any:
+    """``serve.run`` of a 2-replica ``cache_aware`` app; returns its handle."""
+    from ray import serve
+
+    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks)
+    config = ClusterConfig(replicas=2, redis_url=redis_url, namespace=namespace, engine=engine,
+                           replica_num_cpus=0.25, routing_policy="cache_aware")
+    serve.start(proxy_location="Disabled")
+    return serve.run(build_app(config), name=app_name, route_prefix=None)
+
+
+def new_handle(app_name: str) -> Any:
+    """A fresh handle of the replica deployment: its own Serve router, hence its
+    own ``PrefixAwareRequestRouter`` and directory client."""
+    from ray import serve
+
+    return serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app_name)
+
+
+@dataclass
+class Call:
+    """One request that went through a ``RecordingBackend``."""
+
+    request: GenerationRequest
+    text: str = ""
+    last: Optional[StreamChunk] = None
+
+
+@dataclass
+class RecordingBackend:
+    """The real ``RouterBackend``, remembering each request and what came back."""
+
+    inner: RouterBackend
+    calls: list[Call] = field(default_factory=list)
+
+    @property
+    def tokenizer(self) -> RouterTokenizer:
+        return self.inner.tokenizer
+
+    @property
+    def model(self) -> ModelInfo:
+        return self.inner.model
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        call = Call(request)
+        self.calls.append(call)
+        async for chunk in self.inner.stream(request):
+            call.text += chunk.text
+            call.last = chunk
+            yield chunk
+
+
+def make_backend(handle: Any, model_dir: Path) -> RecordingBackend:
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    return RecordingBackend(RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", max_len)))
+
+
+@contextlib.asynccontextmanager
+async def running_router(backend: Any, redis_url: str, namespace: str) -> AsyncIterator[tuple[RouterServer, Any]]:
+    """A started ``RouterServer`` on a free loopback port and a stub to it."""
+    server = RouterServer(backend, Directory.from_url(redis_url, namespace), port=0)
+    async with asyncio.timeout(30):
+        await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            yield server, pb_grpc.GenerationStub(channel)
+    finally:
+        async with asyncio.timeout(30):
+            await server.stop(grace=1.0)
+
+
+def ids_request(ids: list[int], max_tokens: int = 2, **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling))
+
+
+async def collect(stub: Any, request: pb.GenerateRequest, timeout: float = 60.0) -> list[pb.GenerateResponse]:
+    """Every chunk of one Generate call (the deadline bounds it)."""
+    return [chunk async for chunk in stub.Generate(request, timeout=timeout)]
+
+
+async def final(stub: Any, request: pb.GenerateRequest, timeout: float = 60.0) -> pb.GenerateResponse:
+    """The last chunk of one Generate call."""
+    return (await collect(stub, request, timeout))[-1]
+
+
+async def wait_until(probe: Callable[[], Awaitable[Optional[T]]], what: str, timeout: float = 30.0,
+                     period: float = 0.25) -> T:
+    """Polls ``probe`` until it returns something truthy; fails naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            async with asyncio.timeout(10):
+                last = await probe()
+        except Exception as exc:  # noqa: BLE001 - keep polling; report the last error
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:.0f} s; last probe: {last!r}")
+        await asyncio.sleep(period)
+
+
+async def directory_holders(redis_url: str, namespace: str, tokenizer: RouterTokenizer,
+                            ids: list[int]) -> dict[str, int]:
+    """``{replica_id: leading blocks of ids held}`` per the directory, holders only."""
+    chain = tokenizer.block_hashes(ids, None, "", BLOCK_SIZE)
+    directory = Directory.from_url(redis_url, namespace)
+    try:
+        return {rid: n for rid, n in (await directory.lookup(chain)).items() if n > 0}
+    finally:
+        await directory.aclose()
+
+
+async def warm_on_two_replicas(stub: Any, prefix_a: list[int], prefix_b: list[int]) -> tuple[str, str]:
+    """Caches ``prefix_a`` on one replica and ``prefix_b`` on the other.
+
+    A long request with ``prefix_a`` is still running when ``prefix_b``
+    arrives, so ``prefix_b`` (cached nowhere) goes to the idle replica.
+    Load-only routing of idle replicas then sends both prefixes to the same
+    replica, so a test that finds each prefix on its own holder shows that the
+    directory was consulted.
+
+    Returns:
+        The replica ids holding ``prefix_a`` and ``prefix_b``.
+    """
+    call = stub.Generate(ids_request(prefix_a + [5], max_tokens=200, ignore_eos=True), timeout=120)
+    try:
+        async with asyncio.timeout(120):
+            first = await anext(aiter(call))
+            holder_b = await final(stub, ids_request(prefix_b + [5]))
+    finally:
+        call.cancel()  # its prompt's blocks stay cached
+    return first.replica_id, holder_b.replica_id

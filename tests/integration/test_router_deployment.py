@@ -1,0 +1,118 @@
+"""The router as a Serve deployment (what a RayService runs): replicas plus a
+router replica whose gRPC and HTTP front ends bind their ports inside the Serve
+actor; clients talk to those ports, never to Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.app import ROUTER_DEPLOYMENT, app_builder, build_app
+from cluster.config import ClusterConfig, EngineConfig, RouterConfig
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from tests.factories import make_tiny_model_dir
+
+APP = "router-deployment"
+PREFIX = list(range(200, 248))  # 12 blocks of 4
+
+
+@pytest.fixture(scope="module")
+def deployed(ray_local, redis_server, tmp_path_factory):
+    """Replicas + one router replica; yields the router's addresses."""
+    from ray import serve
+
+    model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("router-dep"))
+    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=200)
+    config = ClusterConfig(
+        replicas=2, replica_num_cpus=0.25, redis_url=redis_server.url, namespace=f"rd-{uuid.uuid4().hex[:6]}",
+        engine=engine, router=RouterConfig(grpc_port=0, http_port=0, router_num_cpus=0.25),
+    )
+    serve.start(proxy_location="Disabled")
+    serve.run(build_app(config, with_router=True), name=APP, route_prefix=None)
+    try:
+        router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP)
+        yield router.addresses.remote().result(timeout_s=30)
+    finally:
+        serve.delete(APP)
+
+
+async def _generate(address: str, request: pb.GenerateRequest) -> list:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return [chunk async for chunk in stub.Generate(request, timeout=60)]
+
+
+def _ids(ids: list[int], max_tokens: int = 3) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def test_router_replica_serves_grpc_with_prefix_routing(deployed):
+    address = deployed["grpc"]
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="prefixserve.v1.Generation"), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        first = (await _generate(address, _ids(PREFIX + [1])))[-1]
+        assert first.finish_reason == "length" and first.usage.completion_tokens == 3
+        await asyncio.sleep(1.5)  # the directory learns the blocks after the step
+        again = (await _generate(address, _ids(PREFIX + [2, 3])))[-1]
+        assert again.replica_id == first.replica_id
+        assert again.usage.cached_prompt_tokens == len(PREFIX)
+
+    asyncio.run(main())
+
+
+def test_router_replica_serves_the_openai_api(deployed):
+    base = deployed["http"]
+    with urllib.request.urlopen(f"{base}/models", timeout=60) as response:
+        models = json.load(response)
+    assert models["object"] == "list" and [m["id"] for m in models["data"]]
+    payload = {"model": models["data"][0]["id"], "prompt": "hello", "max_tokens": 4, "temperature": 0,
+               "ignore_eos": True}
+    request = urllib.request.Request(f"{base}/completions", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = json.load(response)
+    assert body["usage"]["completion_tokens"] == 4, body
+
+
+def test_app_builder_rejects_bad_args():
+    with pytest.raises(ValueError, match="exactly one of 'config'"):
+        app_builder({"conifg": {}})
+    with pytest.raises(ValueError, match="exactly one of 'config'"):
+        app_builder({})
+
+
+def test_cache_salt_isolates_tenants_end_to_end(deployed):
+    """Tenant b sending tenant a's exact prompt gets no cache hit (no side channel
+    on a's prompts), on whichever replica it lands; its own repeat does hit."""
+    address = deployed["grpc"]
+    prompt = list(range(300, 340))  # 10 blocks of 4
+
+    def salted(salt: str, tail: list[int]) -> pb.GenerateRequest:
+        request = _ids(prompt + tail)
+        request.cache_salt = salt
+        return request
+
+    async def main():
+        first = (await _generate(address, salted("tenant-a", [1])))[-1]
+        await asyncio.sleep(1.5)
+        assert (await _generate(address, salted("tenant-a", [2])))[-1].usage.cached_prompt_tokens == len(prompt)
+        other = (await _generate(address, salted("tenant-b", [3])))[-1]
+        assert other.usage.cached_prompt_tokens == 0
+        await asyncio.sleep(1.5)
+        again = (await _generate(address, salted("tenant-b", [4])))[-1]
+        assert again.usage.cached_prompt_tokens == len(prompt)
+        return first
+
+    asyncio.run(main())
