@@ -1,0 +1,328 @@
+"""``prefixserve bench serve``: the serving benchmark, as ``vllm bench serve``.
+
+    prefixserve bench serve --url 127.0.0.1:50051 --dataset-name shared-prefix
+    prefixserve bench serve --backend openai --base-url http://127.0.0.1:8000/v1
+    prefixserve bench serve --dataset-name multi-turn --replicas 2   # starts a local cluster
+
+It replays a seeded dataset (``cluster/bench_datasets.py``) against a running
+cluster, or against a local one it starts (``LocalCluster``) when no URL is
+given, and prints throughput, TTFT / TPOT / ITL / E2E percentiles, goodput
+and the prefix-cache hit rate (``cluster/bench_metrics.py``); ``--json``
+writes them, ``--plot`` draws latency CDFs and output tokens/s over time.
+
+Arrivals: one tick per request, Poisson at ``--request-rate`` (``inf``: no
+waiting). At each tick the next ready request is sent, if fewer than
+``--max-concurrency`` are in flight. A multi-turn conversation's next turn
+becomes ready when the previous one's answer is complete and goes first in
+the queue (the user keeps talking), so about ``--max-concurrency``
+conversations are active at once. A failed turn ends its conversation.
+
+``run_requests`` is the one code path that sends requests and measures them;
+``prefixserve bench routing`` uses it too. The command exits 1 when a
+request failed (the figures count the successful ones; ``errors`` in the
+JSON says why the others failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from cluster.bench_clients import BenchClient, Delta, GrpcClient, OpenAIClient
+from cluster.bench_datasets import FIRST_USABLE_ID, Conversation, add_dataset_args, make_dataset, next_prompt
+from cluster.bench_metrics import RequestRecord, format_summary, parse_goodput, plot, summarize
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("grpc", "openai")
+# The warm-up prompt repeats an id the datasets never generate, so the blocks it
+# leaves in the prefix cache can never match a benchmark prompt.
+WARMUP_TOKENS = 8
+WARMUP_TOKEN_ID = FIRST_USABLE_ID - 1
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench serve`` (engine flags are added by the CLI)."""
+    parser.add_argument("--backend", default="grpc", choices=BACKENDS)
+    parser.add_argument("--url", default=None, help="HOST:PORT of a running cluster's gRPC router (grpc backend)")
+    parser.add_argument("--base-url", default=None,
+                        help="OpenAI API root of a running cluster, e.g. http://127.0.0.1:8000/v1 (openai backend)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrivals per second (default inf: send as fast as allowed)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    parser.add_argument("--api-key", default=None, help="API key of a cluster started with --api-key")
+    parser.add_argument("--json", default=None, help="write the figures (and the run's settings) here")
+    parser.add_argument("--plot", default=None, help="draw latency CDFs and output tokens/s over time to this PNG")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_dataset_args(parser)
+    group = parser.add_argument_group("local cluster (when neither --url nor --base-url is given)")
+    group.add_argument("--replicas", type=int, default=2)
+    group.add_argument("--replica-num-cpus", type=float, default=0.5)
+    group.add_argument("--routing-policy", default="cache_aware",
+                       choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
+
+
+@dataclass
+class _Ready:
+    conversation: int
+    turn: int
+    prompt: list[int]
+
+
+class _Progress:
+    """Counts what is still to be sent (a failed turn drops the rest of its conversation)."""
+
+    def __init__(self, total: int) -> None:
+        self.to_send = total
+        self.sent = 0
+        self.wake = asyncio.Event()
+
+
+async def run_requests(
+    client: BenchClient,
+    conversations: Sequence[Conversation],
+    request_rate: float = float("inf"),
+    max_concurrency: Optional[int] = None,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "bench",
+) -> tuple[list[RequestRecord], float]:
+    """Sends every turn of ``conversations`` through ``client`` and measures each.
+
+    Args:
+        client: The transport (``GrpcClient``, ``OpenAIClient``).
+        conversations: The dataset.
+        request_rate: Poisson arrivals per second; ``inf`` sends at once.
+        max_concurrency: Most requests in flight; None for no cap.
+        seed: Seed of the arrival times.
+        progress: Show a progress bar on stderr.
+        desc: The progress bar's label.
+
+    Returns:
+        One record per request sent (in completion order) and the run's
+        duration in seconds (first send to last completion).
+
+    Raises:
+        ValueError: ``request_rate`` or ``max_concurrency`` is not positive.
+    """
+    from tqdm import tqdm
+
+    if not request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
+    arrivals = random.Random(seed + 1)
+    state = _Progress(sum(c.num_requests for c in conversations))
+    ready = collections.deque(_Ready(i, 0, list(c.turns[0].new_token_ids)) for i, c in enumerate(conversations))
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+    bar = tqdm(total=state.to_send, desc=desc, unit="req", file=sys.stderr, disable=not progress)
+
+    async def one(item: _Ready) -> None:
+        conversation = conversations[item.conversation]
+        record, deltas = await _measure(client, conversation, item, start)
+        records.append(record)
+        if slots is not None:
+            slots.release()
+        bar.update(1)
+        remaining_turns = conversation.num_requests - item.turn - 1
+        if record.ok and remaining_turns:
+            answer = client.answer_ids(deltas)
+            nxt = item.turn + 1
+            ready.appendleft(_Ready(item.conversation, nxt, next_prompt(item.prompt, answer, conversation.turns[nxt])))
+        elif not record.ok:
+            state.to_send -= remaining_turns
+            bar.total -= remaining_turns
+        state.wake.set()
+
+    tasks = []
+    next_at = start
+    while state.sent < state.to_send:
+        if request_rate != float("inf"):
+            next_at += arrivals.expovariate(request_rate)
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        if slots is not None:
+            await slots.acquire()
+        while not ready and state.sent < state.to_send:
+            state.wake.clear()
+            await state.wake.wait()
+        if not ready:
+            break
+        state.sent += 1
+        tasks.append(asyncio.create_task(one(ready.popleft())))
+    await asyncio.gather(*tasks)
+    bar.close()
+    return records, time.perf_counter() - start
+
+
+async def _measure(client: BenchClient, conversation: Conversation, item: _Ready,
+                   start: float) -> tuple[RequestRecord, list[Delta]]:
+    turn = conversation.turns[item.turn]
+    record = RequestRecord(item.conversation, item.turn, len(item.prompt), turn.output_len,
+                           shared_prefix_len=conversation.shared_prefix_len)
+    deltas: list[Delta] = []
+    sent = time.perf_counter()
+    record.sent_at = sent - start
+    last = sent
+    usage = None
+    try:
+        async for delta in client.stream(item.prompt, turn.output_len):
+            now = time.perf_counter()
+            deltas.append(delta)
+            record.replica_id = delta.replica_id or record.replica_id
+            if delta.num_tokens:
+                if record.ttft is None:
+                    record.ttft = now - sent
+                else:
+                    record.itl.append(now - last)
+                last = now
+                record.token_times.append((now - start, delta.num_tokens))
+            usage = delta.usage or usage
+        record.latency = time.perf_counter() - sent
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed request is a figure, not a crash
+        record.error = f"{type(exc).__name__}: {exc}"
+        logger.debug("request %d/%d failed: %s", item.conversation, item.turn, record.error)
+        return record, deltas
+    if usage is None:
+        record.error = "the stream ended without usage"
+        return record, deltas
+    record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+    record.cached_prompt_tokens = usage.cached_prompt_tokens
+    counted = sum(n for _, n in record.token_times)
+    if record.token_times and counted != usage.completion_tokens:
+        # Text chunks (openai) are counted one token each; the usage is exact.
+        t, n = record.token_times[-1]
+        record.token_times[-1] = (t, max(0, n + usage.completion_tokens - counted))
+    return record, deltas
+
+
+def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    """``prefixserve bench serve``: run the benchmark, print the table, write JSON / PNG."""
+    slos = parse_goodput(args.goodput)
+    if args.backend == "grpc" and args.base_url:
+        raise ValueError("--base-url is for --backend openai; the grpc backend takes --url HOST:PORT")
+    if args.backend == "openai" and args.url:
+        raise ValueError("--url is for --backend grpc; the openai backend takes --base-url http://HOST:PORT/v1")
+    from cluster.config import EngineConfig
+
+    engine = EngineConfig.from_kwargs(**engine_args)
+    vocab_size, tokenizer = model_vocab(engine.model)
+    conversations = make_dataset(args, vocab_size)
+    target = args.url if args.backend == "grpc" else args.base_url
+    cluster = None if target else start_local_cluster(args, engine, http=args.backend == "openai")
+    try:
+        if cluster is not None:
+            target = cluster.grpc_address if args.backend == "grpc" else cluster.http_url
+        summary, records = asyncio.run(_bench(args, target, tokenizer, conversations, slos))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    summary["config"] = run_config(args, target, engine, local=cluster is not None)
+    print("\n".join(format_summary(f"bench serve: {args.dataset_name} over {args.backend}", summary)))
+    write_outputs(args.json, summary, args.plot, [(args.dataset_name, records)],
+                  f"prefixserve bench serve: {args.dataset_name}, {len(records)} requests over {args.backend}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversations: list[Conversation],
+                 slos: dict[str, float]) -> tuple[dict[str, Any], list[RequestRecord]]:
+    client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key)
+    try:
+        await warm_up(client)
+        logger.info("sending %d requests (%s) to %s", sum(c.num_requests for c in conversations),
+                    args.dataset_name, target)
+        records, duration = await run_requests(client, conversations, args.request_rate, args.max_concurrency,
+                                               args.seed, progress=not args.disable_tqdm, desc=args.dataset_name)
+    finally:
+        await client.aclose()
+    return summarize(records, duration, slos), records
+
+
+def make_client(backend: str, target: str, tokenizer: Any = None, timeout: float = 600.0,
+                api_key: Optional[str] = None) -> BenchClient:
+    """The transport for ``backend`` (``grpc``: ``host:port``; ``openai``: ``http://…/v1``)."""
+    if backend == "grpc":
+        return GrpcClient(target, timeout, api_key=api_key)
+    if backend == "openai":
+        return OpenAIClient(target, tokenizer=tokenizer, timeout=timeout, api_key=api_key)
+    raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+async def warm_up(client: BenchClient) -> None:
+    """One short request (connections, first-call costs); fails fast if the server is not there."""
+    async for _ in client.stream([WARMUP_TOKEN_ID] * WARMUP_TOKENS, 2):
+        pass
+
+
+def model_vocab(model: Optional[str]) -> tuple[int, Any]:
+    """The model's vocabulary size and its tokenizer (None when it has no tokenizer.json)."""
+    from tokenizers import Tokenizer
+
+    from workers.model.loader import resolve_model
+
+    model_dir = resolve_model(model)
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer_file = model_dir / "tokenizer.json"
+    return int(config["vocab_size"]), Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+
+
+def start_local_cluster(args: argparse.Namespace, engine: Any, http: bool, grpc: bool = True,
+                        routing_policy: Optional[str] = None, redis_url: Optional[str] = None,
+                        namespace: str = "bench") -> Any:
+    """Starts a ``LocalCluster`` with free ports for the benchmark."""
+    from cluster.config import ClusterConfig
+    from cluster.local import LocalCluster
+
+    config = ClusterConfig(replicas=args.replicas, replica_num_cpus=args.replica_num_cpus, redis_url=redis_url,
+                           namespace=namespace, routing_policy=routing_policy or args.routing_policy, engine=engine)
+    logger.info("starting a local cluster: %d replicas, policy %s", config.replicas, config.routing_policy)
+    cluster = LocalCluster(config, grpc_port=0 if grpc else None, http_port=0 if http else None)
+    try:
+        return cluster.start()
+    except BaseException:
+        cluster.stop()  # what did start (Serve, Redis) must not outlive a failed start
+        raise
+
+
+def run_config(args: argparse.Namespace, target: Optional[str], engine: Any, local: bool) -> dict[str, Any]:
+    """The settings that produced a run (for the JSON)."""
+    keys = ["backend", "dataset_name", "num_prompts", "seed", "request_rate", "max_concurrency", "goodput"]
+    # Only the chosen dataset's own flags.
+    own = {"random": "random_", "shared-prefix": "gsp_", "multi-turn": "multi_turn_"}[args.dataset_name]
+    keys += sorted(k for k in vars(args) if k.startswith(own))
+    out = {k: getattr(args, k, None) for k in keys}
+    out["request_rate"] = str(out["request_rate"]) if out["request_rate"] == float("inf") else out["request_rate"]
+    out["target"] = target
+    if local:
+        out["local_cluster"] = {"replicas": args.replicas, "routing_policy": getattr(args, "routing_policy", None),
+                                "num_kv_blocks": engine.cache.num_kv_blocks, "model": engine.model or "default"}
+    return out
+
+
+def write_outputs(json_path: Optional[str], report: dict[str, Any], plot_path: Optional[str],
+                  runs: Sequence[tuple[str, Sequence[RequestRecord]]], title: str) -> None:
+    """Writes the JSON report and the PNG (each only when its path is set)."""
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        logger.info("wrote %s", path)
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        plot(plot_path, runs, title)
+        logger.info("wrote %s", plot_path)

@@ -1,0 +1,226 @@
+"""``prefixserve bench serve`` and ``prefixserve status`` against a real
+cluster: a tiny model on one Serve replica (so which prompts hit the prefix
+cache is known exactly), the real gRPC router and OpenAI HTTP server, Redis.
+
+The benchmark's figures are checked against numbers the test computes on its
+own from the dataset: request and token counts, and, with one request in
+flight at a time, the exact prefix-cache hits of a shared-prefix workload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+
+import pytest
+from tokenizers import Tokenizer
+
+from cluster import cli
+from cluster.app import build_app
+from cluster.bench_datasets import multi_turn_dataset, shared_prefix_dataset
+from cluster.config import ClusterConfig, EngineConfig
+from cluster.directory import Directory
+from router.backend import ModelInfo, RouterBackend
+from router.tokenizer import RouterTokenizer
+from tests.factories import make_tiny_model_dir
+
+APP = "bench-serve"
+BLOCK_SIZE = 4
+VOCAB = 512  # tests/factories.py TINY
+# Shared-prefix workload: the system prompt is whole blocks, so a hit is exactly it.
+GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 2, 4, 32, 6, 5
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, redis_server, tmp_path_factory):
+    """One replica with room for every prompt; yields (handle, model_dir, redis_url, namespace)."""
+    from ray import serve
+
+    model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("bench-llama"), max_position_embeddings=1024)
+    namespace = f"bench-{uuid.uuid4().hex[:6]}"
+    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=400)
+    config = ClusterConfig(replicas=1, redis_url=redis_server.url, namespace=namespace, engine=engine,
+                           replica_num_cpus=0.25, routing_policy="cache_aware")
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(build_app(config), name=APP, route_prefix=None)
+    try:
+        yield handle, model_dir, redis_server.url, namespace
+    finally:
+        serve.delete(APP)
+
+
+@contextlib.contextmanager
+def routers(cluster):
+    """The gRPC router and the OpenAI HTTP server on their own thread's loop
+    (as ``prefixserve up`` runs them), so the CLI can run its own loop here.
+    Yields (grpc address, OpenAI base URL)."""
+    from router.metrics import ClusterMetrics, get_router_metrics
+    from router.openai import serve_openai
+    from router.server import RouterServer
+
+    handle, model_dir, redis_url, namespace = cluster
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="bench-routers", daemon=True)
+    thread.start()
+
+    async def start():
+        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", 1024))
+        server = RouterServer(backend, Directory.from_url(redis_url, namespace), port=0)
+        await server.start()
+        metrics = ClusterMetrics(get_router_metrics(namespace, "cache_aware"), Directory.from_url(redis_url, namespace))
+        return server, await serve_openai(backend, port=0, metrics=metrics)
+
+    server, http = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+    try:
+        yield server.address, http.url
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(), loop).result(timeout=30)
+        asyncio.run_coroutine_threadsafe(server.stop(grace=1.0), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def bench(model_dir, tmp_path, *flags):
+    """Runs ``prefixserve bench serve`` in this process; returns its JSON report."""
+    out = tmp_path / f"bench-{uuid.uuid4().hex[:6]}.json"
+    rc = cli.main(["bench", "serve", "--model", str(model_dir), "--disable-tqdm", "--json", str(out), *flags])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def shared_prefix_flags(seed):
+    return ["--dataset-name", "shared-prefix", "--seed", str(seed), "--gsp-num-groups", str(GROUPS),
+            "--gsp-prompts-per-group", str(PER_GROUP), "--gsp-system-prompt-len", str(SYSTEM_LEN),
+            "--gsp-question-len", str(QUESTION_LEN), "--gsp-output-len", str(OUTPUT_LEN),
+            "--max-concurrency", "1"]
+
+
+def check_shared_prefix_figures(report, seed):
+    """The report against what the dataset implies, computed here."""
+    convs = shared_prefix_dataset(GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN, VOCAB, seed)
+    num = len(convs)
+    prompt_tokens = sum(len(c.turns[0].new_token_ids) for c in convs)
+    # One at a time on one replica: each group's first request misses, every
+    # later one hits exactly its system prompt (the question's block is new).
+    cached = GROUPS * (PER_GROUP - 1) * SYSTEM_LEN
+    assert num == GROUPS * PER_GROUP == report["num_requests"] == report["completed"]
+    assert report["failed"] == 0
+    assert report["total_input_tokens"] == prompt_tokens == num * (SYSTEM_LEN + QUESTION_LEN)
+    assert report["total_output_tokens"] == num * OUTPUT_LEN  # ignore_eos: exact lengths
+    assert report["total_cached_prompt_tokens"] == cached
+    assert report["prefix_hit_rate"] == round(cached / prompt_tokens, 4)
+    assert report["shared_prefix_hit_rate"] == round(cached / (num * SYSTEM_LEN), 4)
+    duration = report["duration_s"]
+    assert duration > 0
+    assert report["request_throughput"] == pytest.approx(num / duration, rel=0.01)
+    assert report["output_throughput"] == pytest.approx(num * OUTPUT_LEN / duration, rel=0.01)
+    assert report["input_throughput"] == pytest.approx(prompt_tokens / duration, rel=0.01)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        d = report[key]
+        assert set(d) == {"mean", "p50", "p95", "p99"}
+        assert 0 < d["p50"] <= d["p95"] <= d["p99"], (key, d)
+    assert report["ttft_ms"]["p50"] <= report["e2el_ms"]["p50"]
+    assert report["e2el_ms"]["p99"] <= duration * 1000
+
+
+def test_bench_serve_over_grpc_matches_the_workload(cluster, tmp_path):
+    with routers(cluster) as (address, _):
+        report = bench(cluster[1], tmp_path, "--url", address, *shared_prefix_flags(seed=11),
+                       "--goodput", "ttft:600000", "tpot:600000")
+    check_shared_prefix_figures(report, seed=11)
+    assert report["goodput"]["good_requests"] == report["completed"]  # SLOs of ten minutes: all good
+    assert list(report["requests_per_replica"].values()) == [report["completed"]]
+    config = report["config"]
+    assert config["backend"] == "grpc" and config["dataset_name"] == "shared-prefix" and config["seed"] == 11
+    assert config["request_rate"] == "inf" and config["max_concurrency"] == 1
+
+
+def test_bench_serve_over_openai_matches_the_workload(cluster, tmp_path):
+    with routers(cluster) as (_, base_url):
+        report = bench(cluster[1], tmp_path, "--backend", "openai", "--base-url", base_url,
+                       *shared_prefix_flags(seed=12))
+    check_shared_prefix_figures(report, seed=12)
+    assert report["config"]["backend"] == "openai"
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_multi_turn_prompts_grow_and_hit_the_previous_turn(cluster, tmp_path, backend):
+    from cluster.bench_serve import make_client, run_requests
+
+    convs = multi_turn_dataset(6, 3, 20, 6, 5, VOCAB, seed=13 if backend == "grpc" else 14)
+    tokenizer = Tokenizer.from_file(str(cluster[1] / "tokenizer.json")) if backend == "openai" else None
+
+    async def main(target):
+        client = make_client(backend, target, tokenizer)
+        try:
+            return await run_requests(client, convs, max_concurrency=1, progress=False)
+        finally:
+            await client.aclose()
+
+    with routers(cluster) as (address, base_url):
+        records, _ = asyncio.run(main(address if backend == "grpc" else base_url))
+    assert len(records) == 6 and all(r.ok for r in records), [r.error for r in records]
+    by_conv = {}
+    for r in sorted(records, key=lambda r: (r.conversation, r.turn)):
+        by_conv.setdefault(r.conversation, []).append(r)
+    for turns in by_conv.values():
+        assert [r.turn for r in turns] == [0, 1, 2]
+        assert turns[0].prompt_len == 20
+        for prev, cur in zip(turns, turns[1:]):
+            assert cur.prompt_tokens == cur.prompt_len  # the server saw the prompt we built
+            if backend == "grpc":  # exactly previous prompt + its answer + the new question
+                assert cur.prompt_len == prev.prompt_len + OUTPUT_LEN + 6
+            else:  # the answer re-encoded from its text: about as long
+                assert cur.prompt_len >= prev.prompt_len + 6
+            # The previous prompt's whole blocks are in the cache of the only replica.
+            assert cur.cached_prompt_tokens >= prev.prompt_len // BLOCK_SIZE * BLOCK_SIZE
+        assert all(r.completion_tokens == 5 for r in turns)
+
+
+def test_status_lists_the_replica(cluster, capsys):
+    with routers(cluster) as (address, _):
+        deadline = time.monotonic() + 60
+        while True:  # the replica's first heartbeat with stats may still be on its way
+            capsys.readouterr()
+            assert cli.main(["status", "--url", address]) == 0
+            lines = capsys.readouterr().out.strip().splitlines()
+            if len(lines) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    assert lines[0].split()[:4] == ["replica", "KV", "use", "running"]
+    assert len(lines) == 3 and lines[-1].startswith("1 replica(s), 0 running, 0 waiting")
+    assert lines[1].split()[1] == "0.0%"  # idle: nothing in use
+
+
+def test_status_with_metrics_shows_swapped_and_hit_rate(cluster, capsys):
+    """After the traffic of the tests above, /metrics has the replica's counters."""
+    with routers(cluster) as (address, base_url):
+        metrics_url = base_url[: -len("/v1")] + "/metrics"
+        deadline = time.monotonic() + 60
+        while True:  # the replica publishes its series with its heartbeats
+            capsys.readouterr()
+            assert cli.main(["status", "--url", address, "--metrics-url", metrics_url]) == 0
+            lines = capsys.readouterr().out.strip().splitlines()
+            if (len(lines) == 3 and lines[1].split()[6] != "-") or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    assert lines[0].split() == ["replica", "KV", "use", "running", "waiting", "swapped", "cached", "blocks",
+                                "hit", "rate", "prompt", "tok/s", "gen", "tok/s"]
+    row = lines[1].split()
+    assert len(lines) == 3, lines  # one replica: /metrics and ListReplicas name it alike
+    assert row[4] == "0"  # nothing swapped
+    assert 0.0 < float(row[6].rstrip("%")) <= 100.0  # the shared-prefix runs above hit the cache
+    assert row[7:] == ["-", "-"]  # token rates need two scrapes (--watch)
+
+
+def test_status_and_bench_say_what_is_wrong(tmp_path, caplog):
+    assert cli.main(["status", "--url", "127.0.0.1:1", "--timeout", "2"]) == 2
+    assert "ListReplicas on 127.0.0.1:1 failed: UNAVAILABLE" in caplog.text
+    assert cli.main(["bench", "serve", "--backend", "openai", "--url", "127.0.0.1:1"]) == 2
+    assert "--url is for --backend grpc" in caplog.text
+    assert cli.main(["bench", "serve", "--url", "127.0.0.1:1", "--goodput", "ttft=5"]) == 2
+    assert "--goodput takes NAME:MS" in caplog.text

@@ -1,0 +1,258 @@
+"""Unit tests of ``prefixserve bench serve``'s parts: datasets, the figures'
+math, the runner (with a fake transport) and the status table's parsing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import statistics
+
+import pytest
+
+from cluster import bench_datasets as ds
+from cluster.bench_clients import Delta, Usage
+from cluster.bench_metrics import (
+    RequestRecord,
+    distribution,
+    meets_slos,
+    parse_goodput,
+    series_bin_seconds,
+    summarize,
+    tokens_per_second_series,
+)
+from cluster.bench_serve import run_requests
+from cluster.status import ReplicaRow, format_status, merge_metrics, parse_metrics, token_rates
+
+VOCAB = 1000
+
+
+# ------------------------------------------------------------------ datasets
+
+
+def test_random_dataset_is_deterministic_with_its_seed_and_lengths_stay_in_range():
+    a = ds.random_dataset(50, 100, 20, 0.25, VOCAB, seed=7)
+    assert a == ds.random_dataset(50, 100, 20, 0.25, VOCAB, seed=7)
+    assert a != ds.random_dataset(50, 100, 20, 0.25, VOCAB, seed=8)
+    ins = [len(c.turns[0].new_token_ids) for c in a]
+    outs = [c.turns[0].output_len for c in a]
+    assert all(75 <= n <= 125 for n in ins) and all(15 <= n <= 25 for n in outs)
+    assert len(set(ins)) > 5  # the range is used, not one length
+    assert all(ds.FIRST_USABLE_ID <= t < VOCAB for c in a for t in c.turns[0].new_token_ids)
+    fixed = ds.random_dataset(10, 64, 8, 0.0, VOCAB, seed=0)
+    assert {len(c.turns[0].new_token_ids) for c in fixed} == {64} and {c.turns[0].output_len for c in fixed} == {8}
+
+
+def test_shared_prefix_dataset_groups_share_exactly_their_system_prompt():
+    convs = ds.shared_prefix_dataset(3, 4, 32, 6, 5, VOCAB, seed=1)
+    assert convs == ds.shared_prefix_dataset(3, 4, 32, 6, 5, VOCAB, seed=1)
+    assert len(convs) == 12 and sorted(c.group for c in convs) == [0] * 4 + [1] * 4 + [2] * 4
+    assert [c.group for c in convs] != sorted(c.group for c in convs)  # shuffled: groups interleave
+    by_group: dict[int, list[tuple[int, ...]]] = {}
+    for c in convs:
+        assert c.shared_prefix_len == 32 and len(c.turns) == 1 and c.turns[0].output_len == 5
+        assert len(c.turns[0].new_token_ids) == 38
+        by_group.setdefault(c.group, []).append(c.turns[0].new_token_ids)
+    prefixes = {g: {p[:32] for p in prompts} for g, prompts in by_group.items()}
+    assert all(len(p) == 1 for p in prefixes.values())  # one system prompt per group
+    assert len({next(iter(p)) for p in prefixes.values()}) == 3  # and different ones across groups
+    assert len({p for prompts in by_group.values() for p in prompts}) == 12  # unique questions
+
+
+def test_multi_turn_dataset_splits_requests_into_conversations():
+    convs = ds.multi_turn_dataset(10, 4, 50, 7, 3, VOCAB, seed=2)
+    assert [c.num_requests for c in convs] == [4, 4, 2]
+    assert convs == ds.multi_turn_dataset(10, 4, 50, 7, 3, VOCAB, seed=2)
+    for c in convs:
+        assert len(c.turns[0].new_token_ids) == 50 and all(len(t.new_token_ids) == 7 for t in c.turns[1:])
+        assert ds.max_prompt_len(c) == 50 + 7 * (c.num_requests - 1) + 3 * (c.num_requests - 1)
+
+
+def test_make_dataset_reads_the_flags_and_rejects_a_mismatched_num_prompts():
+    parser = argparse.ArgumentParser()
+    ds.add_dataset_args(parser)
+    args = parser.parse_args(["--dataset-name", "shared-prefix", "--gsp-num-groups", "2",
+                              "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "16"])
+    assert len(ds.make_dataset(args, VOCAB)) == 6
+    args.num_prompts = 5
+    with pytest.raises(ValueError, match="--gsp-num-groups x --gsp-prompts-per-group = 6"):
+        ds.make_dataset(args, VOCAB)
+    with pytest.raises(ValueError, match="--random-range-ratio must be in"):
+        ds.random_dataset(4, 10, 10, 1.0, VOCAB, 0)
+    with pytest.raises(ValueError, match="--multi-turn-turns must be >= 1"):
+        ds.multi_turn_dataset(4, 0, 10, 10, 10, VOCAB, 0)
+
+
+# ------------------------------------------------------------------ figures
+
+
+def test_goodput_parsing_and_slo_checks():
+    assert parse_goodput(["ttft:500", "tpot:50", "e2el:2000"]) == {"ttft": 0.5, "tpot": 0.05, "e2el": 2.0}
+    for bad in ("ttft", "itl:5", "ttft:-1", "ttft:fast"):
+        with pytest.raises(ValueError, match="--goodput takes NAME:MS"):
+            parse_goodput([bad])
+    rec = RequestRecord(0, 0, 10, 5, ttft=0.4, latency=0.8, completion_tokens=5)  # tpot = 0.1
+    assert meets_slos(rec, {"ttft": 0.5}) and not meets_slos(rec, {"ttft": 0.3})
+    assert meets_slos(rec, {"tpot": 0.1}) and not meets_slos(rec, {"tpot": 0.099})
+    one = RequestRecord(0, 0, 10, 1, ttft=0.2, latency=0.2, completion_tokens=1)
+    assert meets_slos(one, {"tpot": 0.001})  # no TPOT for a single token: not judged
+
+
+def test_distribution_is_the_nearest_rank_percentile():
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    d = distribution(values[::-1])
+    assert d["mean"] == 50.5
+    assert d["p50"] == 51.0 and d["p95"] == 95.0 and d["p99"] == 99.0  # index round(p/100 * 99)
+    assert distribution([]) == {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0}
+
+
+def _record(i, ttft, latency, prompt, cached, out, shared=0, itl=(), error=""):
+    return RequestRecord(i, 0, prompt, out, shared_prefix_len=shared, ttft=ttft, latency=latency, itl=list(itl),
+                         token_times=[(latency, out)], prompt_tokens=prompt, completion_tokens=out,
+                         cached_prompt_tokens=cached, replica_id=f"r{i % 2}", error=error)
+
+
+def test_summarize_counts_tokens_hit_rates_and_goodput():
+    records = [
+        _record(0, 0.1, 0.5, prompt=100, cached=0, out=5, shared=64, itl=[0.1] * 4),
+        _record(1, 0.2, 1.0, prompt=100, cached=64, out=5, shared=64, itl=[0.2] * 4),
+        _record(2, 0.3, 2.0, prompt=100, cached=80, out=9, shared=64, itl=[0.2125] * 8),
+        _record(3, 9.9, 9.9, prompt=0, cached=0, out=0, error="UNAVAILABLE: no replica"),
+    ]
+    s = summarize(records, duration=4.0, slos={"ttft": 0.25})
+    assert (s["num_requests"], s["completed"], s["failed"]) == (4, 3, 1)
+    assert s["total_input_tokens"] == 300 and s["total_output_tokens"] == 19
+    assert s["request_throughput"] == 0.75 and s["output_throughput"] == 4.75 and s["input_throughput"] == 75.0
+    assert s["prefix_hit_rate"] == round(144 / 300, 4)
+    assert s["shared_prefix_hit_rate"] == round((0 + 64 + 64) / 192, 4)  # capped at the system prompt
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["p99"] == pytest.approx(300.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx(200.0)  # (1.0 - 0.2) / 4
+    assert s["e2el_ms"]["p99"] == pytest.approx(2000.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(1000 * statistics.fmean([0.1] * 4 + [0.2] * 4 + [0.2125] * 8))
+    assert s["goodput"]["good_requests"] == 2 and s["goodput"]["request_goodput"] == 0.5
+    assert s["requests_per_replica"] == {"r0": 2, "r1": 1}
+    assert s["errors"] == ["UNAVAILABLE: no replica"]
+
+
+def test_tokens_per_second_series_bins_tokens_by_arrival():
+    recs = [RequestRecord(0, 0, 1, 1, token_times=[(0.1, 1), (0.9, 2), (1.5, 4)]),
+            RequestRecord(1, 0, 1, 1, token_times=[(2.2, 1)])]
+    assert tokens_per_second_series(recs, 1.0) == ([0.0, 1.0, 2.0], [3.0, 4.0, 1.0])
+    assert tokens_per_second_series(recs, 0.5) == ([0.0, 0.5, 1.0, 1.5, 2.0], [2.0, 4.0, 0.0, 8.0, 2.0])
+    assert series_bin_seconds(3.0) == 0.1 and series_bin_seconds(100.0) == 2.0
+
+
+# ------------------------------------------------------------------ runner
+
+
+class FakeClient:
+    """Answers every request at once with ``max_tokens`` tokens, one per chunk,
+    and caches nothing; remembers the prompts it was sent."""
+
+    name = "fake"
+
+    def __init__(self, fail_prompt_len: int = -1) -> None:
+        self.prompts: list[list[int]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.fail_prompt_len = fail_prompt_len
+
+    async def stream(self, prompt, max_tokens):
+        self.prompts.append(list(prompt))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.001)
+            if len(prompt) == self.fail_prompt_len:
+                raise RuntimeError("boom")
+            for i in range(max_tokens):
+                await asyncio.sleep(0)
+                yield Delta(1, [10_000 + len(prompt) + i], replica_id="fake-0")
+            yield Delta(0, usage=Usage(len(prompt), max_tokens, 0), replica_id="fake-0")
+        finally:
+            self.in_flight -= 1
+
+    def answer_ids(self, deltas):
+        return [t for d in deltas for t in d.token_ids]
+
+    async def aclose(self):
+        pass
+
+
+def test_runner_extends_each_turn_with_the_previous_prompt_and_answer():
+    convs = ds.multi_turn_dataset(9, 3, 20, 5, 4, VOCAB, seed=3)
+    client = FakeClient()
+    records, duration = asyncio.run(run_requests(client, convs, max_concurrency=2, progress=False))
+    assert len(records) == 9 and all(r.ok for r in records) and duration > 0
+    by_conv: dict[int, list[list[int]]] = {}
+    for prompt in client.prompts:  # a conversation's turns are sent in order
+        first = next(i for i, c in enumerate(convs) if list(c.turns[0].new_token_ids) == prompt[:20])
+        by_conv.setdefault(first, []).append(prompt)
+    assert sorted(by_conv) == [0, 1, 2]
+    for i, prompts in by_conv.items():
+        assert len(prompts) == 3
+        for turn in (1, 2):
+            prev, cur = prompts[turn - 1], prompts[turn]
+            answer = [10_000 + len(prev) + k for k in range(4)]
+            assert cur == prev + answer + list(convs[i].turns[turn].new_token_ids)
+    assert client.max_in_flight <= 2
+    for r in records:
+        assert r.prompt_tokens == r.prompt_len and r.completion_tokens == 4 and len(r.itl) == 3
+        assert r.ttft is not None and r.latency >= r.ttft
+
+
+def test_runner_respects_max_concurrency_and_a_failed_turn_ends_its_conversation():
+    convs = ds.multi_turn_dataset(6, 3, 20, 5, 4, VOCAB, seed=4)
+    client = FakeClient(fail_prompt_len=20 + 4 + 5)  # every second turn fails
+    records, _ = asyncio.run(run_requests(client, convs, max_concurrency=1, progress=False))
+    assert client.max_in_flight == 1
+    assert len(records) == 4  # two conversations: turn 1 ok, turn 2 failed, turn 3 never sent
+    assert sorted(r.turn for r in records if r.ok) == [0, 0]
+    assert [r.error for r in records if not r.ok] == ["RuntimeError: boom"] * 2
+
+
+def test_runner_sends_at_the_poisson_rate():
+    convs = ds.random_dataset(20, 8, 1, 0.0, VOCAB, seed=5)
+    records, duration = asyncio.run(run_requests(FakeClient(), convs, request_rate=200.0, progress=False))
+    sent = sorted(r.sent_at for r in records)
+    gaps = random.Random(0 + 1)  # run_requests draws the gaps from seed + 1
+    due = list(itertools.accumulate(gaps.expovariate(200.0) for _ in range(20)))
+    assert len(sent) == 20
+    assert all(s >= d - 0.005 for s, d in zip(sent, due))  # never before its Poisson arrival time
+    with pytest.raises(ValueError, match="--request-rate must be > 0"):
+        asyncio.run(run_requests(FakeClient(), convs, request_rate=0.0, progress=False))
+
+
+# ------------------------------------------------------------------ status
+
+EXPOSITION = """\
+# TYPE prefixserve:num_requests_swapped gauge
+prefixserve:num_requests_swapped{model="m",replica="a"} 2.0
+prefixserve:num_requests_swapped{model="m",replica="b"} 0.0
+# TYPE prefixserve:prefix_cache_queries counter
+prefixserve:prefix_cache_queries_total{model="m",replica="a"} 400.0
+prefixserve:prefix_cache_queries_total{model="m",replica="b"} 0.0
+# TYPE prefixserve:prefix_cache_hits counter
+prefixserve:prefix_cache_hits_total{model="m",replica="a"} 100.0
+# TYPE prefixserve:generation_tokens counter
+prefixserve:generation_tokens_total{model="m",replica="a"} 50.0
+# TYPE prefixserve:router_requests counter
+prefixserve:router_requests_total{outcome="ok",policy="cache_aware"} 7.0
+"""
+
+
+def test_status_reads_metrics_per_replica_and_rates_between_scrapes():
+    metrics = parse_metrics(EXPOSITION)
+    assert metrics == {"a": {"swapped": 2.0, "queries": 400.0, "hits": 100.0, "generation_tokens": 50.0},
+                       "b": {"swapped": 0.0, "queries": 0.0}}
+    rows = {"a": ReplicaRow("a", kv_use=0.5, running=3, waiting=1, cached_blocks=12)}
+    merge_metrics(rows, metrics)
+    assert rows["a"].swapped == 2.0 and rows["b"].kv_use is None  # only in /metrics: a row of its own
+    later = {"a": {**metrics["a"], "generation_tokens": 80.0, "prompt_tokens": 20.0}}
+    assert token_rates(None, (1.0, metrics)) == {}
+    assert token_rates((1.0, metrics), (3.0, later)) == {"a": (10.0, 15.0)}
+    text = "\n".join(format_status(rows, {"a": (10.0, 15.0)}, show_metrics=True))
+    assert "50.0%" in text and "25.0%" in text and "15.0" in text  # KV use, hit rate, gen tok/s
+    assert text.splitlines()[-1].startswith("2 replica(s), 3 running, 1 waiting")
+    assert format_status({}, {}, show_metrics=False) == ["no live replicas"]
