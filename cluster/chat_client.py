@@ -12,10 +12,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any, Callable, Iterator
 
+from router.security import API_KEY_ENV
+
 logger = logging.getLogger(__name__)
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of a ``--url`` client: TLS (mTLS) and the API key."""
+    group = parser.add_argument_group("connection (with --url)")
+    group.add_argument("--tls", action="store_true", help="connect with TLS, verified by the system's CAs")
+    group.add_argument("--tls-ca", default=None, help="CA bundle (PEM) that verifies the router; implies TLS")
+    group.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mTLS; implies TLS")
+    group.add_argument("--tls-key", default=None, help="private key of --tls-cert")
+    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"bearer token sent as 'authorization: Bearer ...' (default: ${API_KEY_ENV})")
+
+
+def open_channel(args: argparse.Namespace) -> tuple[Any, tuple]:
+    """The gRPC channel to ``args.url`` and the call metadata (API key).
+
+    Raises:
+        ValueError: A TLS file is unreadable, or a cert comes without its key.
+    """
+    from router.security import bearer_metadata, client_channel
+
+    channel = client_channel(args.url, tls=getattr(args, "tls", False), ca_file=getattr(args, "tls_ca", None),
+                             cert_file=getattr(args, "tls_cert", None), key_file=getattr(args, "tls_key", None))
+    return channel, bearer_metadata(getattr(args, "api_key", None))
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +51,7 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline of each --url turn in seconds")
+    add_connection_args(parser)
 
 
 def run_chat(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -88,21 +116,23 @@ def _remote_replier(args: argparse.Namespace) -> Callable[[list], Iterator[str]]
                                                                 temperature=args.temperature))
         for message in history:
             request.messages.items.add(role=message["role"], content=message["content"])
-        yield from asyncio.run(_collect(args.url, request, args.timeout))
+        yield from asyncio.run(_collect(args, request))
 
     return reply
 
 
-async def _collect(url: str, request: Any, timeout: float) -> list[str]:
+async def _collect(args: argparse.Namespace, request: Any) -> list[str]:
     """One turn over gRPC (collected, then echoed; turns are short)."""
     import grpc
 
     from router.pb import generation_pb2_grpc as pb_grpc
 
     pieces = []
-    async with grpc.aio.insecure_channel(url) as channel:
+    channel, metadata = open_channel(args)
+    async with channel:
         try:
-            async for chunk in pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
+            stub = pb_grpc.GenerationStub(channel)
+            async for chunk in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 pieces.append(chunk.text)
         except grpc.aio.AioRpcError as exc:
             raise ValueError(f"{exc.code().name}: {exc.details()}") from exc

@@ -18,13 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
-from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, build_app
+from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, build_app, model_info
 from cluster.config import ClusterConfig
 from cluster.types import GenerationRequest, StreamChunk
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Serve drains replicas (graceful_shutdown_timeout_s 30 s) before it returns.
 SERVE_SHUTDOWN_TIMEOUT_S = 60.0
 
@@ -41,6 +40,10 @@ class LocalCluster:
         grpc_host: Interface the routers bind (gRPC and HTTP).
         http_port: Port of the OpenAI-compatible HTTP API (0 picks a free
             one); None runs none.
+        limits: Input limits and the router's in-flight bound
+            (``router.limits.Limits``; default ``Limits()``).
+        security: TLS and API keys of both front ends
+            (``router.security.Security``); None: plaintext, no keys.
     """
 
     def __init__(
@@ -50,8 +53,12 @@ class LocalCluster:
         grpc_port: Optional[int] = None,
         grpc_host: str = "127.0.0.1",
         http_port: Optional[int] = None,
+        limits: Any = None,
+        security: Any = None,
     ) -> None:
         self.config = config
+        self.limits = limits
+        self.security = security
         self.num_cpus = num_cpus
         self.redis = None
         self.redis_url = config.redis_url
@@ -98,7 +105,7 @@ class LocalCluster:
     def _cpus_needed(self) -> float:
         tp = self.config.engine.parallel.tensor_parallel_size
         per_replica = self.config.replica_num_cpus + (self.config.rank_num_cpus * tp if tp > 1 else 0)
-        return max(float(os.cpu_count() or 1), per_replica * self.config.replicas)
+        return max(float(os.cpu_count() or 1), per_replica * self.config.max_num_replicas)
 
     def _wait_ready(self, timeout: float = 600.0) -> None:
         from ray import serve
@@ -117,16 +124,19 @@ class LocalCluster:
         """Starts the gRPC router on a daemon thread with its own event loop."""
         from cluster.directory import Directory
         from router.backend import ModelInfo, RouterBackend
+        from router.metrics import ClusterMetrics, get_router_metrics
         from router.server import RouterServer
         from router.tokenizer import RouterTokenizer
-        from workers.model.loader import resolve_model
-
-        model_dir = resolve_model(self.config.engine.model)
-        tokenizer = RouterTokenizer.from_model_dir(model_dir)
         # The name clients pass as `model`: the folder or file name, or the default model's own name.
-        name = Path(self.config.engine.model).name if self.config.engine.model else DEFAULT_MODEL_NAME
-        model = ModelInfo(name, _max_model_len(self.config, model_dir))
-        backend = RouterBackend(self.handle, tokenizer, model)
+        model_dir, name, max_len = model_info(self.config)
+        tokenizer = RouterTokenizer.from_model_dir(Path(model_dir))
+        model = ModelInfo(name, max_len)
+        router_metrics = get_router_metrics(self.config.namespace, self.config.routing_policy)
+        from router.limits import Limits
+
+        limits = self.limits or Limits()
+        backend = RouterBackend(self.handle, tokenizer, model, max_inflight_requests=limits.max_inflight_requests,
+                                metrics=router_metrics, migration_limit=self.config.router.migration_limit)
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="grpc-router", daemon=True)
         thread.start()
@@ -134,14 +144,18 @@ class LocalCluster:
 
         async def start() -> tuple[Any, Any]:
             server = http = None
+            # On this loop: the async Redis client belongs to it (the gRPC server closes it).
+            directory = Directory.from_url(self.redis_url, self.config.namespace) if self.redis_url else None
             if self.grpc_port is not None:
-                directory = Directory.from_url(self.redis_url, self.config.namespace) if self.redis_url else None
-                server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port)
+                server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port,
+                                      limits=limits, security=self.security)
                 await server.start()
             if self.http_port is not None:
                 from router.openai import serve_openai
 
-                http = await serve_openai(backend, host=self.grpc_host, port=self.http_port)
+                http = await serve_openai(backend, host=self.grpc_host, port=self.http_port,
+                                          metrics=ClusterMetrics(router_metrics, directory),
+                                          limits=limits, security=self.security)
             return server, http
 
         self._router, self._http = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
@@ -150,18 +164,28 @@ class LocalCluster:
         if self._http is not None:
             self.http_url = self._http.url
 
-    def _stop_router(self, grace: float = 5.0) -> None:
+    def _stop_router(self, grace: Optional[float] = None) -> None:
+        """Drains both front ends at once: they refuse new requests (gRPC
+        health NOT_SERVING first) and running streams get ``grace`` seconds
+        (default ``router.drain_timeout_s``) to finish."""
         loop, thread, router, http = self._router_loop, self._router_thread, self._router, self._http
         self._router = self._router_loop = self._router_thread = self._http = None
         if loop is None:
             return
-        for name, front in (("HTTP", http), ("gRPC", router)):
-            try:
-                if front is not None:
-                    stop = front.stop(grace) if name == "gRPC" else front.stop()
-                    asyncio.run_coroutine_threadsafe(stop, loop).result(timeout=grace + 10)
-            except Exception:  # noqa: BLE001 - keep tearing down
-                logger.exception("stopping the %s router failed", name)
+        grace = self.config.router.drain_timeout_s if grace is None else grace
+
+        async def drain() -> None:
+            stops = [front.stop(grace) for front in (http, router) if front is not None]
+            for name, result in zip(("front end",) * len(stops), await asyncio.gather(*stops, return_exceptions=True)):
+                if isinstance(result, BaseException):
+                    logger.error("stopping a %s failed: %r", name, result)
+
+        if http is not None or router is not None:
+            logger.info("draining the routers: running streams get up to %.0fs", grace)
+        try:
+            asyncio.run_coroutine_threadsafe(drain(), loop).result(timeout=grace + 15)
+        except Exception:  # noqa: BLE001 - keep tearing down
+            logger.exception("draining the routers failed")
         loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join(timeout=10)
@@ -214,17 +238,6 @@ def _serve_shutdown() -> None:
         serve.shutdown()
     except Exception:  # noqa: BLE001 - keep tearing down
         logger.exception("serve.shutdown failed")
-
-
-def _max_model_len(config: ClusterConfig, model_dir: Any) -> int:
-    """The engine's max_model_len: the configured one, else the model's."""
-    import json
-
-    if config.engine.max_model_len is not None:
-        return config.engine.max_model_len
-    config_file = model_dir / "config.json"
-    hf = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return int(hf.get("max_position_embeddings") or 2048)
 
 
 def _with_redis(config: ClusterConfig, redis_url: Optional[str]) -> ClusterConfig:

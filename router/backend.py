@@ -9,10 +9,18 @@ map errors to their status codes:
 
     ValueError             bad input            INVALID_ARGUMENT / HTTP 400
     OverloadedError        queues are full      RESOURCE_EXHAUSTED / HTTP 429
+                                                (+ retry-after-ms / Retry-After)
     NoReplicaError         no live replica      UNAVAILABLE / HTTP 503
 
+Overload has three sources: this router already streams
+``max_inflight_requests``; Serve cannot queue the request (its
+``BackPressureError``); or the replica's waiting queue is full
+(``ReplicaOverloadedError``, ``max_waiting_requests``). Each is rejected at
+once, never queued without bound.
+
 Cancelling the consumer of ``stream()`` cancels the Serve response, and the
-replica aborts the sequence and frees its blocks.
+replica aborts the sequence and frees its blocks. When a replica dies
+mid-stream, the stream continues on another one (``router/migration.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +29,27 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Protocol
 
-from cluster.types import GenerationRequest, StreamChunk
+from cluster.types import GenerationRequest, ReplicaOverloadedError, StreamChunk
+from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_stream
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
 class OverloadedError(RuntimeError):
-    """Every replica's queue is full; the client should retry later."""
+    """The cluster cannot take the request now; the client should retry later.
+
+    Args:
+        message: Which bound was hit.
+        retry_after_s: The retry hint sent to the client.
+    """
+
+    def __init__(self, message: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NoReplicaError(RuntimeError):
@@ -59,21 +80,63 @@ class RouterBackend:
         handle: ``DeploymentHandle`` of the replica deployment.
         tokenizer: The model's router tokenizer.
         model: Name and limits of the served model.
+        max_inflight_requests: Most requests streamed at once (both front
+            ends together); more get ``OverloadedError``. None: unbounded.
+        metrics: Counts each request's outcome in
+            ``prefixserve:router_requests_total`` (``router/metrics.py``).
+        migration_limit: Most times one request moves to another replica
+            because its replica died (``router/migration.py``).
     """
 
-    def __init__(self, handle: Any, tokenizer: RouterTokenizer, model: ModelInfo) -> None:
+    def __init__(self, handle: Any, tokenizer: RouterTokenizer, model: ModelInfo,
+                 max_inflight_requests: Optional[int] = None, metrics: Optional[Any] = None,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
         self.handle = handle
         self.tokenizer = tokenizer
         self.model = model
+        self.max_inflight_requests = max_inflight_requests
+        self.num_inflight = 0
+        self.metrics = metrics
+        self.migration_limit = migration_limit
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        """Yields the request's chunks; the last one has a finish reason
+        (errors as in ``_stream``); counts the outcome when ``metrics`` is set."""
+        if self.metrics is None:
+            return self._stream(request)
+        from router.metrics import metered
+
+        return metered(self._stream(request), self.metrics)
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """Yields the request's chunks; the last one has a finish reason.
 
         Raises:
             ValueError: The replica rejected the request as invalid.
             OverloadedError: Serve could not queue it anywhere.
-            NoReplicaError: No replica is available.
+            NoReplicaError: No replica is available, or the request's replicas
+                died more often than ``migration_limit``.
         """
+        cap = self.max_inflight_requests
+        if cap is not None and self.num_inflight >= cap:
+            raise OverloadedError(f"this router is streaming {self.num_inflight} requests, its "
+                                  f"max_inflight_requests is {cap}: retry later")
+        self.num_inflight += 1
+        try:
+            decode = self.tokenizer.decode if hasattr(self.tokenizer, "decode") else None
+            stream = migrating_stream(self._attempt, request, self.migration_limit, decode)
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except MigrationLimitError as exc:
+                raise NoReplicaError(str(exc)) from exc
+            finally:
+                await stream.aclose()
+        finally:
+            self.num_inflight -= 1
+
+    async def _attempt(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
+        """One Serve streaming call; replica deaths propagate (``migrating_stream`` handles them)."""
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
         response = self.handle.options(stream=True, method_name="generate").remote(request)
@@ -88,9 +151,20 @@ class RouterBackend:
             cause = _user_error(exc)
             if cause is not None:
                 raise cause from exc
+            overload = _overload(exc)
+            if overload is not None:
+                raise OverloadedError(str(overload), overload.retry_after_s) from exc
             raise
         finally:
             response.cancel()  # no-op when finished; aborts the sequence otherwise
+
+
+def _overload(exc: BaseException) -> Optional[ReplicaOverloadedError]:
+    """The replica's ReplicaOverloadedError inside Ray's task-error wrapper, if any."""
+    for candidate in (getattr(exc, "cause", None), exc):
+        if isinstance(candidate, ReplicaOverloadedError) and hasattr(candidate, "retry_after_s"):
+            return candidate
+    return None
 
 
 def _user_error(exc: BaseException) -> Optional[ValueError]:

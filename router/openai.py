@@ -6,13 +6,18 @@ Routes::
     POST /v1/chat/completions   messages (rendered with the chat template) → message
     GET  /v1/models             the one served model
     GET  /health                200 while the server runs
+    GET  /metrics               Prometheus text: the router's and every live replica's
+                                series (with ``metrics``; see ``router/metrics.py``)
 
 Both generation routes stream server-sent events with ``"stream": true``
 (``data: {...}`` chunks, then ``data: [DONE]``); with
 ``stream_options.include_usage`` a last chunk with empty ``choices`` carries
 ``usage``. ``usage.prompt_tokens_details.cached_tokens`` is the replica's
 prefix-cache hit. Errors are OpenAI bodies ``{"error": {...}}``: 400 bad
-input, 404 unknown model, 429 overloaded, 503 no replica.
+input (a limit of ``router.limits`` is named with the value allowed), 401
+missing or wrong API key (``router.security``), 404 unknown model, 413 body
+over ``max_request_bytes``, 429 overloaded (with ``Retry-After``), 503 no
+replica.
 
 When a streaming client disconnects, the response task is cancelled and the
 backend's stream is closed, which makes the replica abort the sequence and
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -38,6 +44,7 @@ from starlette.routing import Route
 
 from cluster.types import StreamChunk
 from router.backend import Backend, NoReplicaError, OverloadedError
+from router.limits import Limits
 from router.openai_protocol import (
     APIError,
     ParsedRequest,
@@ -54,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _backend_error(exc: BaseException) -> Optional[APIError]:
@@ -62,7 +69,9 @@ def _backend_error(exc: BaseException) -> Optional[APIError]:
     if isinstance(exc, ValueError):
         return bad_request(str(exc), param_of(str(exc)))
     if isinstance(exc, OverloadedError):
-        return APIError(429, str(exc), type_="rate_limit_error", code="overloaded")
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))  # whole seconds, as HTTP has it
+        return APIError(429, str(exc), type_="rate_limit_error", code="overloaded",
+                        headers={"Retry-After": retry_after})
     if isinstance(exc, NoReplicaError):
         return APIError(503, str(exc), type_="service_unavailable", code="no_replica")
     return None
@@ -109,8 +118,9 @@ class OpenAIServer:
         backend: Where requests go.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, limits: Optional[Limits] = None) -> None:
         self.backend = backend
+        self.limits = limits or Limits()
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``."""
@@ -133,12 +143,12 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            raw = await request.body()
+            raw = await self._read_body(request)
             try:
                 body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
-            parsed = parse_request(body, chat, self.backend.tokenizer, self.backend.model)
+            parsed = parse_request(body, chat, self.backend.tokenizer, self.backend.model, self.limits)
         except APIError as err:
             return _error_response(err)
         stream = self.backend.stream(parsed.request).__aiter__()
@@ -163,6 +173,21 @@ class OpenAIServer:
             events = self._events(parsed, stream, first, ident, created)
             return _EventStream(events, headers={"Cache-Control": "no-cache"})
         return await self._whole(request, parsed, stream, first, ident, created)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 once it passes ``max_request_bytes`` (declared or streamed)."""
+        limit = self.limits.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, self.limits.request_too_large(int(declared)), code="request_too_large")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, self.limits.request_too_large(size) + " (counted so far)",
+                               code="request_too_large")
+            parts.append(part)
+        return b"".join(parts)
 
     async def _whole(
         self, request: Request, parsed: ParsedRequest, stream: AsyncIterator[StreamChunk],
@@ -283,23 +308,37 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def build_openai_app(backend: Backend) -> Starlette:
+def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[Limits] = None,
+                     security: Any = None) -> Starlette:
     """The ASGI app of the OpenAI-compatible API over ``backend``.
 
     Args:
         backend: Validated requests go to ``backend.stream()``; its tokenizer
             tokenizes prompts and renders chat templates.
+        metrics: A ``router.metrics.ClusterMetrics`` served at ``GET /metrics``
+            (None: no such route).
+        limits: Input limits and body size (default ``Limits()``).
+        security: ``router.security.Security``; with API keys, every route
+            but its open ones (``/health``, ``/metrics`` by default) needs
+            ``Authorization: Bearer <key>``. TLS is :func:`serve_openai`'s.
 
     Returns:
         A Starlette app (serve it with :func:`serve_openai` or any ASGI server).
     """
-    server = OpenAIServer(backend)
+    server = OpenAIServer(backend, limits)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
     ]
+    if metrics is not None:
+        from router.metrics import CONTENT_TYPE
+
+        async def scrape(request: Request) -> Response:
+            return Response(await metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+        routes.append(Route("/metrics", scrape, methods=["GET"]))
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -309,7 +348,15 @@ def build_openai_app(backend: Backend) -> Starlette:
             message = f"{request.url.path} is not a route of this API: use /v1/completions, /v1/chat/completions"
         return _error_response(APIError(status, message, type_="not_found_error"))
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    middleware = []
+    if security is not None and security.api_keys is not None:
+        from starlette.middleware import Middleware
+
+        from router.security import BearerAuthMiddleware
+
+        middleware.append(Middleware(BearerAuthMiddleware, api_keys=security.api_keys,
+                                     open_paths=security.open_http_paths()))
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, middleware=middleware)
 
 
 class OpenAIServerHandle:
@@ -320,20 +367,33 @@ class OpenAIServerHandle:
         port: The bound port (the real one when 0 was asked).
     """
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task, host: str, port: int) -> None:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task, host: str, port: int, tls: bool = False) -> None:
         self._server = server
         self._task = task
         self.host = host
         self.port = port
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        """Base URL of the API, e.g. ``http://127.0.0.1:8000/v1``."""
+        """Base URL of the API, e.g. ``http://127.0.0.1:8000/v1`` (``https`` with TLS)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/v1"
 
-    async def stop(self) -> None:
-        """Stops accepting requests, lets running ones finish briefly, and returns when closed."""
+    @property
+    def running(self) -> bool:
+        """Whether the server task is still serving."""
+        return not self._task.done()
+
+    async def stop(self, grace: Optional[float] = None) -> None:
+        """Stops accepting requests, lets running ones (streams too) finish, and returns when closed.
+
+        Args:
+            grace: Seconds running requests get before they are cut; None
+                keeps the server's setting (5 s).
+        """
+        if grace is not None:
+            self._server.config.timeout_graceful_shutdown = grace
         self._server.should_exit = True
         try:
             await self._task
@@ -350,13 +410,19 @@ class _EmbeddedServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def serve_openai(backend: Backend, host: str = "127.0.0.1", port: int = 8000) -> OpenAIServerHandle:
+async def serve_openai(backend: Backend, host: str = "127.0.0.1", port: int = 8000,
+                       metrics: Any = None, *, limits: Optional[Limits] = None,
+                       security: Any = None) -> OpenAIServerHandle:
     """Serves the OpenAI API with uvicorn in the current event loop.
 
     Args:
         backend: The request backend.
         host: Address to bind (loopback by default).
         port: Port to bind; 0 picks a free one (see ``handle.port``).
+        metrics: Serves ``GET /metrics`` (``router.metrics.ClusterMetrics``).
+        limits: Input limits and body size (default ``Limits()``).
+        security: ``router.security.Security``: HTTPS with its TLS files
+            (client certificates required with a client CA) and API keys.
 
     Returns:
         A handle with ``.port`` and ``async stop()``.
@@ -373,9 +439,11 @@ async def serve_openai(backend: Backend, host: str = "127.0.0.1", port: int = 80
         sock.close()
         raise
     bound = sock.getsockname()[1]
+    tls = security.tls if security is not None else None
     config = uvicorn.Config(
-        build_openai_app(backend), lifespan="off", log_level="warning", access_log=False,
-        timeout_graceful_shutdown=5,
+        build_openai_app(backend, metrics, limits=limits, security=security), lifespan="off",
+        log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        **(tls.uvicorn_options() if tls is not None else {}),
     )
     server = _EmbeddedServer(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -385,5 +453,6 @@ async def serve_openai(backend: Backend, host: str = "127.0.0.1", port: int = 80
             task.result()  # raises the startup error
             raise RuntimeError("the OpenAI HTTP server exited during startup")
         await asyncio.sleep(0.01)
-    logger.info("OpenAI-compatible API on http://%s:%d/v1", host, bound)
-    return OpenAIServerHandle(server, task, host, bound)
+    handle = OpenAIServerHandle(server, task, host, bound, tls=tls is not None)
+    logger.info("OpenAI-compatible API on %s", handle.url)
+    return handle

@@ -12,8 +12,8 @@ server reflection.
 
 Errors map as the backend documents them (``router/backend.py``):
 
-    ValueError          INVALID_ARGUMENT    the message names the field
-    OverloadedError     RESOURCE_EXHAUSTED
+    ValueError          INVALID_ARGUMENT    the message names the field (and the limit)
+    OverloadedError     RESOURCE_EXHAUSTED  trailing metadata retry-after-ms: when to retry
     NoReplicaError      UNAVAILABLE
     deadline passed     DEADLINE_EXCEEDED
     anything else       INTERNAL            logged; the server keeps serving
@@ -24,6 +24,11 @@ its ``finally`` cancels the Serve response, so the replica aborts the
 sequence and frees its blocks. The handler also bounds the stream by the
 deadline itself (``asyncio.timeout``), so a deadline is honoured even if the
 transport notices it late.
+
+Input limits (``router.limits.Limits``) apply to every request; messages
+over ``max_request_bytes`` are refused by gRPC itself (RESOURCE_EXHAUSTED).
+With ``security`` the server speaks TLS (mTLS with a client CA) and requires
+``authorization: Bearer <key>`` metadata (``router.security``).
 
 The server is stateless: several routers on one Redis behave as one.
 """
@@ -40,6 +45,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router import convert
 from router.backend import Backend, NoReplicaError, OverloadedError
+from router.limits import Limits
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 
@@ -48,6 +54,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # prefixserve.v1.Generation
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: milliseconds to wait
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -70,20 +77,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         backend: Streams requests to the replicas (``RouterBackend`` or a fake).
         directory: The prefix directory (``cluster.directory.Directory``) whose
             replica stats answer ``ListReplicas``; None answers UNAVAILABLE.
+        limits: Input limits (default ``Limits()``).
     """
 
-    def __init__(self, backend: Backend, directory: Any = None) -> None:
+    def __init__(self, backend: Backend, directory: Any = None, limits: Optional[Limits] = None) -> None:
         self.backend = backend
         self.directory = directory
+        self.limits = limits or Limits()
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Validates the request and streams its chunks (see the module docstring)."""
         failure: Optional[tuple[grpc.StatusCode, str]] = None
+        trailers: tuple[tuple[str, str], ...] = ()
         request_id = request.request_id or "(unassigned)"
         try:
-            engine_request = convert.request_from_proto(request, self.backend.tokenizer, self.backend.model.max_model_len)
+            engine_request = convert.request_from_proto(request, self.backend.tokenizer,
+                                                        self.backend.model.max_model_len, self.limits)
             request_id = engine_request.request_id
             stream = self.backend.stream(engine_request)
             try:
@@ -103,12 +114,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, never a crash
             failure = status_for(exc)
+            if isinstance(exc, OverloadedError):
+                trailers = ((RETRY_AFTER_KEY, str(max(1, round(exc.retry_after_s * 1000)))),)
             if failure[0] is grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", request_id)
             else:
                 logger.info("request %s: %s: %s", request_id, failure[0].name, failure[1])
         if failure is not None:
-            await context.abort(*failure)
+            await context.abort(*failure, trailing_metadata=trailers)
 
     async def ListReplicas(  # noqa: N802 - gRPC method name
         self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -151,12 +164,17 @@ class RouterServer:
         directory: Prefix directory for ``ListReplicas`` (optional).
         host: Interface to bind (loopback by default).
         port: Port to bind; 0 picks a free one (see ``port`` after ``start``).
+        limits: Input limits and message size (default ``Limits()``).
+        security: TLS and API keys (``router.security.Security``); None
+            serves plaintext without authentication.
     """
 
     def __init__(self, backend: Backend, directory: Any = None, host: str = DEFAULT_HOST,
-                 port: int = DEFAULT_PORT) -> None:
+                 port: int = DEFAULT_PORT, limits: Optional[Limits] = None, security: Any = None) -> None:
         self.backend = backend
         self.directory = directory
+        self.limits = limits or Limits()
+        self.security = security
         self.host = host
         self.requested_port = port
         self.port: Optional[int] = None
@@ -167,6 +185,11 @@ class RouterServer:
     def address(self) -> str:
         """``host:port`` as bound (after ``start``)."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def serving(self) -> bool:
+        """Started and not stopped."""
+        return self._server is not None
 
     async def start(self) -> int:
         """Binds, starts serving and reports SERVING.
@@ -179,13 +202,22 @@ class RouterServer:
         """
         if self._server is not None:
             raise RuntimeError("the router server is already started")
-        server = grpc.aio.server()
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.backend, self.directory), server)
+        security = self.security
+        server = grpc.aio.server(
+            interceptors=security.grpc_interceptors() if security is not None else None,
+            options=[("grpc.max_receive_message_length", self.limits.max_request_bytes)],
+        )
+        servicer = GenerationServicer(self.backend, self.directory, self.limits)
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         try:
-            port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+            address = f"{self.host}:{self.requested_port}"
+            if security is not None and security.tls is not None:
+                port = server.add_secure_port(address, security.tls.grpc_credentials())
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot bind the gRPC router to {self.host}:{self.requested_port}: {exc}") from exc
         if port == 0:
@@ -194,7 +226,9 @@ class RouterServer:
         self._server, self.port = server, port
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("gRPC router serving on %s", self.address)
+        tls = security is not None and security.tls is not None
+        logger.info("gRPC router serving on %s (%s%s)", self.address, "TLS" if tls else "plaintext",
+                    ", API keys required" if security is not None and security.api_keys is not None else "")
         return port
 
     async def stop(self, grace: Optional[float] = 5.0) -> None:

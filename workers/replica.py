@@ -13,7 +13,9 @@ wraps it with ``serve.deployment``. It:
   or a directory restart triggers a full resync from a snapshot taken on the
   engine thread;
 - answers ``record_routing_stats()`` (Serve's request router) and
-  ``record_autoscaling_stats()`` (custom autoscaling metrics).
+  ``record_autoscaling_stats()`` (custom autoscaling metrics);
+- keeps its Prometheus series (``workers/metrics.py``) and publishes their
+  text with every directory heartbeat, for the router's ``GET /metrics``.
 
 The engine never runs on the event loop: ``AsyncEngine`` steps it on its own
 thread.
@@ -30,13 +32,23 @@ import uuid
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Optional
 
+from cluster import autoscaling
 from cluster.config import EngineConfig
+from cluster.fingerprint import served_model_name
 from cluster.types import GenerationRequest, StreamChunk
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
+from workers.metrics import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
+
+
+def _max_waiting_requests(engine_config: Any) -> Optional[int]:
+    """The admission bound of ``engine_config`` (the default when none or an injected engine)."""
+    if isinstance(engine_config, EngineConfig):
+        return engine_config.scheduler.max_waiting_requests
+    return EngineConfig.from_kwargs(**(engine_config or {})).scheduler.max_waiting_requests
 
 
 def default_replica_id() -> str:
@@ -59,6 +71,8 @@ class ReplicaServer:
         namespace: Directory namespace (one per model / cluster).
         replica_id: Defaults to Serve's replica id.
         engine: A ready engine (tests inject one).
+        model_name: The ``model`` label of the metrics; defaults to the
+            served name of the configured model.
     """
 
     def __init__(
@@ -68,8 +82,10 @@ class ReplicaServer:
         namespace: str = "default",
         replica_id: Optional[str] = None,
         engine: Optional[LLMEngine] = None,
+        model_name: Optional[str] = None,
     ) -> None:
         self._parts = None
+        config_model = None
         if engine is None:
             from workers.builder import build_engine
 
@@ -77,10 +93,14 @@ class ReplicaServer:
                 **(engine_config or {}))
             self._parts = build_engine(config)
             engine = self._parts.engine
+            config_model = config.model
         self.engine = engine
         self.replica_id = replica_id or default_replica_id()
+        self.metrics = ReplicaMetrics(self.replica_id, model_name or served_model_name(config_model))
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
-        self._front = AsyncEngine(engine, after_step=self._collect_events)
+        self._front = AsyncEngine(engine, after_step=self._after_step,
+                                  max_waiting_requests=_max_waiting_requests(engine_config))
+        self._ttft = autoscaling.TTFTTracker()
         self._front.start()
         self._publisher = None
         self._publish_wakeup: Optional[asyncio.Event] = None
@@ -99,7 +119,9 @@ class ReplicaServer:
         Raises:
             ValueError: The request is invalid (says what to change).
         """
-        async for out in self._front.generate(request):
+        timer = self.metrics.start_request()
+        async for out in self._tracked(request):
+            timer.on_output(out)
             yield StreamChunk(
                 request_id=out.request_id,
                 token_ids=out.new_token_ids,
@@ -112,6 +134,17 @@ class ReplicaServer:
                 replica_id=self.replica_id,
             )
 
+    async def _tracked(self, request: GenerationRequest) -> AsyncIterator[Any]:
+        """The engine's outputs, with arrival and first token noted for ``ttft_s``."""
+        self._ttft.start(request.request_id)
+        try:
+            async for out in self._front.generate(request):
+                if out.new_token_ids:
+                    self._ttft.first_token(request.request_id)
+                yield out
+        finally:
+            self._ttft.discard(request.request_id)
+
     async def abort(self, request_id: str) -> None:
         self._front.abort(request_id)
 
@@ -122,13 +155,15 @@ class ReplicaServer:
         return {**asdict(stats), "replica_id": self.replica_id}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics: KV use and queue, not request counts alone."""
+        """Custom autoscaling metrics (``cluster/autoscaling.py`` reads them):
+        KV use, queue and time to first token, not request counts alone."""
         stats = self._front.stats
         return {
-            "kv_cache_usage": float(stats.kv_cache_usage),
-            "num_waiting": float(stats.num_waiting),
-            "num_running": float(stats.num_running),
+            autoscaling.KV_CACHE_USAGE: float(stats.kv_cache_usage),
+            autoscaling.NUM_WAITING: float(stats.num_waiting),
+            autoscaling.NUM_RUNNING: float(stats.num_running),
             "num_swapped": float(stats.num_swapped),
+            autoscaling.TTFT_S: self._ttft.value(),
         }
 
     async def stats(self) -> dict[str, Any]:
@@ -143,6 +178,7 @@ class ReplicaServer:
                 "num_used_blocks": kv.device_pool.num_used_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions_total,
                 "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+                "pid": os.getpid(),
             }
 
         return await self._front.call(read)
@@ -153,6 +189,11 @@ class ReplicaServer:
         await self._front.call(lambda engine: self._collect_events())
         self._wake_publisher()
         return done
+
+    def metrics_text(self) -> bytes:
+        """This replica's series in Prometheus text format (gauges as of the last step)."""
+        self.metrics.set_load(self._front.stats)
+        return self.metrics.render()
 
     async def check_health(self) -> None:
         """Serve health check: fails when the engine loop died."""
@@ -178,6 +219,16 @@ class ReplicaServer:
             pass
 
     # ------------------------------------------------------- KV events
+    def _after_step(self) -> None:
+        """Engine thread, after each step: KV events out, engine counters into the metrics."""
+        self._collect_events()
+        scheduler = self.engine.scheduler
+        self.metrics.record_engine_counters(
+            num_preemptions=scheduler.num_preemptions_total,
+            prefix_cache_queries=scheduler.kv_manager.prefix_cache_queries,
+            prefix_cache_hits=scheduler.kv_manager.prefix_cache_hits,
+        )
+
     def _collect_events(self) -> None:
         """Engine thread: drain this step's KV events for the publisher."""
         batch = self.engine.scheduler.kv_manager.take_events()
@@ -212,7 +263,8 @@ class ReplicaServer:
 
         directory = Directory.from_url(self._redis_url, self._namespace)
         self._publisher = DirectoryPublisher(
-            directory, self.replica_id, self._snapshot, stats_fn=self._directory_stats
+            directory, self.replica_id, self._snapshot, stats_fn=self._directory_stats,
+            metrics_fn=self.metrics_text,
         )
         try:
             await self._publisher.start()

@@ -65,5 +65,6 @@ def test_routing_and_autoscaling_stats(replica):
     assert stats["replica_id"] == "r-test"
     assert {"num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_cached_blocks"} <= set(stats)
     auto = asyncio.run(replica.record_autoscaling_stats())
-    assert set(auto) == {"kv_cache_usage", "num_waiting", "num_running", "num_swapped"}
+    assert set(auto) == {"kv_cache_usage", "num_waiting", "num_running", "num_swapped", "ttft_s"}
     assert all(isinstance(v, float) for v in auto.values())
+    assert auto["num_running"] == auto["num_waiting"] == 0.0 and auto["ttft_s"] >= 0.0  # idle replica

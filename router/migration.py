@@ -1,0 +1,149 @@
+"""Stream migration: a request whose replica dies keeps streaming from another.
+
+When the replica serving a stream dies (its actor is killed, its process
+crashes, its node goes away), Serve's response raises one of Ray's
+actor-death errors. ``migrating_stream`` then re-issues the request to another
+live replica with the prompt *plus every token already streamed* and
+``max_tokens`` reduced by as many, so the client's stream simply continues:
+
+    attempt 1 (replica A):  prompt            -> t1 t2 t3 ✕ (A dies)
+    attempt 2 (replica B):  prompt t1 t2 t3   -> t4 t5 ... (finish)
+    client sees:            t1 t2 t3 t4 t5 ...  one stream, one finish reason
+
+No token is duplicated or lost: the continuation starts exactly after the last
+chunk the client received. For greedy sampling the output is the one an
+undisturbed run gives (the continuation's prefill computes the same KV the
+first replica had; its prefix cache may even hold the prompt). A request that
+dies before its first token is simply retried. Usage is reported as for one
+request: ``prompt_tokens`` of the original prompt, ``completion_tokens`` of
+all attempts, ``cached_prompt_tokens`` of the first attempt.
+
+Limits (documented, not hidden): seeded random sampling continues with the
+new replica's generator state, so a migrated sampled stream is a valid sample
+but not the same one; ``frequency_penalty`` / ``presence_penalty`` count only
+output tokens, and after a migration the streamed tokens are part of the
+prompt, so those penalties see fewer tokens; a stop string that straddles the
+migration point is not detected (its two parts are checked separately).
+
+At most ``migration_limit`` migrations per request (default 3, like Dynamo's
+``--migration-limit``); past that the request fails with ``NoReplicaError``
+(gRPC ``UNAVAILABLE``) saying how often it moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import AsyncIterator, Callable, Optional
+
+from cluster.types import FinishReason, GenerationRequest, StreamChunk
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MIGRATION_LIMIT = 3
+
+OpenStream = Callable[[GenerationRequest], AsyncIterator[StreamChunk]]
+Decode = Callable[[list[int]], str]
+# Prompt tokens the replicas' detokenizer keeps as context (workers/engine/detokenizer.py).
+_PROMPT_CONTEXT = 5
+
+
+class MigrationLimitError(RuntimeError):
+    """The request's replicas died more often than the migration limit allows."""
+
+
+def is_replica_death(exc: BaseException) -> bool:
+    """Whether ``exc`` says the replica serving a stream died (not a request error)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    for candidate in (exc, getattr(exc, "cause", None), exc.__cause__):
+        if isinstance(candidate, (ActorDiedError, ActorUnavailableError, RayActorError)):
+            return True
+    return False
+
+
+def continuation(request: GenerationRequest, generated: list[int], attempt: int) -> GenerationRequest:
+    """The request that continues ``request`` after ``generated`` tokens were streamed."""
+    sampling = request.sampling_params
+    remaining = sampling.max_tokens - len(generated) if sampling.max_tokens is not None else None
+    new_sampling = dataclasses.replace(sampling, max_tokens=remaining)
+    if getattr(sampling, "min_tokens", 0):
+        new_sampling = dataclasses.replace(new_sampling, min_tokens=max(0, sampling.min_tokens - len(generated)))
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-m{attempt}",
+        prompt_token_ids=list(request.prompt_token_ids) + list(generated),
+        sampling_params=new_sampling,
+    )
+
+
+def _unsent_text(decode: Optional[Decode], prompt: list[int], generated: list[int], sent: str) -> str:
+    """Text of streamed tokens that the dead replica had not sent yet (held back
+    for a possible stop string or an incomplete UTF-8 character)."""
+    if decode is None or not generated:
+        return ""
+    context = prompt[-_PROMPT_CONTEXT:]
+    full = decode(context + generated)[len(decode(context)):]
+    return full[len(sent):] if full.startswith(sent) else ""
+
+
+async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
+                           migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                           decode: Optional[Decode] = None) -> AsyncIterator[StreamChunk]:
+    """Streams ``request`` through ``open_stream``, migrating when a replica dies.
+
+    Args:
+        open_stream: Starts one attempt (a Serve streaming call) and yields its chunks.
+        request: The client's request.
+        migration_limit: Most migrations for this request (>= 0).
+        decode: The model's ``decode(ids)``; lets a migration send the text of
+            streamed tokens the dead replica still held back.
+
+    Raises:
+        MigrationLimitError: A replica died after ``migration_limit`` migrations.
+        Whatever ``open_stream`` raises that is not a replica death.
+    """
+    if migration_limit < 0:
+        raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
+    generated: list[int] = []
+    sent = ""  # text the client received
+    carry = ""  # text owed to the client, sent with the next chunk
+    prompt_tokens = len(request.prompt_token_ids)
+    cached: Optional[int] = None
+    current = request
+    migrations = 0
+    while True:
+        stream = open_stream(current)
+        try:
+            async for chunk in stream:
+                generated.extend(chunk.token_ids)
+                if cached is None:
+                    cached = chunk.cached_prompt_tokens
+                if migrations:
+                    chunk = dataclasses.replace(
+                        chunk, request_id=request.request_id, text=carry + chunk.text, prompt_tokens=prompt_tokens,
+                        completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
+                    carry = ""
+                sent += chunk.text
+                yield chunk
+            return
+        except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
+            if not is_replica_death(exc):
+                raise
+            if migrations >= migration_limit:
+                raise MigrationLimitError(
+                    f"request {request.request_id}: its replica died after {migrations} migration(s), the "
+                    f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
+            migrations += 1
+            logger.warning("request %s: replica died after %d streamed token(s): migrating (%d of at most %d)",
+                           request.request_id, len(generated), migrations, migration_limit)
+        finally:
+            await stream.aclose()
+        carry = _unsent_text(decode, list(request.prompt_token_ids), generated, sent)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(generated) >= max_tokens:
+            # Every token arrived; only the final chunk was lost with the replica.
+            yield StreamChunk(request.request_id, [], carry, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
+                              completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
+            return
+        current = continuation(request, generated, migrations)

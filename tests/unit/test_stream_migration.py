@@ -1,0 +1,113 @@
+"""Stream migration (router/migration.py) with scripted attempts: a replica
+"dies" (Ray's ActorDiedError) after some chunks; the client's stream must
+continue with no token duplicated or lost, and usage as for one request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from cluster.types import FinishReason, GenerationRequest, SamplingParams, StreamChunk
+from router.migration import MigrationLimitError, continuation, migrating_stream
+
+TARGET = list(range(50, 58))  # what an undisturbed greedy run generates
+
+
+def make_request(max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest("r1", [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+class Script:
+    """Each attempt continues TARGET from where its prompt ends; dies after ``die_after[i]`` chunks."""
+
+    def __init__(self, die_after: list, error: BaseException = ActorDiedError()) -> None:
+        self.die_after = list(die_after)
+        self.error = error
+        self.requests: list[GenerationRequest] = []
+
+    async def __call__(self, request: GenerationRequest):
+        self.requests.append(request)
+        limit = self.die_after.pop(0) if self.die_after else None
+        done = len(request.prompt_token_ids) - 4
+        todo = TARGET[done: done + request.sampling_params.max_tokens]
+        for i, token in enumerate(todo):
+            if limit is not None and i == limit:
+                raise self.error
+            last = i == len(todo) - 1
+            yield StreamChunk(request.request_id, [token], f"<{token}>", FinishReason.LENGTH if last else None,
+                              prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1,
+                              cached_prompt_tokens=4 if done == 0 else 0, replica_id=f"replica-{len(self.requests)}")
+        if limit is not None and limit >= len(todo):
+            raise self.error
+
+
+def run(script: Script, request: GenerationRequest, limit: int = 3, decode=None) -> list[StreamChunk]:
+    async def main():
+        return [c async for c in migrating_stream(script, request, limit, decode)]
+
+    return asyncio.run(main())
+
+
+def test_a_death_mid_stream_continues_on_another_replica_without_gaps():
+    script = Script([3])
+    chunks = run(script, make_request())
+    assert [t for c in chunks for t in c.token_ids] == TARGET
+    assert "".join(c.text for c in chunks) == "".join(f"<{t}>" for t in TARGET)
+    assert [c.finish_reason for c in chunks].count(FinishReason.LENGTH) == 1 and chunks[-1].finished
+    second = script.requests[1]
+    assert second.prompt_token_ids == [1, 2, 3, 4] + TARGET[:3]
+    assert second.sampling_params.max_tokens == 5 and second.request_id == "r1-m1"
+    last = chunks[-1]
+    assert (last.request_id, last.prompt_tokens, last.completion_tokens, last.cached_prompt_tokens) == ("r1", 4, 8, 4)
+
+
+def test_a_death_before_the_first_token_is_a_plain_retry():
+    script = Script([0])
+    chunks = run(script, make_request())
+    assert [t for c in chunks for t in c.token_ids] == TARGET
+    assert script.requests[1].prompt_token_ids == [1, 2, 3, 4]
+
+
+def test_repeated_deaths_up_to_the_limit_then_unavailable():
+    assert [t for c in run(Script([1, 1, 1]), make_request(), limit=3) for t in c.token_ids] == TARGET
+    with pytest.raises(MigrationLimitError, match="migration limit"):
+        run(Script([1, 1, 1, 1]), make_request(), limit=3)
+    with pytest.raises(MigrationLimitError):
+        run(Script([2]), make_request(), limit=0)
+
+
+def test_request_errors_are_not_migrated():
+    script = Script([2], error=ValueError("bad"))
+    with pytest.raises(ValueError, match="bad"):
+        run(script, make_request())
+    assert len(script.requests) == 1
+
+
+def test_death_after_the_last_token_ends_the_stream_without_a_new_attempt():
+    script = Script([8])  # all 8 tokens streamed, the final chunk never came
+    chunks = run(script, make_request())
+    assert [t for c in chunks for t in c.token_ids] == TARGET
+    assert chunks[-1].finish_reason == FinishReason.LENGTH and chunks[-1].completion_tokens == 8
+    assert len(script.requests) == 1
+
+
+def test_text_the_dead_replica_held_back_is_sent_with_the_next_chunk():
+    class HoldsBack(Script):
+        async def __call__(self, request):
+            async for chunk in super().__call__(request):
+                # The first replica streams tokens but holds their text back (stop-string window).
+                yield chunk if len(self.requests) > 1 else StreamChunk(chunk.request_id, chunk.token_ids, "")
+
+    decode = lambda ids: "".join(f"<{t}>" for t in ids)  # noqa: E731
+    chunks = run(HoldsBack([3]), make_request(), decode=decode)
+    assert "".join(c.text for c in chunks) == decode(TARGET)
+
+
+def test_continuation_keeps_everything_but_prompt_budget_and_id():
+    request = GenerationRequest("x", [9, 9], SamplingParams(max_tokens=10, temperature=0.0, stop=["."]),
+                                priority=3, cache_salt="tenant")
+    cont = continuation(request, [5, 6], 2)
+    assert cont.prompt_token_ids == [9, 9, 5, 6] and cont.sampling_params.max_tokens == 8
+    assert (cont.request_id, cont.priority, cont.cache_salt, cont.sampling_params.stop) == ("x-m2", 3, "tenant", (".",))
