@@ -52,6 +52,7 @@ class ReplicaRow:
     waiting: Optional[float] = None
     swapped: Optional[float] = None
     cached_blocks: Optional[int] = None
+    hit_rate: Optional[float] = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -118,7 +119,8 @@ async def fetch_rows(url: str, timeout: float, api_key: Optional[str] = None) ->
             raise ValueError(f"ListReplicas on {url} failed: {exc.code().name}: {exc.details()}") from None
     return {
         r.replica_id: ReplicaRow(r.replica_id, kv_use=r.kv_cache_usage, running=r.num_running,
-                                 waiting=r.num_waiting, cached_blocks=r.num_cached_blocks)
+                                 waiting=r.num_waiting, cached_blocks=r.num_cached_blocks, swapped=r.num_swapped,
+                                 hit_rate=r.prefix_cache_hit_rate)
         for r in reply.replicas
     }
 
@@ -197,17 +199,17 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
     """The table (one line per replica, then a total line)."""
     if not rows:
         return ["no live replicas"]
-    header = ["replica", "KV use", "running", "waiting", "swapped", "cached blocks"]
+    header = ["replica", "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
     if show_metrics:
-        header += ["hit rate", "prompt tok/s", "gen tok/s"]
+        header += ["prompt tok/s", "gen tok/s"]
     table: list[tuple[str, ...]] = [tuple(header)]
     for replica_id in sorted(rows):
         row = rows[replica_id]
         line = [replica_id, _pct(row.kv_use), _int(row.running), _int(row.waiting), _int(row.swapped),
                 _int(row.cached_blocks)]
+        queries, hits = row.metrics.get("queries"), row.metrics.get("hits")
+        line.append(_pct(hits / queries) if queries else _pct(row.hit_rate))
         if show_metrics:
-            queries, hits = row.metrics.get("queries"), row.metrics.get("hits")
-            line.append(_pct(hits / queries) if queries else "-")
             rate = rates.get(replica_id)
             line += [f"{rate[0]:.1f}", f"{rate[1]:.1f}"] if rate else ["-", "-"]
         table.append(tuple(line))

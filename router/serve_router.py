@@ -16,7 +16,7 @@ For each request (a ``GenerationRequest`` as the first argument) it
    to the next one when a replica rejects (full queue).
 
 Requests that are not ``GenerationRequest``s (stats, resets) are routed by
-load alone.
+load alone, ties broken at random (so repeated calls reach every replica).
 
 Each decision of a ``GenerationRequest`` is timed into
 ``prefixserve:router_decision_seconds`` and, when the directory answered,
@@ -28,6 +28,7 @@ the chosen replica's matched / request blocks into
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Any, List, Optional
 
@@ -72,18 +73,22 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
             return []
         began = time.perf_counter()
         request = _generation_request(pending_request)
-        chain: list[bytes] = []
-        if request is not None:
-            root = root_hash(self._fingerprint, request.cache_salt)
-            chain = hash_block_chain(request.prompt_token_ids, self._block_size, root)
+        if request is None:
+            # Stats, resets, health: least load, ties broken at random so that
+            # repeated calls reach every idle replica (the policies break ties
+            # by id, which would always pick the same one).
+            views = [self._view(r, None) for r in candidate_replicas]
+            load = {v.replica_id: v.num_running + v.num_waiting + v.num_swapped for v in views}
+            shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+            return [[r] for r in sorted(shuffled, key=lambda r: load[r.replica_id.unique_id])]
+        root = root_hash(self._fingerprint, request.cache_salt)
+        chain = hash_block_chain(request.prompt_token_ids, self._block_size, root)
         counts = await self._lookup(chain)
         views = [self._view(r, counts) for r in candidate_replicas]
-        num_tokens = len(request.prompt_token_ids) if request is not None else 0
-        ranked = self._policy.choose(RoutingInput(len(chain), num_tokens, views))
+        ranked = self._policy.choose(RoutingInput(len(chain), len(request.prompt_token_ids), views))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        if request is not None:
-            matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
-            self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
+        matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
+        self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
 
     async def _lookup(self, chain: list[bytes]) -> Optional[dict[str, int]]:

@@ -153,6 +153,8 @@ def _replica_info(replica_id: str, stats: dict) -> pb.ReplicaInfo:
         num_waiting=number("num_waiting", int),
         kv_cache_usage=number("kv_cache_usage", float),
         num_cached_blocks=number("num_cached_blocks", int),
+        num_swapped=number("num_swapped", int),
+        prefix_cache_hit_rate=min(number("prefix_cache_hit_rate", float), 1.0),
     )
 
 

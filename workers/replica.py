@@ -297,6 +297,9 @@ class ReplicaServer:
             "num_waiting": int(stats.num_waiting),
             "kv_cache_usage": float(stats.kv_cache_usage),
             "num_cached_blocks": int(stats.num_cached_blocks),
+            "num_swapped": int(stats.num_swapped),
+            # Read without the engine thread: a float written by it, stale by at most a step.
+            "prefix_cache_hit_rate": float(self.engine.scheduler.kv_manager.prefix_cache_hit_rate),
         }
 
     async def _snapshot(self) -> tuple[int, list[bytes]]:

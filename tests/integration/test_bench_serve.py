@@ -193,7 +193,9 @@ def test_status_lists_the_replica(cluster, capsys):
             time.sleep(1.0)
     assert lines[0].split()[:4] == ["replica", "KV", "use", "running"]
     assert len(lines) == 3 and lines[-1].startswith("1 replica(s), 0 running, 0 waiting")
-    assert lines[1].split()[1] == "0.0%"  # idle: nothing in use
+    row = lines[1].split()
+    assert row[1] == "0.0%"  # idle: nothing in use
+    assert row[4] == "0" and row[6].endswith("%")  # swapped and hit rate come with ListReplicas too
 
 
 def test_status_with_metrics_shows_swapped_and_hit_rate(cluster, capsys):

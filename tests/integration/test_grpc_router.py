@@ -116,22 +116,28 @@ def test_bad_inputs_get_invalid_argument_naming_the_field(cluster):
     serve_grpc(cluster, body)
 
 
-def wait_for_zero_used_blocks(handle, replica_id, timeout=20.0):
-    """Polls replica stats (Serve picks the replica) until ``replica_id`` reports no used blocks."""
-    deadline = time.monotonic() + timeout
-    seen = {}
-    while time.monotonic() < deadline:
-        stats = handle.stats.remote().result()
-        seen[stats["replica_id"]] = stats
-        if stats["replica_id"] == replica_id and stats["num_used_blocks"] == 0 and stats["num_running"] == 0:
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"replica {replica_id} still holds blocks: {seen}")
+def wait_for_zero_used_blocks(redis_url, namespace, replica_id, timeout=30.0):
+    """Polls ``replica_id``'s heartbeat stats in the directory (a Serve call
+    cannot pick its replica) until it reports no used block and nothing running."""
+
+    async def poll():
+        directory = Directory.from_url(redis_url, namespace)
+        try:
+            deadline = time.monotonic() + timeout
+            stats = {}
+            while time.monotonic() < deadline:
+                stats = (await directory.replica_stats()).get(replica_id, {})
+                if stats and stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0:
+                    return stats
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"replica {replica_id} still holds blocks: {stats}")
+        finally:
+            await directory.aclose()
+
+    return asyncio.run(poll())
 
 
 def test_cancelled_stream_and_deadline_free_the_replicas_blocks(cluster):
-    handle = cluster[0]
-
     async def body(stub, channel):
         served = []
         call = stub.Generate(ids_request(list(range(300, 340)), max_tokens=400, ignore_eos=True), timeout=60)
@@ -147,7 +153,7 @@ def test_cancelled_stream_and_deadline_free_the_replicas_blocks(cluster):
         return served[-1].replica_id
 
     replica_id = serve_grpc(cluster, body)
-    wait_for_zero_used_blocks(handle, replica_id)
+    wait_for_zero_used_blocks(cluster[2], cluster[3], replica_id)
 
 
 def test_health_reflection_and_list_replicas(cluster):
@@ -173,5 +179,6 @@ def test_health_reflection_and_list_replicas(cluster):
         assert all(r.replica_id for r in replicas)
         assert any(r.num_cached_blocks > 0 for r in replicas)
         assert all(0.0 <= r.kv_cache_usage <= 1.0 for r in replicas)
+        assert all(r.num_swapped == 0 and 0.0 <= r.prefix_cache_hit_rate <= 1.0 for r in replicas)
 
     serve_grpc(cluster, body)
