@@ -144,7 +144,9 @@ def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
     if not with_router:
         return replicas
     from router.deployment import FrontEndOptions, RouterDeployment
+    from router.limits import Limits
 
+    Limits.from_kwargs(**config.router.limits)  # a misspelled limit fails here, not in each router replica
     model_dir, name, max_len = model_info(config)
     front = FrontEndOptions(model_dir=model_dir, model_name=name, max_model_len=max_len, redis_url=config.redis_url,
                             namespace=config.namespace, routing_policy=config.routing_policy, router=config.router)

@@ -116,3 +116,9 @@ def test_cache_salt_isolates_tenants_end_to_end(deployed):
         return first
 
     asyncio.run(main())
+
+
+def test_a_misspelled_router_limit_fails_at_build_time():
+    config = ClusterConfig(redis_url="redis://127.0.0.1:1", router=RouterConfig(limits={"max_prompt_tokns": 10}))
+    with pytest.raises(ValueError, match="max_prompt_tokns"):
+        build_app(config, with_router=True)
