@@ -204,7 +204,6 @@ class LocalCluster:
     def stop(self) -> None:
         """Shuts down the gRPC router, Serve, Ray (if started here) and Redis (if started here)."""
         import ray
-        from ray import serve
 
         self._stop_router()
         if ray.is_initialized():

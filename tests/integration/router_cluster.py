@@ -47,15 +47,26 @@ def make_chat_model_dir(path: Path) -> Path:
     return path
 
 
-def deploy(model_dir: Path, redis_url: str, app_name: str, namespace: str, num_kv_blocks: int = 400) -> Any:
-    """``serve.run`` of a 2-replica ``cache_aware`` app; returns its handle."""
+@contextlib.contextmanager
+def serve_app(app_name: str, model_dir: Path, redis_url: str, namespace: str, replicas: int = 2,
+              routing_policy: str = "cache_aware", **engine_args: Any):
+    """A replica deployment of ``model_dir`` under ``app_name`` (replica_num_cpus
+    0.25); yields its handle and deletes the app afterwards.
+
+    ``engine_args`` are vLLM-style engine arguments (``block_size``,
+    ``num_kv_blocks``, ``max_num_seqs``, ...).
+    """
     from ray import serve
 
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks)
-    config = ClusterConfig(replicas=2, redis_url=redis_url, namespace=namespace, engine=engine,
-                           replica_num_cpus=0.25, routing_policy="cache_aware")
+    engine = EngineConfig.from_kwargs(model=str(model_dir), **engine_args)
+    config = ClusterConfig(replicas=replicas, redis_url=redis_url, namespace=namespace, engine=engine,
+                           replica_num_cpus=0.25, routing_policy=routing_policy)
     serve.start(proxy_location="Disabled")
-    return serve.run(build_app(config), name=app_name, route_prefix=None)
+    handle = serve.run(build_app(config), name=app_name, route_prefix=None)
+    try:
+        yield handle
+    finally:
+        serve.delete(app_name)
 
 
 def new_handle(app_name: str) -> Any:

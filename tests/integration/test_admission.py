@@ -16,14 +16,13 @@ import uuid
 import grpc
 import pytest
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig, EngineConfig
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from router.server import RETRY_AFTER_KEY, RouterServer
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_test_certs, make_tiny_model_dir
+from tests.integration.router_cluster import serve_app
 
 APP = "admission"
 NUM_REQUESTS = 16
@@ -33,19 +32,11 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 def flooded_cluster(ray_local, redis_server, tmp_path_factory):
     """A 1-replica app with admission bound 2 + 2; yields (handle, model_dir)."""
-    from ray import serve
-
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("admission-llama"))
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=128, max_num_seqs=2,
-                                      max_num_batched_tokens=64, max_waiting_requests=2)
-    config = ClusterConfig(replicas=1, redis_url=redis_server.url, namespace=f"adm-{uuid.uuid4().hex[:6]}",
-                           engine=engine, replica_num_cpus=0.25, routing_policy="least_load")
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
-    try:
+    with serve_app(APP, model_dir, redis_server.url, f"adm-{uuid.uuid4().hex[:6]}", replicas=1,
+                   routing_policy="least_load", block_size=4, num_kv_blocks=128, max_num_seqs=2,
+                   max_num_batched_tokens=64, max_waiting_requests=2) as handle:
         yield handle, model_dir
-    finally:
-        serve.delete(APP)
 
 
 async def _one(stub, i: int):

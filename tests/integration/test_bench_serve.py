@@ -20,13 +20,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from cluster import cli
-from cluster.app import build_app
 from cluster.bench_datasets import multi_turn_dataset, shared_prefix_dataset
-from cluster.config import ClusterConfig, EngineConfig
 from cluster.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
+from tests.integration.router_cluster import serve_app
 
 APP = "bench-serve"
 BLOCK_SIZE = 4
@@ -38,19 +37,11 @@ GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 2, 4, 32, 6, 5
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_server, tmp_path_factory):
     """One replica with room for every prompt; yields (handle, model_dir, redis_url, namespace)."""
-    from ray import serve
-
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("bench-llama"), max_position_embeddings=1024)
     namespace = f"bench-{uuid.uuid4().hex[:6]}"
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=400)
-    config = ClusterConfig(replicas=1, redis_url=redis_server.url, namespace=namespace, engine=engine,
-                           replica_num_cpus=0.25, routing_policy="cache_aware")
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
-    try:
+    with serve_app(APP, model_dir, redis_server.url, namespace, replicas=1, block_size=BLOCK_SIZE,
+                   num_kv_blocks=400) as handle:
         yield handle, model_dir, redis_server.url, namespace
-    finally:
-        serve.delete(APP)
 
 
 @contextlib.contextmanager

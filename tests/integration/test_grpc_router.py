@@ -14,8 +14,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig, EngineConfig
 from cluster.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
@@ -23,6 +21,7 @@ from router.pb import generation_pb2_grpc as pb_grpc
 from router.server import RouterServer
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
+from tests.integration.router_cluster import serve_app
 
 APP = "grpc-router"
 PREFIX = list(range(100, 164))  # 16 blocks of 4
@@ -31,19 +30,10 @@ PREFIX = list(range(100, 164))  # 16 blocks of 4
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_server, tmp_path_factory):
     """A 2-replica app; yields (handle, model_dir, redis_url, namespace)."""
-    from ray import serve
-
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("grpc-llama"))
     namespace = f"grpc-{uuid.uuid4().hex[:6]}"
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=200)
-    config = ClusterConfig(replicas=2, redis_url=redis_server.url, namespace=namespace, engine=engine,
-                           replica_num_cpus=0.25, routing_policy="cache_aware")
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
-    try:
+    with serve_app(APP, model_dir, redis_server.url, namespace, block_size=4, num_kv_blocks=200) as handle:
         yield handle, model_dir, redis_server.url, namespace
-    finally:
-        serve.delete(APP)
 
 
 def serve_grpc(cluster, body):

@@ -22,14 +22,13 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig, EngineConfig
 from cluster.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.metrics import ClusterMetrics, get_router_metrics
 from router.openai import serve_openai
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
+from tests.integration.router_cluster import serve_app
 
 APP = "metrics-test"
 POLICY = "cache_aware"
@@ -42,19 +41,11 @@ Samples = dict[tuple[str, frozenset], float]
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_server, tmp_path_factory):
     """A 2-replica app; yields (handle, model_dir, redis_url, namespace)."""
-    from ray import serve
-
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("metrics-llama"))
     namespace = f"metrics-{uuid.uuid4().hex[:6]}"
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=NUM_KV_BLOCKS)
-    config = ClusterConfig(replicas=2, redis_url=redis_server.url, namespace=namespace, engine=engine,
-                           replica_num_cpus=0.25, routing_policy=POLICY)
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
-    try:
+    with serve_app(APP, model_dir, redis_server.url, namespace, routing_policy=POLICY, block_size=4,
+                   num_kv_blocks=NUM_KV_BLOCKS) as handle:
         yield handle, model_dir, redis_server.url, namespace
-    finally:
-        serve.delete(APP)
 
 
 class Client:

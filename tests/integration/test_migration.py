@@ -14,8 +14,6 @@ from collections import Counter
 import grpc
 import pytest
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig, EngineConfig
 from cluster.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
@@ -23,6 +21,7 @@ from router.pb import generation_pb2_grpc as pb_grpc
 from router.server import RouterServer
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
+from tests.integration.router_cluster import serve_app
 
 APP = "migration"
 NUM_STREAMS = 16
@@ -31,19 +30,11 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_server, tmp_path_factory):
-    from ray import serve
-
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("migration"))
     namespace = f"mig-{uuid.uuid4().hex[:6]}"
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=1200)
-    config = ClusterConfig(replicas=2, redis_url=redis_server.url, namespace=namespace, engine=engine,
-                           replica_num_cpus=0.25, routing_policy="least_load")
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
-    try:
+    with serve_app(APP, model_dir, redis_server.url, namespace, routing_policy="least_load", block_size=4,
+                   num_kv_blocks=1200) as handle:
         yield handle, model_dir, redis_server.url, namespace
-    finally:
-        serve.delete(APP)
 
 
 def replica_pids(handle, want: int = 2, timeout: float = 60.0) -> dict[str, int]:

@@ -5,7 +5,6 @@ that lost its data, a killed replica), and cancellation freeing blocks."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 

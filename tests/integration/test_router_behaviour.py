@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.router_cluster import (
-    deploy,
+    BLOCK_SIZE,
+    serve_app,
     directory_holders,
     final,
     ids_request,
@@ -39,15 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_server, tmp_path_factory):
     """Yields (model_dir, redis_url, namespace) of a running 2-replica app."""
-    from ray import serve
-
     model_dir = make_chat_model_dir(tmp_path_factory.mktemp("behaviour-llama"))
     namespace = f"behaviour-{uuid.uuid4().hex[:6]}"
-    deploy(model_dir, redis_server.url, APP, namespace)
-    try:
+    with serve_app(APP, model_dir, redis_server.url, namespace, block_size=BLOCK_SIZE, num_kv_blocks=400):
         yield model_dir, redis_server.url, namespace
-    finally:
-        serve.delete(APP)
 
 
 def test_hot_prefix_under_heavy_concurrency_spreads_over_both_replicas(cluster):

@@ -20,7 +20,8 @@ from cluster.directory import Directory, DirectoryUnavailable
 from cluster.redis_server import RedisServer
 from router.pb import generation_pb2 as pb
 from tests.integration.router_cluster import (
-    deploy,
+    BLOCK_SIZE,
+    serve_app,
     directory_holders,
     final,
     ids_request,
@@ -48,15 +49,10 @@ def own_redis():
 @pytest.fixture(scope="module")
 def cluster(ray_local, own_redis, tmp_path_factory):
     """Yields (model_dir, namespace) of a 2-replica app on ``own_redis``."""
-    from ray import serve
-
     model_dir = make_chat_model_dir(tmp_path_factory.mktemp("outage-llama"))
     namespace = f"outage-{uuid.uuid4().hex[:6]}"
-    deploy(model_dir, own_redis.url, APP, namespace)
-    try:
+    with serve_app(APP, model_dir, own_redis.url, namespace, block_size=BLOCK_SIZE, num_kv_blocks=400):
         yield model_dir, namespace
-    finally:
-        serve.delete(APP)
 
 
 async def run_stream(stub, num_requests: int, concurrency: int, on_progress) -> list[pb.GenerateResponse]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, Protocol, Sequence as Seq
+from typing import Callable, Optional, Protocol
 
 from cluster.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams
 from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
