@@ -203,3 +203,13 @@ def test_router_maps_a_replica_overload_with_its_hint():
 def test_replica_overload_survives_pickling():
     exc = pickle.loads(pickle.dumps(ReplicaOverloadedError("full", retry_after_s=3.0)))
     assert str(exc) == "full" and exc.retry_after_s == 3.0
+
+
+def test_retry_hint_follows_recent_completions():
+    from workers.engine.async_engine import RETRY_HINT_DEFAULT_S, RETRY_HINT_MAX_S, retry_hint
+
+    assert retry_hint([], now=5.0) == RETRY_HINT_DEFAULT_S  # nothing to go by
+    assert retry_hint([1.0], now=5.0) == RETRY_HINT_DEFAULT_S
+    assert retry_hint([1.0, 1.5, 2.0, 2.5], now=2.6) == 0.5  # one completion every 0.5 s
+    assert retry_hint([1.0, 1.5, 2.0, 2.5], now=4.5) == 2.0  # slowed: nothing for 2 s
+    assert retry_hint([0.0, 100.0], now=100.0) == RETRY_HINT_MAX_S

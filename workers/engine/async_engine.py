@@ -17,15 +17,18 @@ at once (``ReplicaOverloadedError``, nothing queued) while the replica already
 holds ``max_num_seqs + max_waiting_requests`` unfinished requests, i.e. when
 more than ``max_waiting_requests`` would wait beyond one full batch. Counted
 here, on the caller's loop, so a burst is bounded exactly, not as of the last
-engine step.
+engine step. The error's ``retry_after_s`` (the client's retry hint) is the
+mean gap between the replica's recent completions (``retry_hint``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from cluster.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
@@ -36,6 +39,25 @@ logger = logging.getLogger(__name__)
 
 _STOP = object()
 T = TypeVar("T")
+
+
+# Recent completions the retry hint is estimated from, and its bounds (seconds).
+RETRY_HINT_WINDOW = 32
+RETRY_HINT_DEFAULT_S = 1.0
+RETRY_HINT_MIN_S = 0.05
+RETRY_HINT_MAX_S = 30.0
+
+
+def retry_hint(finish_times: list[float], now: float) -> float:
+    """Seconds until a slot is likely to free: the mean gap between the recent
+    completions (``finish_times``, oldest first), or the time since the last
+    one when that is longer (the replica has slowed); ``RETRY_HINT_DEFAULT_S``
+    without two completions. Clamped to [RETRY_HINT_MIN_S, RETRY_HINT_MAX_S]."""
+    if len(finish_times) < 2:
+        return RETRY_HINT_DEFAULT_S
+    gap = (finish_times[-1] - finish_times[0]) / (len(finish_times) - 1)
+    gap = max(gap, now - finish_times[-1])
+    return min(max(gap, RETRY_HINT_MIN_S), RETRY_HINT_MAX_S)
 
 
 class AsyncEngine:
@@ -56,6 +78,7 @@ class AsyncEngine:
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
+        self._finish_times: collections.deque[float] = collections.deque(maxlen=RETRY_HINT_WINDOW)
         self._thread: Optional[threading.Thread] = None
         self._stats = engine.stats()
         self.error: Optional[BaseException] = None
@@ -104,6 +127,7 @@ class AsyncEngine:
                 yield item
                 if item.finished:
                     finished = True
+                    self._finish_times.append(time.monotonic())
                     return
         finally:
             with self._lock:
@@ -123,9 +147,11 @@ class AsyncEngine:
         max_num_seqs = self.engine.scheduler.max_num_seqs
         capacity = max_num_seqs + self.max_waiting_requests
         if len(self._streams) >= capacity:
+            hint = retry_hint(list(self._finish_times), time.monotonic())
             raise ReplicaOverloadedError(
                 f"the replica holds {len(self._streams)} unfinished requests, its bound is max_num_seqs "
-                f"{max_num_seqs} + max_waiting_requests {self.max_waiting_requests}: retry later"
+                f"{max_num_seqs} + max_waiting_requests {self.max_waiting_requests}: retry in {hint:.2f}s",
+                retry_after_s=hint,
             )
 
     def abort(self, request_id: str) -> None:
