@@ -74,15 +74,18 @@ def request_router_config(config: ClusterConfig) -> Any:
     """Serve's request router: our prefix-aware router with the policy."""
     from ray.serve.config import RequestRouterConfig
 
+    from router.policies import get_policy
     from router.serve_router import PrefixAwareRequestRouter
     from workers.model.loader import model_fingerprint, resolve_model
 
+    get_policy(config.routing_policy, **config.routing_policy_params)  # bad thresholds fail here, named
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs={
             "redis_url": config.redis_url,
             "namespace": config.namespace,
             "policy": config.routing_policy,
+            "policy_params": dict(config.routing_policy_params),
             "block_size": config.engine.cache.block_size,
             "model_fingerprint": model_fingerprint(resolve_model(config.engine.model)),
         },

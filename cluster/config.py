@@ -352,6 +352,10 @@ class ClusterConfig:
         max_ongoing_requests: Serve's cap of concurrent requests per replica.
         routing_policy: ``cache_aware`` (default), ``least_load``,
             ``power_of_two`` or ``round_robin`` (``router/policies/``).
+        routing_policy_params: The policy's thresholds by name, e.g.
+            ``{balance_abs_threshold: 16}`` for ``cache_aware`` (each
+            policy file's header lists them with their defaults); unknown
+            names are errors.
         engine: The engine of every replica.
         router: The gRPC / HTTP front ends.
         autoscaling: ``None`` keeps ``replicas`` replicas; set, Serve scales
@@ -370,6 +374,7 @@ class ClusterConfig:
     namespace: str = "default"
     max_ongoing_requests: int = 256
     routing_policy: str = "cache_aware"
+    routing_policy_params: dict = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     autoscaling: Optional[AutoscalingConfig] = None

@@ -47,9 +47,14 @@ def make_chat_model_dir(path: Path) -> Path:
     return path
 
 
+# cache_aware without load slack: a busy replica gets no new prefix (warm_on_two_replicas).
+WARM_POLICY_PARAMS = {"balance_abs_threshold": 0}
+
+
 @contextlib.contextmanager
 def serve_app(app_name: str, model_dir: Path, redis_url: str, namespace: str, replicas: int = 2,
-              routing_policy: str = "cache_aware", **engine_args: Any):
+              routing_policy: str = "cache_aware", routing_policy_params: Optional[dict] = None,
+              **engine_args: Any):
     """A replica deployment of ``model_dir`` under ``app_name`` (replica_num_cpus
     0.25); yields its handle and deletes the app afterwards.
 
@@ -60,7 +65,8 @@ def serve_app(app_name: str, model_dir: Path, redis_url: str, namespace: str, re
 
     engine = EngineConfig.from_kwargs(model=str(model_dir), **engine_args)
     config = ClusterConfig(replicas=replicas, redis_url=redis_url, namespace=namespace, engine=engine,
-                           replica_num_cpus=0.25, routing_policy=routing_policy)
+                           replica_num_cpus=0.25, routing_policy=routing_policy,
+                           routing_policy_params=routing_policy_params or {})
     serve.start(proxy_location="Disabled")
     handle = serve.run(build_app(config), name=app_name, route_prefix=None)
     try:
@@ -163,6 +169,18 @@ async def wait_until(probe: Callable[[], Awaitable[Optional[T]]], what: str, tim
         await asyncio.sleep(period)
 
 
+async def replicas_idle(redis_url: str, namespace: str, count: int = 2) -> bool:
+    """Whether ``count`` replicas report nothing running or waiting in their
+    heartbeats; after it, give Serve's routing stats (pulled every second) a
+    moment to catch up before relying on the load a request router sees."""
+    directory = Directory.from_url(redis_url, namespace)
+    try:
+        stats = await directory.replica_stats()
+    finally:
+        await directory.aclose()
+    return len(stats) == count and all(not s.get("num_running") and not s.get("num_waiting") for s in stats.values())
+
+
 async def directory_holders(redis_url: str, namespace: str, tokenizer: RouterTokenizer,
                             ids: list[int]) -> dict[str, int]:
     """``{replica_id: leading blocks of ids held}`` per the directory, holders only."""
@@ -178,7 +196,10 @@ async def warm_on_two_replicas(stub: Any, prefix_a: list[int], prefix_b: list[in
     """Caches ``prefix_a`` on one replica and ``prefix_b`` on the other.
 
     A long request with ``prefix_a`` is still running when ``prefix_b``
-    arrives, so ``prefix_b`` (cached nowhere) goes to the idle replica.
+    arrives, so ``prefix_b`` (cached nowhere) goes to the idle replica -- in
+    an app whose ``cache_aware`` policy has ``balance_abs_threshold`` 0
+    (``WARM_POLICY_PARAMS``): with the default slack, a new prefix goes to
+    the emptiest cache, which may be the busy replica's.
     Load-only routing of idle replicas then sends both prefixes to the same
     replica, so a test that finds each prefix on its own holder shows that the
     directory was consulted.

@@ -17,6 +17,7 @@ import pytest
 
 from tests.integration.router_cluster import (
     BLOCK_SIZE,
+    WARM_POLICY_PARAMS,
     serve_app,
     directory_holders,
     final,
@@ -26,6 +27,7 @@ from tests.integration.router_cluster import (
     new_handle,
     running_router,
     wait_until,
+    replicas_idle,
     warm_on_two_replicas,
 )
 
@@ -39,11 +41,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_server, tmp_path_factory):
-    """Yields (model_dir, redis_url, namespace) of a running 2-replica app."""
+    """Yields (model_dir, redis_url, namespace) of a running 2-replica app (default policy)."""
     model_dir = make_chat_model_dir(tmp_path_factory.mktemp("behaviour-llama"))
     namespace = f"behaviour-{uuid.uuid4().hex[:6]}"
     with serve_app(APP, model_dir, redis_server.url, namespace, block_size=BLOCK_SIZE, num_kv_blocks=400):
         yield model_dir, redis_server.url, namespace
+
+
+@pytest.fixture
+def warm_cluster(ray_local, redis_server, tmp_path_factory):
+    """Like ``cluster``, with ``WARM_POLICY_PARAMS`` (see ``warm_on_two_replicas``)."""
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("behaviour-warm-llama"))
+    namespace = f"behaviour-warm-{uuid.uuid4().hex[:6]}"
+    with serve_app(f"{APP}-warm", model_dir, redis_server.url, namespace, block_size=BLOCK_SIZE,
+                   num_kv_blocks=400, routing_policy_params=WARM_POLICY_PARAMS):
+        yield model_dir, redis_server.url, namespace, f"{APP}-warm"
 
 
 def test_hot_prefix_under_heavy_concurrency_spreads_over_both_replicas(cluster):
@@ -73,19 +85,23 @@ def test_hot_prefix_under_heavy_concurrency_spreads_over_both_replicas(cluster):
     logger.info("hot prefix: %s per replica (warmed on %s)", dict(per_replica), warm.replica_id)
 
 
-def test_two_routers_on_one_redis_route_a_prefix_to_the_same_replica(cluster):
-    model_dir, redis_url, namespace = cluster
+def test_two_routers_on_one_redis_route_a_prefix_to_the_same_replica(warm_cluster):
+    model_dir, redis_url, namespace, app = warm_cluster
     prefix_a, prefix_b = list(range(300, 364)), list(range(400, 464))  # 16 blocks each
 
     async def main():
         # Two backends on two handles: two Serve routers, two directory clients.
-        first, second = make_backend(new_handle(APP), model_dir), make_backend(new_handle(APP), model_dir)
+        first, second = make_backend(new_handle(app), model_dir), make_backend(new_handle(app), model_dir)
         async with running_router(first, redis_url, namespace) as (_, stub1), \
                 running_router(second, redis_url, namespace) as (_, stub2):
             holder_a, holder_b = await warm_on_two_replicas(stub1, prefix_a, prefix_b)
             for prefix, holder in ((prefix_a, holder_a), (prefix_b, holder_b)):
                 await wait_until(lambda p=prefix: directory_holders(redis_url, namespace, first.tokenizer, p),
                                  f"the prefix held by {holder} in the directory")
+            # The warm-up's stream was cancelled: let the load every router sees return to 0
+            # (this app's policy has no load slack, WARM_POLICY_PARAMS).
+            await wait_until(lambda: replicas_idle(redis_url, namespace), "both replicas idle")
+            await asyncio.sleep(2.5)  # Serve's routing stats are pulled every second
             # Router 2 has never seen either prefix.
             again = [await final(stub2, ids_request(p + [6, 7])) for p in (prefix_a, prefix_b, prefix_a, prefix_b)]
         return (holder_a, holder_b), again, first, second

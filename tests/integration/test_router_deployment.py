@@ -122,3 +122,12 @@ def test_a_misspelled_router_limit_fails_at_build_time():
     config = ClusterConfig(redis_url="redis://127.0.0.1:1", router=RouterConfig(limits={"max_prompt_tokns": 10}))
     with pytest.raises(ValueError, match="max_prompt_tokns"):
         build_app(config, with_router=True)
+
+
+def test_routing_policy_params_reach_the_policy_and_typos_are_named():
+    from cluster.app import request_router_config
+
+    config = ClusterConfig(routing_policy_params={"balance_abs_threshold": 2})
+    assert request_router_config(config).request_router_kwargs["policy_params"] == {"balance_abs_threshold": 2}
+    with pytest.raises(ValueError, match="balance_abs_treshold"):
+        request_router_config(ClusterConfig(routing_policy_params={"balance_abs_treshold": 2}))

@@ -21,6 +21,7 @@ from cluster.redis_server import RedisServer
 from router.pb import generation_pb2 as pb
 from tests.integration.router_cluster import (
     BLOCK_SIZE,
+    WARM_POLICY_PARAMS,
     serve_app,
     directory_holders,
     final,
@@ -51,7 +52,8 @@ def cluster(ray_local, own_redis, tmp_path_factory):
     """Yields (model_dir, namespace) of a 2-replica app on ``own_redis``."""
     model_dir = make_chat_model_dir(tmp_path_factory.mktemp("outage-llama"))
     namespace = f"outage-{uuid.uuid4().hex[:6]}"
-    with serve_app(APP, model_dir, own_redis.url, namespace, block_size=BLOCK_SIZE, num_kv_blocks=400):
+    with serve_app(APP, model_dir, own_redis.url, namespace, block_size=BLOCK_SIZE, num_kv_blocks=400,
+                   routing_policy_params=WARM_POLICY_PARAMS):
         yield model_dir, namespace
 
 
