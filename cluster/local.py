@@ -175,10 +175,11 @@ class LocalCluster:
         grace = self.config.router.drain_timeout_s if grace is None else grace
 
         async def drain() -> None:
-            stops = [front.stop(grace) for front in (http, router) if front is not None]
-            for name, result in zip(("front end",) * len(stops), await asyncio.gather(*stops, return_exceptions=True)):
+            fronts = [(name, front) for name, front in (("HTTP", http), ("gRPC", router)) if front is not None]
+            results = await asyncio.gather(*(front.stop(grace) for _, front in fronts), return_exceptions=True)
+            for (name, _), result in zip(fronts, results):
                 if isinstance(result, BaseException):
-                    logger.error("stopping a %s failed: %r", name, result)
+                    logger.error("stopping the %s router failed: %r", name, result)
 
         if http is not None or router is not None:
             logger.info("draining the routers: running streams get up to %.0fs", grace)
@@ -243,6 +244,23 @@ def _with_redis(config: ClusterConfig, redis_url: Optional[str]) -> ClusterConfi
     import dataclasses
 
     return dataclasses.replace(config, redis_url=redis_url)
+
+
+def stats_of_every_replica(handle: Any, count: int, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+    """``{replica_id: stats()}`` of ``count`` replicas. A Serve call cannot
+    pick its replica, so this asks until each one has answered.
+
+    Raises:
+        TimeoutError: Fewer than ``count`` replicas answered within ``timeout``.
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < count and time.monotonic() < deadline:
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica_id"]] = stats
+    if len(seen) < count:
+        raise TimeoutError(f"only {len(seen)} of {count} replicas answered stats(): {sorted(seen)}")
+    return seen
 
 
 def replica_handle(app_name: str = APP_NAME) -> Any:

@@ -147,18 +147,17 @@ async def run_soak(address: str, args: argparse.Namespace, vocab: int, max_len: 
 
 
 def replica_snapshot(handle: Any, replicas: int, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
-    """Stats and RSS of every replica (asks until each answered)."""
+    """Stats and RSS of every replica."""
     import psutil
 
-    seen: dict[str, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(seen) < replicas and time.monotonic() < deadline:
-        stats = handle.stats.remote().result(timeout_s=30)
+    from cluster.local import stats_of_every_replica
+
+    seen = stats_of_every_replica(handle, replicas, timeout)
+    for stats in seen.values():
         try:
             stats["rss_mib"] = round(psutil.Process(stats["pid"]).memory_info().rss / 2**20, 1)
         except (psutil.Error, KeyError):
             stats["rss_mib"] = None
-        seen[stats["replica_id"]] = stats
     return seen
 
 

@@ -257,15 +257,10 @@ async def _directory_up(registry: Any) -> bool:
 
 # -------------------------------------------------------- replica SIGKILL
 def replica_pids(handle: Any, want: int, timeout: float = 120.0) -> dict[str, int]:
-    """replica_id -> pid of the live replicas (Serve picks who answers; ask until all did)."""
-    pids: dict[str, int] = {}
-    deadline = time.monotonic() + timeout
-    while len(pids) < want and time.monotonic() < deadline:
-        stats = handle.stats.remote().result(timeout_s=30)
-        pids[stats["replica_id"]] = stats["pid"]
-    if len(pids) < want:
-        raise RuntimeError(f"only {len(pids)} of {want} replicas answered stats(): {pids}")
-    return pids
+    """replica_id -> pid of the live replicas."""
+    from cluster.local import stats_of_every_replica
+
+    return {rid: stats["pid"] for rid, stats in stats_of_every_replica(handle, want, timeout).items()}
 
 
 async def scenario_kill(address: str, handle: Any, args: Any) -> Row:

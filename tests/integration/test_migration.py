@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from cluster.directory import Directory
+from cluster.local import stats_of_every_replica
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
@@ -37,15 +38,9 @@ def cluster(ray_local, redis_server, tmp_path_factory):
         yield handle, model_dir, redis_server.url, namespace
 
 
-def replica_pids(handle, want: int = 2, timeout: float = 60.0) -> dict[str, int]:
-    """replica_id -> pid of the live replicas (Serve picks who answers; ask until all did)."""
-    pids: dict[str, int] = {}
-    deadline = time.monotonic() + timeout
-    while len(pids) < want and time.monotonic() < deadline:
-        stats = handle.stats.remote().result(timeout_s=30)
-        pids[stats["replica_id"]] = stats["pid"]
-    assert len(pids) >= want, pids
-    return pids
+def replica_pids(handle, want: int = 2) -> dict[str, int]:
+    """replica_id -> pid of the live replicas."""
+    return {rid: stats["pid"] for rid, stats in stats_of_every_replica(handle, want).items()}
 
 
 def prompts() -> list[list[int]]:
