@@ -13,8 +13,15 @@ if [ "${PREFIXSERVE_IN_NETNS:-0}" != 1 ]; then
 fi
 ip link set lo up
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# The virtual environment of scripts/install.sh (its tools, e.g. lint-imports, first on PATH).
+venv=${PREFIXSERVE_VENV:-$(pwd)/.venv}
+python=python3
+if [ -x "$venv/bin/python" ]; then
+  python="$venv/bin/python"
+  export PATH="$venv/bin:$PATH"
+fi
 rc=0
-python3 -m pytest -q "$@" || rc=$?
+"$python" -m pytest -q "$@" || rc=$?
 if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: that is a failure" >&2
   exit 1
