@@ -29,31 +29,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Protocol
 
-from cluster.types import GenerationRequest, ReplicaOverloadedError, StreamChunk
+from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, StreamChunk
+from router.errors import NoReplicaError, OverloadedError
 from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_stream
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
-
-
-DEFAULT_RETRY_AFTER_S = 1.0
-
-
-class OverloadedError(RuntimeError):
-    """The cluster cannot take the request now; the client should retry later.
-
-    Args:
-        message: Which bound was hit.
-        retry_after_s: The retry hint sent to the client.
-    """
-
-    def __init__(self, message: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class NoReplicaError(RuntimeError):
-    """No replica is running (or all are restarting)."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""Conversions between the gRPC messages (``router.pb``) and ``cluster.types``.
+"""Conversions between the gRPC messages (``router.pb``) and ``cluster.shared.types``.
 
 Validation errors are ``ValueError`` whose message names the field (as the
 client spells it, e.g. ``sampling.top_p``) and says what to change; the
 server maps them to ``INVALID_ARGUMENT``. A proto3 ``optional`` field that is
-unset takes the Python default of ``cluster.types.SamplingParams``.
+unset takes the Python default of ``cluster.shared.types.SamplingParams``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import uuid
 from dataclasses import fields
 from typing import Optional
 
-from cluster.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
+from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
 from router.limits import Limits
 from router.pb import generation_pb2 as pb
 from router.tokenizer import RouterTokenizer

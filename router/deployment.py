@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.config import RouterConfig
+from cluster.shared.config import RouterConfig
 from router.backend import ModelInfo, RouterBackend
 from router.tokenizer import RouterTokenizer
 
@@ -47,7 +47,7 @@ class FrontEndOptions:
         routing_policy: The replicas' routing policy (the ``policy`` label
             of the router's metrics, served with the replicas' at ``/metrics``).
         router: Ports, drain, migration limit, input limits, TLS and API-key
-            files (``cluster.config.RouterConfig``); files are read in the
+            files (``cluster.shared.config.RouterConfig``); files are read in the
             router replica, where they are mounted.
     """
 
@@ -71,7 +71,7 @@ class RouterDeployment:
     async def __init__(self, replicas: Any, options: FrontEndOptions) -> None:
         from pathlib import Path
 
-        from cluster.directory import Directory
+        from cluster.shared.directory import Directory
         from router.limits import Limits
         from router.metrics import ClusterMetrics, get_router_metrics
         from router.security import Security

@@ -1,6 +1,6 @@
 """Input limits and the router's admission bound, in one place for both front ends.
 
-The gRPC (``router.convert``) and HTTP (``router.openai_protocol``) front
+The gRPC (``router.convert``) and HTTP (``router.openai.protocol``) front
 ends call the same checks, naming the field as their clients spell it
 (``sampling.stop`` over gRPC, ``stop`` over HTTP). A violation raises
 :class:`LimitError` (a ``ValueError``): ``INVALID_ARGUMENT`` over gRPC, HTTP
@@ -35,7 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cluster.types import MAX_LOGPROBS, MAX_STOP_STRINGS
+from cluster.shared.types import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 

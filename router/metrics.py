@@ -43,10 +43,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.directory import DirectoryError
-from cluster.metrics_format import METRIC_PREFIX as PREFIX
-from cluster.metrics_format import render_families, render_registry
-from cluster.types import StreamChunk
+from cluster.shared.directory import DirectoryError
+from cluster.shared.metrics_format import METRIC_PREFIX as PREFIX
+from cluster.shared.metrics_format import render_families, render_registry
+from cluster.shared.types import StreamChunk
+from router.errors import NoReplicaError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,6 @@ class RouterMetrics:
 
 def outcome_of(exc: BaseException) -> str:
     """The ``outcome`` label of a request that ended with ``exc`` (see ``router/backend.py``)."""
-    from router.backend import NoReplicaError, OverloadedError
-
     if isinstance(exc, ValueError):
         return "invalid"
     if isinstance(exc, OverloadedError):
@@ -183,7 +182,7 @@ class ClusterMetrics:
 
     Args:
         router: The router's metrics.
-        directory: The prefix directory (``cluster.directory.Directory``) the
+        directory: The prefix directory (``cluster.shared.directory.Directory``) the
             replicas publish to; None renders the router's series only.
     """
 

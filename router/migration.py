@@ -36,7 +36,7 @@ import dataclasses
 import logging
 from typing import AsyncIterator, Callable, Optional
 
-from cluster.types import FinishReason, GenerationRequest, StreamChunk
+from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
 
 logger = logging.getLogger(__name__)
 

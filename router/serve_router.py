@@ -3,7 +3,7 @@ with one Redis round trip per request.
 
 For each request (a ``GenerationRequest`` as the first argument) it
 
-1. computes the block-hash chain of the prompt (``cluster.hashing``; the
+1. computes the block-hash chain of the prompt (``cluster.shared.hashing``; the
    replicas hash the same way, with the same model fingerprint and the
    request's ``cache_salt``),
 2. asks the prefix directory how many leading blocks each live replica holds
@@ -34,9 +34,9 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.directory import Directory, DirectoryError
-from cluster.hashing import hash_block_chain, root_hash
-from cluster.types import GenerationRequest
+from cluster.shared.directory import Directory, DirectoryError
+from cluster.shared.hashing import hash_block_chain, root_hash
+from cluster.shared.types import GenerationRequest
 from router.metrics import get_router_metrics
 from router.policies import ReplicaView, RoutingInput, get_policy
 

@@ -44,7 +44,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router import convert
-from router.backend import Backend, NoReplicaError, OverloadedError
+from router.backend import Backend
+from router.errors import NoReplicaError, OverloadedError
 from router.limits import Limits
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
@@ -75,7 +76,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     Args:
         backend: Streams requests to the replicas (``RouterBackend`` or a fake).
-        directory: The prefix directory (``cluster.directory.Directory``) whose
+        directory: The prefix directory (``cluster.shared.directory.Directory``) whose
             replica stats answer ``ListReplicas``; None answers UNAVAILABLE.
         limits: Input limits (default ``Limits()``).
     """

@@ -9,9 +9,9 @@ matches. Both sides therefore share their pieces:
                   ──tokenizer.json, add_special_tokens=False──▶ ids
                     (the template already wrote BOS / role markers;
                      same as ``prefixserve generate --chat``)
-    ids ──cluster.hashing (root = fingerprint + cache_salt)──▶ block hashes
+    ids ──cluster.shared.hashing (root = fingerprint + cache_salt)──▶ block hashes
 
-and the fingerprint comes from ``cluster.fingerprint``, which the engine's
+and the fingerprint comes from ``cluster.shared.fingerprint``, which the engine's
 loader re-exports.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from tokenizers import Tokenizer
 
-from cluster.chat_template import ChatTemplate
-from cluster.fingerprint import model_fingerprint as compute_fingerprint
-from cluster.hashing import hash_block_chain, root_hash
+from cluster.shared.chat_template import ChatTemplate
+from cluster.shared.fingerprint import model_fingerprint as compute_fingerprint
+from cluster.shared.hashing import hash_block_chain, root_hash
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RouterTokenizer:
         tokenizer: The model's ``tokenizers.Tokenizer``.
         chat_template: The model's chat template, or None when it has none.
         model_fingerprint: Identifies the weights in block hashes (see
-            ``cluster.fingerprint``).
+            ``cluster.shared.fingerprint``).
         vocab_size: Largest token id + 1 the model accepts; defaults to the
             tokenizer's vocabulary with added tokens.
     """

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.directory import Directory  # noqa: E402
-from cluster.redis_server import RedisServer  # noqa: E402
+from cluster.shared.directory import Directory  # noqa: E402
+from cluster.launch.redis_server import RedisServer  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

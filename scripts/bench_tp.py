@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.config import EngineConfig  # noqa: E402
-from cluster.ray_local import init_local_ray  # noqa: E402
-from cluster.types import SamplingParams  # noqa: E402
+from cluster.shared.config import EngineConfig  # noqa: E402
+from cluster.shared.ray_local import init_local_ray  # noqa: E402
+from cluster.shared.types import SamplingParams  # noqa: E402
 from workers.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 BLOCK = 16

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
+from cluster.shared.sizes import cdiv
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from router.server import RETRY_AFTER_KEY
@@ -177,8 +178,8 @@ async def warm_on_two_replicas(stub: Any, prefix_a: list[int], prefix_b: list[in
 
 
 async def scenario_redis(address: str, redis: Any, namespace: str, fingerprint: str, args: Any) -> Row:
-    from cluster.directory import Directory
-    from cluster.hashing import hash_block_chain, root_hash
+    from cluster.shared.directory import Directory
+    from cluster.shared.hashing import hash_block_chain, root_hash
     from router.metrics import get_router_metrics
 
     prefixes = (list(range(100, 164)), list(range(200, 264)))  # 4 blocks each
@@ -258,7 +259,7 @@ async def _directory_up(registry: Any) -> bool:
 # -------------------------------------------------------- replica SIGKILL
 def replica_pids(handle: Any, want: int, timeout: float = 120.0) -> dict[str, int]:
     """replica_id -> pid of the live replicas."""
-    from cluster.local import stats_of_every_replica
+    from cluster.launch.local import stats_of_every_replica
 
     return {rid: stats["pid"] for rid, stats in stats_of_every_replica(handle, want, timeout).items()}
 
@@ -369,7 +370,7 @@ async def scenario_kv(address: str, handle: Any, args: Any) -> Row:
     recover = max(gaps) if gaps else None
     identical = sum(c.token_ids == r.token_ids and c.error is None for c, r in zip(calls, reference))
     lost = sum(c.lost() for c in calls)
-    need = -(-(args.kv_prompt + args.kv_tokens) // BLOCK_SIZE)
+    need = cdiv((args.kv_prompt + args.kv_tokens), BLOCK_SIZE)
     return Row(
         "kv", f"tiny KV pool: {args.kv_blocks} blocks for {args.kv_streams} requests of {need} blocks each",
         f"{len(calls)}", len(calls), lost, "0", recover,

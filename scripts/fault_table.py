@@ -50,8 +50,8 @@ from typing import Any, Awaitable, Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.config import ClusterConfig, EngineConfig, RouterConfig  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
+from cluster.shared.config import ClusterConfig, EngineConfig, RouterConfig  # noqa: E402
+from cluster.launch.local import LocalCluster  # noqa: E402
 from fault_scenarios import (  # noqa: E402  (this folder: sys.path[0] when run as a script)
     BLOCK_SIZE,
     CAPTION,
@@ -77,8 +77,8 @@ def cluster_config(model: Optional[str], replicas: int, redis_url: Optional[str]
 
 def run_two_replicas(model: Optional[str], args: Any, budget: Callable[[], float], rows: list[Row]) -> None:
     """The ``redis`` and ``kill`` rows, on one 2-replica cluster (appended to ``rows`` as they end)."""
-    from cluster.fingerprint import model_fingerprint
-    from cluster.redis_server import RedisServer, find_free_port
+    from cluster.shared.fingerprint import model_fingerprint
+    from cluster.launch.redis_server import RedisServer, find_free_port
     from workers.model.loader import resolve_model
 
     redis = RedisServer(port=find_free_port()).start()  # a fixed port: a restart keeps the URL
@@ -174,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import ray
 
-    from cluster.ray_local import init_local_ray
+    from cluster.shared.ray_local import init_local_ray
 
     rows: list[Row] = []
     init_local_ray()  # one Ray for every cluster (a LocalCluster then leaves it running)

@@ -4,10 +4,11 @@ the Hugging Face greedy oracle."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+# The one tiny model config of the tests (model, engine and integration tests).
 TINY = dict(
     vocab_size=512,
     hidden_size=64,
@@ -18,34 +19,43 @@ TINY = dict(
     max_position_embeddings=512,
     # Peaked logits: greedy choices are decided by the weights, not float noise.
     initializer_range=0.2,
+    rms_norm_eps=1e-5,
     bos_token_id=1,
     eos_token_id=2,
 )
 
 
-def make_tiny_model_dir(family: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
-    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2) to
-    ``path``, with a tiny byte-level BPE ``tokenizer.json`` unless told not to."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def make_hf_config(family: str, **overrides):
+    """A tiny transformers config of ``family`` (llama | mistral | qwen2); Mistral
+    gets a sliding window of 8 unless told otherwise."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM, {}),
-        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    }
-    config_cls, model_cls, extra = classes[family]
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+    defaults = {"mistral": {"sliding_window": 8}}.get(family, {})
+    return classes[family](**{**TINY, **defaults, **overrides})
+
+
+def make_hf_model(config, seed: int = 0):
+    """A random-init float32 HF model in eval mode; Qwen2 q/k/v biases made non-trivial."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    config = config_cls(**{**TINY, **extra, **overrides})
-    model = model_cls(config).eval()
-    if family == "qwen2":  # make the q/k/v biases matter
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if config.model_type == "qwen2":  # make the q/k/v biases matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    return model
+
+
+def make_tiny_model_dir(family: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
+    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2) to
+    ``path``, with a tiny byte-level BPE ``tokenizer.json`` unless told not to."""
+    model = make_hf_model(make_hf_config(family, **overrides), seed=seed)
     model.save_pretrained(path)
     if with_tokenizer:
-        save_tiny_tokenizer(path, config.vocab_size)
+        save_tiny_tokenizer(path, model.config.vocab_size)
     return path
 
 
@@ -64,6 +74,43 @@ def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
     corpus = ["hello world", "the quick brown fox jumps over the lazy dog", "prefix caching and paged attention"]
     tok.train_from_iterator(corpus * 20, trainer)
     tok.save(str(Path(path) / "tokenizer.json"))
+
+
+# A chat template in the shape of ChatML, small enough to reason about in tests.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_router_tokenizer(folder: Path, template: str = CHAT_TEMPLATE, fingerprint: str = "fp-test"):
+    """A ``RouterTokenizer`` over the tiny BPE (saved into ``folder``) with ``template``."""
+    from tokenizers import Tokenizer
+
+    from cluster.shared.chat_template import ChatTemplate
+    from router.tokenizer import RouterTokenizer
+
+    save_tiny_tokenizer(folder, 512)
+    tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    return RouterTokenizer(tokenizer, ChatTemplate(template, bos_token="<s>", eos_token="</s>"), fingerprint)
+
+
+def import_blocking(modules: Sequence[str], blocked: Sequence[str], cwd: Path) -> Any:
+    """Imports ``modules`` in a fresh interpreter where importing any of the
+    ``blocked`` top-level packages raises ImportError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {tuple(blocked)!r}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"import {', '.join(modules)}\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def hf_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.types import SamplingParams
+from cluster.shared.types import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

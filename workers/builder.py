@@ -10,20 +10,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
-import torch
 from tokenizers import Tokenizer
 
-from cluster.config import EngineConfig
+from cluster.shared.config import EngineConfig
+from cluster.shared.sizes import GiB
 from workers.engine.block_pool import BlockPool
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.scheduler import Scheduler
-from workers.model.attention import get_attention_backend
-from workers.model.config import ModelArchConfig
-from workers.model.llama import LlamaForCausalLM
-from workers.model.loader import load_model, model_fingerprint, read_arch, resolve_dtype, resolve_model
-from workers.model.tp import TPContext
-from workers.runner import GiB, ModelRunner, kv_block_bytes
+from workers.model.loader import model_fingerprint, read_arch, resolve_model
+from workers.provision import (
+    load_model_for,
+    num_cpu_blocks_for,
+    num_kv_blocks_for,
+    pick_device,
+    resolve_max_model_len,
+)
+from workers.runner import ModelRunner, kv_block_bytes
 
 if TYPE_CHECKING:
     from workers.parallel import TensorParallelRunner
@@ -41,12 +44,6 @@ class EngineParts:
     eos_token_ids: list[int]
 
 
-def pick_device(config: EngineConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_tokenizer(model_dir: Path, tokenizer: Optional[str] = None) -> Optional[Tokenizer]:
     """The model's (or the given) tokenizer.json; None when the model folder
     has none (token-id prompts only, no text output)."""
@@ -59,62 +56,6 @@ def load_tokenizer(model_dir: Path, tokenizer: Optional[str] = None) -> Optional
         logger.warning("%s has no tokenizer.json: prompts must be token ids and outputs have no text", model_dir)
         return None
     return Tokenizer.from_file(str(path))
-
-
-def num_kv_blocks_for(config: EngineConfig, block_bytes: int, device: torch.device, max_model_len: int) -> int:
-    """Device KV blocks: explicit ``num_kv_blocks``, else memory-derived.
-
-    The memory-derived count is capped at what ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens can use: small models would otherwise get
-    millions of blocks that cost start-up time and nothing else.
-    """
-    if config.cache.num_kv_blocks is not None:
-        return config.cache.num_kv_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = total * config.cache.gpu_memory_utilization - used
-        # Leave room for activations of one max-size step.
-        budget -= 512 * 1024 * 1024
-    else:
-        budget = config.cache.kv_cache_memory * GiB
-    block_size = config.cache.block_size
-    useful = config.scheduler.max_num_seqs * -(-max_model_len // block_size)
-    return max(1, min(useful, int(budget // block_bytes)))
-
-
-def num_cpu_blocks_for(config: EngineConfig, block_bytes: int, num_kv_blocks: int) -> int:
-    """CPU swap blocks: ``swap_space`` GiB, at most twice the device blocks; 0 without swap."""
-    if config.scheduler.preemption_mode != "swap":
-        return 0
-    return min(int(config.cache.swap_space * GiB // block_bytes), 2 * num_kv_blocks)
-
-
-def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
-    """``max_model_len``, defaulting to the model's ``max_position_embeddings``.
-
-    Raises:
-        ValueError: If it exceeds the model's positions.
-    """
-    max_model_len = config.max_model_len or arch.max_position_embeddings
-    if max_model_len > arch.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{arch.max_position_embeddings}: lower max_model_len"
-        )
-    return max_model_len
-
-
-def load_model_for(
-    config: EngineConfig, model_dir: Path, device: torch.device, tp: Optional[TPContext] = None
-) -> tuple[LlamaForCausalLM, ModelArchConfig, torch.dtype]:
-    """Loads the model (or, with ``tp``, one rank's shard) with the configured
-    dtype and attention backend."""
-    # float32 on CPU: bf16 matmuls are 5-60x slower without AVX-512.
-    dtype = resolve_dtype(config.dtype, device)
-    backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size)
-    model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp)
-    return model, arch, dtype
 
 
 def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int) -> ModelRunner:

@@ -13,8 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from cluster.config import EngineConfig
-from cluster.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from cluster.shared.config import EngineConfig
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 from workers.builder import build_engine
 from workers.engine.outputs import RequestOutput
 

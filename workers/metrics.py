@@ -32,9 +32,9 @@ from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cluster.metrics_format import METRIC_PREFIX as PREFIX
-from cluster.metrics_format import render_registry
-from cluster.types import ReplicaStats
+from cluster.shared.metrics_format import METRIC_PREFIX as PREFIX
+from cluster.shared.metrics_format import render_registry
+from cluster.shared.types import ReplicaStats
 from workers.engine.outputs import RequestOutput
 
 LABELS = ("replica", "model")

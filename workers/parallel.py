@@ -25,7 +25,7 @@ every rank, and the ranks allocate their KV and swap tensors.
 Placement: inside a placement group (a Serve replica deployed with
 ``placement_group_bundles``) the ranks go into its *last* N bundles, each
 asking for its bundle's CPU and GPU; bundle 0 stays the replica's own
-(``cluster/app.py`` asks for 1 + N bundles, STRICT_PACK). Outside one they are
+(``cluster/app/builder.py`` asks for 1 + N bundles, STRICT_PACK). Outside one they are
 created with ``num_cpus_per_rank`` CPUs. Each rank runs
 ``torch.set_num_threads`` with its share of the cores: its whole CPUs, or the
 machine's cores split over the ranks when it asks for a fraction.
@@ -50,13 +50,13 @@ import ray
 import torch
 import torch.distributed as dist
 
-from cluster.config import EngineConfig
-from cluster.ray_local import LOOPBACK, init_local_ray
-from workers.builder import load_model_for, num_cpu_blocks_for, num_kv_blocks_for
+from cluster.shared.config import EngineConfig
+from cluster.shared.ray_local import LOOPBACK, init_local_ray
 from workers.engine.outputs import ModelOutput, SchedulerOutput
 from workers.model.config import ModelArchConfig
 from workers.model.loader import read_arch
 from workers.model.tp import TPContext, TPShard, plan_shards
+from workers.provision import load_model_for, num_cpu_blocks_for, num_kv_blocks_for
 from workers.runner import ModelRunner, kv_block_bytes
 
 logger = logging.getLogger(__name__)

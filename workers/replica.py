@@ -1,7 +1,7 @@
 """One replica: an engine behind an async streaming API, for Ray Serve.
 
 ``ReplicaServer`` is a plain class (the engine is injected or built from an
-``EngineConfig``), so tests can drive it without Serve; ``cluster/app.py``
+``EngineConfig``), so tests can drive it without Serve; ``cluster/app/builder.py``
 wraps it with ``serve.deployment``. It:
 
 - streams ``StreamChunk``s from ``generate()``; when the caller goes away
@@ -32,10 +32,10 @@ import uuid
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Optional
 
-from cluster import autoscaling
-from cluster.config import EngineConfig
-from cluster.fingerprint import served_model_name
-from cluster.types import GenerationRequest, StreamChunk
+from cluster.shared import autoscaling
+from cluster.shared.config import EngineConfig
+from cluster.shared.fingerprint import served_model_name
+from cluster.shared.types import GenerationRequest, StreamChunk
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
@@ -155,7 +155,7 @@ class ReplicaServer:
         return {**asdict(stats), "replica_id": self.replica_id}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics (``cluster/autoscaling.py`` reads them):
+        """Custom autoscaling metrics (``cluster/shared/autoscaling.py`` reads them):
         KV use, queue and time to first token, not request counts alone."""
         stats = self._front.stats
         return {
@@ -258,8 +258,8 @@ class ReplicaServer:
         ready.wait(timeout=30)
 
     async def _publisher_main(self, ready: threading.Event) -> None:
-        from cluster.directory import Directory
-        from cluster.directory_publisher import DirectoryPublisher
+        from cluster.shared.directory import Directory
+        from cluster.shared.directory.publisher import DirectoryPublisher
 
         directory = Directory.from_url(self._redis_url, self._namespace)
         self._publisher = DirectoryPublisher(

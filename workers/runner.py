@@ -18,13 +18,14 @@ from typing import Optional
 
 import torch
 
+from cluster.shared.sizes import cdiv
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.model.attention.base import AttentionMetadata
 from workers.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
+
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -158,7 +159,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
         # Tables cut to the blocks this step can touch (a table may hold more).
-        tables = [req.block_ids[: -(-s // bs)] for req, s in zip(batch, seq_lens)]
+        tables = [req.block_ids[: cdiv(s, bs)] for req, s in zip(batch, seq_lens)]
         dev = self.device
         meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables, dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.shared.config import ClusterConfig
 
 REPLICA_DEPLOYMENT = "replica"
 ROUTER_DEPLOYMENT = "router"
@@ -53,7 +53,7 @@ def replica_options(config: ClusterConfig) -> dict[str, Any]:
     }
     options["request_router_config"] = request_router_config(config)
     if config.autoscaling is not None:
-        from cluster.autoscaling import serve_autoscaling_config
+        from cluster.shared.autoscaling import serve_autoscaling_config
 
         del options["num_replicas"]
         options["autoscaling_config"] = serve_autoscaling_config(config)

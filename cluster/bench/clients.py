@@ -2,7 +2,7 @@
 
 Both stream one request and yield ``Delta``s: the new tokens of each chunk,
 then (on the last one) the usage the server reported. The runner
-(``cluster/bench_serve.py``) timestamps them; the clients only translate.
+(``cluster/bench/serve.py``) timestamps them; the clients only translate.
 
     GrpcClient("127.0.0.1:50051")             prefixserve.v1.Generation/Generate
     OpenAIClient("http://127.0.0.1:8000/v1")  POST /completions, stream=true,

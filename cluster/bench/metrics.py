@@ -11,7 +11,7 @@ Definitions follow ``vllm bench serve``:
 plus, from the servers' ``Usage``: prefix hit rate = cached prompt tokens /
 prompt tokens, and for datasets with a shared system prompt the hit rate over
 that part alone (``min(cached, shared_prefix_len) / shared_prefix_len``).
-Percentiles are nearest-rank (``cluster.bench.percentile``), as in every
+Percentiles are nearest-rank (``cluster.client.table.percentile``), as in every
 benchmark here.
 """
 
@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from cluster.bench import format_table, percentile
+from cluster.client.table import format_table, percentile
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 95, 99)

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.client.table import format_table, percentile
+from cluster.shared.sizes import cdiv
+
 logger = logging.getLogger(__name__)
 
 
@@ -88,7 +91,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int, skip_ids: set[int])
 def run_engine(llm: Any, work: Workload) -> RunResult:
     from tqdm import tqdm
 
-    from cluster.types import SamplingParams
+    from cluster.shared.types import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
     requests = [llm.make_request(p, sp) for p, sp in zip(work.prompts, params)]
@@ -147,14 +150,14 @@ def run_hf(model_dir: Path, work: Workload, batch_size: int, pad_id: int) -> Run
         assert out.shape[1] == width + new
         ttft.extend([probe.at - start] * len(idx))
         produced += sum(work.output_lens[i] for i in idx)
-        logger.info("hf: batch %d/%d done (%.0fs)", b // batch_size + 1, -(-len(order) // batch_size),
+        logger.info("hf: batch %d/%d done (%.0fs)", b // batch_size + 1, cdiv(len(order), batch_size),
                     time.perf_counter() - start)
     return RunResult(f"hf-generate(batch={batch_size})", time.perf_counter() - start, produced, ttft)
 
 
 def prefix_ttft(llm: Any, prefix_len: int, vocab_ids: list[int], seed: int) -> dict[str, float]:
     """TTFT of prefix+suffix with the prefix cached versus cold (medians of 3)."""
-    from cluster.types import SamplingParams
+    from cluster.shared.types import SamplingParams
 
     rng = random.Random(seed + 1)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -183,7 +186,7 @@ def prefix_ttft(llm: Any, prefix_len: int, vocab_ids: list[int], seed: int) -> d
 
 
 def run_offline(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    from cluster.types import SamplingParams
+    from cluster.shared.types import SamplingParams
     from workers.llm import LLM
 
     llm = LLM(**engine_args)
@@ -230,15 +233,3 @@ def _print_table(report: dict[str, Any]) -> None:
             f"vs cold {pc['ttft_cold_s']:.3f}s ({pc['speedup']:.1f}x, {pc['num_cached_tokens']} tokens cached)"
         )
     print("\n".join(lines))  # the table is the program's output, not a log
-
-
-def percentile(sorted_values: list[float], pct: float) -> float:
-    """Nearest-rank percentile of already sorted values (shared by the benchmarks)."""
-    k = min(len(sorted_values) - 1, max(0, round(pct / 100 * (len(sorted_values) - 1))))
-    return sorted_values[k]
-
-
-def format_table(rows: list[tuple[str, ...]]) -> list[str]:
-    """Left-aligned columns, two spaces apart (shared by the benchmarks)."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]

@@ -42,8 +42,8 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
-from cluster.bench import format_table, percentile
-from cluster.types import FinishReason, GenerationRequest, StreamChunk
+from cluster.client.table import format_table, percentile
+from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class EchoReplica:
     async def _ensure_published(self) -> None:
         if self._started:
             return
-        from cluster.directory import Directory
-        from cluster.directory_publisher import DirectoryPublisher
+        from cluster.shared.directory import Directory
+        from cluster.shared.directory.publisher import DirectoryPublisher
 
         self._started = True
         directory = Directory.from_url(self._redis_url, self._namespace)
@@ -226,7 +226,7 @@ def _make_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def _time_decisions(args: argparse.Namespace, tokenizer: Any, redis_url: str, namespace: str,
                     prompts: list[str]) -> dict[str, Any]:
     """Tokenize + hash chain + one directory lookup + the policy, as a request's routing does it."""
-    from cluster.directory import Directory
+    from cluster.shared.directory import Directory
     from router.policies import ReplicaView, RoutingInput, get_policy
 
     policy = get_policy(args.policy)
@@ -258,8 +258,8 @@ def run_router_bench(args: argparse.Namespace) -> int:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from cluster.ray_local import init_local_ray
-    from cluster.redis_server import RedisServer
+    from cluster.shared.ray_local import init_local_ray
+    from cluster.launch.redis_server import RedisServer
     from router.serve_router import PrefixAwareRequestRouter
     from router.tokenizer import RouterTokenizer
     from workers.model.loader import resolve_model

@@ -15,7 +15,7 @@ two copies of each and pays every tenant's first miss on each replica.
 
 For each policy the cluster is started afresh (empty caches, its own
 directory namespace) and the workload is sent over gRPC by
-``cluster.bench_serve.run_requests`` (the one code path that sends and
+``cluster.bench.serve.run_requests`` (the one code path that sends and
 measures requests). Per policy we report the prefix-cache hit rate (cached /
 prompt tokens, from each request's Usage), the hit rate over the system
 prompts alone, TTFT and end-to-end latency P50/P95/P99, throughput and
@@ -31,7 +31,8 @@ import logging
 import uuid
 from typing import Any
 
-from cluster.bench import format_table
+from cluster.client.table import format_table
+from cluster.shared.sizes import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +62,18 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
 
 def default_num_kv_blocks(args: argparse.Namespace, block_size: int) -> int:
     """Blocks per replica for ``DEFAULT_PREFIXES_PER_REPLICA`` of the tenants' prefixes, plus the in-flight room."""
-    per_prefix = -(-args.prefix_len // block_size)
+    per_prefix = cdiv(args.prefix_len, block_size)
     return int(DEFAULT_PREFIXES_PER_REPLICA * args.tenants * per_prefix) + DEFAULT_IN_FLIGHT_BLOCKS
 
 
 def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import ray
 
-    from cluster.bench_datasets import shared_prefix_dataset
-    from cluster.bench_serve import model_vocab, write_outputs
-    from cluster.config import EngineConfig
-    from cluster.ray_local import init_local_ray
-    from cluster.redis_server import RedisServer
+    from cluster.bench.datasets import shared_prefix_dataset
+    from cluster.bench.serve import model_vocab, write_outputs
+    from cluster.shared.config import EngineConfig
+    from cluster.shared.ray_local import init_local_ray
+    from cluster.launch.redis_server import RedisServer
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -107,8 +108,8 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 def _run_policy(args: argparse.Namespace, engine: Any, policy: str, redis_url: str,
                 conversations: list) -> tuple[dict[str, Any], list]:
     """One policy on a fresh cluster: (summary, records)."""
-    from cluster.bench_metrics import summarize
-    from cluster.bench_serve import start_local_cluster
+    from cluster.bench.metrics import summarize
+    from cluster.bench.serve import start_local_cluster
 
     cluster = start_local_cluster(args, engine, http=False, routing_policy=policy, redis_url=redis_url,
                                   namespace=f"bench-{policy}-{uuid.uuid4().hex[:8]}")
@@ -124,7 +125,7 @@ def _run_policy(args: argparse.Namespace, engine: Any, policy: str, redis_url: s
 
 
 async def _replay(address: str, conversations: list, args: argparse.Namespace, policy: str) -> tuple[list, float]:
-    from cluster.bench_serve import make_client, run_requests, warm_up
+    from cluster.bench.serve import make_client, run_requests, warm_up
 
     client = make_client("grpc", address)
     try:

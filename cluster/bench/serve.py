@@ -4,10 +4,10 @@
     prefixserve bench serve --backend openai --base-url http://127.0.0.1:8000/v1
     prefixserve bench serve --dataset-name multi-turn --replicas 2   # starts a local cluster
 
-It replays a seeded dataset (``cluster/bench_datasets.py``) against a running
+It replays a seeded dataset (``cluster/bench/datasets.py``) against a running
 cluster, or against a local one it starts (``LocalCluster``) when no URL is
 given, and prints throughput, TTFT / TPOT / ITL / E2E percentiles, goodput
-and the prefix-cache hit rate (``cluster/bench_metrics.py``); ``--json``
+and the prefix-cache hit rate (``cluster/bench/metrics.py``); ``--json``
 writes them, ``--plot`` draws latency CDFs and output tokens/s over time.
 
 Arrivals: one tick per request, Poisson at ``--request-rate`` (``inf``: no
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from cluster.bench_clients import BenchClient, Delta, GrpcClient, OpenAIClient
-from cluster.bench_datasets import FIRST_USABLE_ID, Conversation, add_dataset_args, make_dataset, next_prompt
-from cluster.bench_metrics import RequestRecord, format_summary, parse_goodput, plot, summarize
+from cluster.bench.clients import BenchClient, Delta, GrpcClient, OpenAIClient
+from cluster.bench.datasets import FIRST_USABLE_ID, Conversation, add_dataset_args, make_dataset, next_prompt
+from cluster.bench.metrics import RequestRecord, format_summary, parse_goodput, plot, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise ValueError("--base-url is for --backend openai; the grpc backend takes --url HOST:PORT")
     if args.backend == "openai" and args.url:
         raise ValueError("--url is for --backend grpc; the openai backend takes --base-url http://HOST:PORT/v1")
-    from cluster.config import EngineConfig
+    from cluster.shared.config import EngineConfig
 
     engine = EngineConfig.from_kwargs(**engine_args)
     vocab_size, tokenizer = model_vocab(engine.model)
@@ -285,8 +285,8 @@ def start_local_cluster(args: argparse.Namespace, engine: Any, http: bool, grpc:
                         routing_policy: Optional[str] = None, redis_url: Optional[str] = None,
                         namespace: str = "bench") -> Any:
     """Starts a ``LocalCluster`` with free ports for the benchmark."""
-    from cluster.config import ClusterConfig
-    from cluster.local import LocalCluster
+    from cluster.shared.config import ClusterConfig
+    from cluster.launch.local import LocalCluster
 
     config = ClusterConfig(replicas=args.replicas, replica_num_cpus=args.replica_num_cpus, redis_url=redis_url,
                            namespace=namespace, routing_policy=routing_policy or args.routing_policy, engine=engine)

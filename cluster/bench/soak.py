@@ -150,7 +150,7 @@ def replica_snapshot(handle: Any, replicas: int, timeout: float = 60.0) -> dict[
     """Stats and RSS of every replica."""
     import psutil
 
-    from cluster.local import stats_of_every_replica
+    from cluster.launch.local import stats_of_every_replica
 
     seen = stats_of_every_replica(handle, replicas, timeout)
     for stats in seen.values():
@@ -178,8 +178,8 @@ def run_soak_command(args: argparse.Namespace, engine_args: dict[str, Any]) -> i
     import psutil
 
     from cluster.app import model_info
-    from cluster.config import ClusterConfig, EngineConfig
-    from cluster.local import LocalCluster
+    from cluster.shared.config import ClusterConfig, EngineConfig
+    from cluster.launch.local import LocalCluster
 
     engine = EngineConfig.from_kwargs(**engine_args)
     config = ClusterConfig(replicas=args.replicas, engine=engine)

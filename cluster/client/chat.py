@@ -12,37 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from typing import Any, Callable, Iterator
 
-from router.security import API_KEY_ENV
+from cluster.client.connection import add_connection_args
+from cluster.client.generate import stream_offline, stream_remote
 
 logger = logging.getLogger(__name__)
-
-
-def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of a ``--url`` client: TLS (mTLS) and the API key."""
-    group = parser.add_argument_group("connection (with --url)")
-    group.add_argument("--tls", action="store_true", help="connect with TLS, verified by the system's CAs")
-    group.add_argument("--tls-ca", default=None, help="CA bundle (PEM) that verifies the router; implies TLS")
-    group.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mTLS; implies TLS")
-    group.add_argument("--tls-key", default=None, help="private key of --tls-cert")
-    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                       help=f"bearer token sent as 'authorization: Bearer ...' (default: ${API_KEY_ENV})")
-
-
-def open_channel(args: argparse.Namespace) -> tuple[Any, tuple]:
-    """The gRPC channel to ``args.url`` and the call metadata (API key).
-
-    Raises:
-        ValueError: A TLS file is unreadable, or a cert comes without its key.
-    """
-    from router.security import bearer_metadata, client_channel
-
-    channel = client_channel(args.url, tls=getattr(args, "tls", False), ca_file=getattr(args, "tls_ca", None),
-                             cert_file=getattr(args, "tls_cert", None), key_file=getattr(args, "tls_key", None))
-    return channel, bearer_metadata(getattr(args, "api_key", None))
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +65,8 @@ def _echo(pieces: Iterator[str]) -> Iterator[str]:
 
 
 def _offline_replier(args: argparse.Namespace, engine_args: dict[str, Any]) -> Callable[[list], Iterator[str]]:
-    from cluster.chat_template import ChatTemplate
-    from cluster.types import SamplingParams
+    from cluster.shared.chat_template import ChatTemplate
+    from cluster.shared.types import SamplingParams
     from workers.llm import LLM
 
     llm = LLM(**engine_args)
@@ -100,9 +76,7 @@ def _offline_replier(args: argparse.Namespace, engine_args: dict[str, Any]) -> C
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
 
     def reply(history: list[dict[str, str]]) -> Iterator[str]:
-        request = llm.make_request(template.render(history), params, add_special_tokens=False)
-        llm.engine.add_request(request)
-        for out in llm.stream_until_done():
+        for out in stream_offline(llm, template.render(history), params, add_special_tokens=False):
             yield out.new_text
 
     return reply
@@ -125,15 +99,7 @@ async def _collect(args: argparse.Namespace, request: Any) -> list[str]:
     """One turn over gRPC (collected, then echoed; turns are short)."""
     import grpc
 
-    from router.pb import generation_pb2_grpc as pb_grpc
-
-    pieces = []
-    channel, metadata = open_channel(args)
-    async with channel:
-        try:
-            stub = pb_grpc.GenerationStub(channel)
-            async for chunk in stub.Generate(request, timeout=args.timeout, metadata=metadata):
-                pieces.append(chunk.text)
-        except grpc.aio.AioRpcError as exc:
-            raise ValueError(f"{exc.code().name}: {exc.details()}") from exc
-    return pieces
+    try:
+        return [chunk.text async for chunk in stream_remote(args, request)]
+    except grpc.aio.AioRpcError as exc:
+        raise ValueError(f"{exc.code().name}: {exc.details()}") from exc

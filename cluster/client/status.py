@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.bench import format_table
+from cluster.client.table import format_table
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, build_app, model_info
-from cluster.config import ClusterConfig
-from cluster.types import GenerationRequest, StreamChunk
+from cluster.shared.config import ClusterConfig
+from cluster.shared.types import GenerationRequest, StreamChunk
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,11 @@ class LocalCluster:
         import ray
         from ray import serve
 
-        from cluster.ray_local import init_local_ray
+        from cluster.shared.ray_local import init_local_ray
 
         began = time.monotonic()
         if self.redis_url is None:
-            from cluster.redis_server import RedisServer
+            from cluster.launch.redis_server import RedisServer
 
             self.redis = RedisServer().start()
             self.redis_url = self.redis.url
@@ -122,7 +122,7 @@ class LocalCluster:
 
     def _start_router(self) -> None:
         """Starts the gRPC router on a daemon thread with its own event loop."""
-        from cluster.directory import Directory
+        from cluster.shared.directory import Directory
         from router.backend import ModelInfo, RouterBackend
         from router.metrics import ClusterMetrics, get_router_metrics
         from router.server import RouterServer

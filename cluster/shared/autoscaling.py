@@ -36,7 +36,7 @@ cannot trigger a scale-down right after, and noise around the target resets
 the timers instead of flapping. Scaling down removes one replica at a time
 so the remaining caches warm up before the next removal.
 
-Thresholds (``cluster.config.AutoscalingConfig``, YAML ``autoscaling:``):
+Thresholds (``cluster.shared.config.AutoscalingConfig``, YAML ``autoscaling:``):
 
     min_replicas           1     never scale to zero (cold start = model load)
     max_replicas           4
@@ -81,7 +81,7 @@ Scale-down, what happens to the replica that goes (Ray Serve 2.60):
   on another replica.
 - Running streams finish: the replica drains (waits until it has no ongoing
   request, checking every ``graceful_shutdown_wait_loop_s``) for up to
-  ``graceful_shutdown_timeout_s`` (30 s in ``cluster/app.py``) before Serve
+  ``graceful_shutdown_timeout_s`` (30 s in ``cluster/app/builder.py``) before Serve
   kills it; streams longer than that end with finish reason ``abort``.
   Then Serve calls the replica's ``__del__`` -> ``ReplicaServer.shutdown``,
   which deregisters it from the prefix directory (its entries go at once;
@@ -97,10 +97,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from cluster.config import AutoscalingConfig
+from cluster.shared.config import AutoscalingConfig
 
 if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
+    from cluster.shared.config import ClusterConfig
 
 # A child of Serve's logger: the policy runs in Serve's controller, whose log
 # (and the dashboard's) shows Serve's records.
@@ -113,7 +113,7 @@ NUM_RUNNING = "num_running"
 TTFT_S = "ttft_s"
 
 TTFT_WINDOW_S = 10.0  # recent first tokens the replica's ttft_s averages over
-POLICY_IMPORT_PATH = "cluster.autoscaling:KVAwareAutoscalingPolicy"
+POLICY_IMPORT_PATH = "cluster.shared.autoscaling:KVAwareAutoscalingPolicy"
 
 # Keys of our state in Serve's policy_state (Serve adds its own keys).
 _UP_SINCE = "prefixserve_up_since"

@@ -1,6 +1,6 @@
 """The model fingerprint: a stable identifier of a model folder's weights.
 
-It seeds the block-hash chain (``cluster.hashing.root_hash``), so the router
+It seeds the block-hash chain (``cluster.shared.hashing.root_hash``), so the router
 (no torch) and the engine must compute the same value: this module is pure
 Python (hashlib over files) and imports nothing of workers or router.
 """

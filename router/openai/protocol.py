@@ -14,8 +14,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from cluster.types import GenerationRequest, SamplingParams, StreamChunk, TokenLogprob
+from starlette.responses import JSONResponse
+
+from cluster.shared.types import GenerationRequest, SamplingParams, StreamChunk, TokenLogprob
 from router.backend import ModelInfo
+from router.errors import NoReplicaError, OverloadedError
 from router.limits import LimitError, Limits
 from router.tokenizer import RouterTokenizer
 
@@ -350,3 +353,20 @@ def chat_logprobs(entries: list[TokenLogprob], tokenizer: RouterTokenizer) -> di
             for e in entries
         ]
     }
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def backend_error(exc: BaseException) -> Optional[APIError]:
+    """The API error of an exception ``Backend.stream`` raised, or None if unexpected."""
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), param_of(str(exc)))
+    if isinstance(exc, OverloadedError):
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))  # whole seconds, as HTTP has it
+        return APIError(429, str(exc), type_="rate_limit_error", code="overloaded",
+                        headers={"Retry-After": retry_after})
+    if isinstance(exc, NoReplicaError):
+        return APIError(503, str(exc), type_="service_unavailable", code="no_replica")
+    return None

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
-from cluster.types import ReplicaStats
+from cluster.shared.types import ReplicaStats
 
 # A swapped-out sequence still has to finish, and must first copy its KV back
 # from the CPU swap space: count it like a queued request.

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig
+from cluster.shared.config import ClusterConfig
 from tests.deploy.kustomize import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,7 +197,7 @@ def test_the_config_builds_serve_options_serve_accepts(rendered, monkeypatch):
     router = app.router_options(config)
     assert config.autoscaling is not None, f"{name}: the RayService should autoscale"
     scaling = ServeAutoscalingConfig(**replica["autoscaling_config"])
-    assert scaling.policy.policy_function == "cluster.autoscaling:KVAwareAutoscalingPolicy"
+    assert scaling.policy.policy_function == "cluster.shared.autoscaling:KVAwareAutoscalingPolicy"
     # Overrides in serveConfigV2 name deployments that exist.
     (serve_app,) = serve_config(rayservice)["applications"]
     names = {replica["name"], router["name"]}

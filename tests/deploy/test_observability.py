@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from cluster.metrics_format import sample_names
+from cluster.shared.metrics_format import sample_names
 from router.metrics import RouterMetrics
 from workers.metrics import ReplicaMetrics
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.chat_template import ChatTemplate
-from cluster.types import SamplingParams
+from cluster.shared.chat_template import ChatTemplate
+from cluster.shared.types import SamplingParams
 from tests.factories import hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.llm import LLM

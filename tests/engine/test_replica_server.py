@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cluster.types import FinishReason, GenerationRequest, SamplingParams
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
 from workers.replica import ReplicaServer
 

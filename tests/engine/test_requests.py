@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from cluster import bench
-from cluster.types import FinishReason, GenerationRequest, SamplingParams
+from cluster.bench import offline as bench
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.engine.async_engine import AsyncEngine

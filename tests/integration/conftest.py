@@ -16,7 +16,7 @@ def ray_local():
     fractional rank actors fit beside other actors on 2 cores)."""
     import ray
 
-    from cluster.ray_local import init_local_ray
+    from cluster.shared.ray_local import init_local_ray
 
     init_local_ray(num_cpus=4)
     yield
@@ -24,7 +24,7 @@ def ray_local():
 
 
 # -------------------------------------------------------------------- Redis
-# Owned by the directory work (issue 3): cluster/redis_server.py.
+# Owned by the directory work (issue 3): cluster/launch/redis_server.py.
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +34,7 @@ def redis_server():
     Tests share it through distinct namespaces and must not stop it; a test
     that needs Redis to go down starts its own ``RedisServer``.
     """
-    from cluster.redis_server import RedisServer
+    from cluster.launch.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server

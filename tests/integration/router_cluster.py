@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 import grpc
 
 from cluster.app import REPLICA_DEPLOYMENT, build_app
-from cluster.config import ClusterConfig, EngineConfig
-from cluster.directory import Directory
-from cluster.types import GenerationRequest, StreamChunk
+from cluster.shared.config import ClusterConfig, EngineConfig
+from cluster.shared.directory import Directory
+from cluster.shared.types import GenerationRequest, StreamChunk
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc

@@ -91,7 +91,7 @@ def test_flood_past_the_queue_bound(flooded_cluster):
 
 # ------------------------------------------------------------------- Redis
 def _directory_roundtrip(url: str) -> dict:
-    from cluster.directory import Directory
+    from cluster.shared.directory import Directory
 
     async def main():
         directory = Directory.from_url(url, f"auth-{uuid.uuid4().hex[:6]}")
@@ -106,7 +106,7 @@ def _directory_roundtrip(url: str) -> dict:
 
 
 def test_directory_through_a_password_protected_redis_over_plaintext_and_tls(tmp_path):
-    from cluster.redis_server import RedisServer, find_free_port
+    from cluster.launch.redis_server import RedisServer, find_free_port
 
     certs = make_test_certs(tmp_path)
     tls_port = find_free_port("127.0.0.1")

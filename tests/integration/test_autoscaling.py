@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from cluster.app import REPLICA_DEPLOYMENT, build_app
-from cluster.config import AutoscalingConfig, ClusterConfig, EngineConfig
-from cluster.directory import Directory
-from cluster.types import FinishReason, GenerationRequest, SamplingParams
+from cluster.shared.config import AutoscalingConfig, ClusterConfig, EngineConfig
+from cluster.shared.directory import Directory
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
 
 APP = "autoscaling-test"

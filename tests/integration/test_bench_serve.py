@@ -20,8 +20,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from cluster import cli
-from cluster.bench_datasets import multi_turn_dataset, shared_prefix_dataset
-from cluster.directory import Directory
+from cluster.bench.datasets import multi_turn_dataset, shared_prefix_dataset
+from cluster.shared.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
@@ -140,7 +140,7 @@ def test_bench_serve_over_openai_matches_the_workload(cluster, tmp_path):
 
 @pytest.mark.parametrize("backend", ["grpc", "openai"])
 def test_multi_turn_prompts_grow_and_hit_the_previous_turn(cluster, tmp_path, backend):
-    from cluster.bench_serve import make_client, run_requests
+    from cluster.bench.serve import make_client, run_requests
 
     convs = multi_turn_dataset(6, 3, 20, 6, 5, VOCAB, seed=13 if backend == "grpc" else 14)
     tokenizer = Tokenizer.from_file(str(cluster[1] / "tokenizer.json")) if backend == "openai" else None

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.directory import Directory, DirectoryUnavailable, PublishStatus
-from cluster.directory_publisher import DirectoryPublisher
-from cluster.hashing import hash_block_chain, root_hash
-from cluster.redis_server import RedisServer
+from cluster.shared.directory import Directory, DirectoryUnavailable, PublishStatus
+from cluster.shared.directory.publisher import DirectoryPublisher
+from cluster.shared.hashing import hash_block_chain, root_hash
+from cluster.launch.redis_server import RedisServer
 from workers.engine.block_pool import BlockPool
 
 BLOCK = 4

@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
@@ -17,6 +14,7 @@ import pytest
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir
+from tests.integration.up_process import start_up, wait_for_log
 
 MAX_TOKENS = 500  # one at a time (--max-num-seqs 1): the drain outlasts uvicorn's and gRPC's 5 s defaults
 
@@ -27,22 +25,11 @@ def model_dir(tmp_path_factory):
 
 
 def test_sigterm_drains_running_streams(model_dir, tmp_path):
-    log = open(tmp_path / "up.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--replicas", "1", "--model", str(model_dir),
-         "--block-size", "4", "--num-kv-blocks", "800", "--replica-num-cpus", "0.25", "--max-num-seqs", "1",
-         "--max-num-batched-tokens", "64",
-         "--grpc-port", "0", "--http-port", "0"],
-        stdout=subprocess.DEVNULL, stderr=log, text=True,
-    )
+    proc, log = start_up(tmp_path / "up.log", "--replicas", "1", "--model", str(model_dir), "--block-size", "4",
+                         "--num-kv-blocks", "800", "--replica-num-cpus", "0.25", "--max-num-seqs", "1",
+                         "--max-num-batched-tokens", "64", "--grpc-port", "0", "--http-port", "0")
     try:
-        deadline = time.monotonic() + 300
-        text = ""
-        while "ready: gRPC on" not in text:
-            assert time.monotonic() < deadline and proc.poll() is None, text[-3000:]
-            time.sleep(0.5)
-            log.seek(0)
-            text = log.read()
+        text = wait_for_log(proc, log, "ready: gRPC on")
         address = re.search(r"ready: gRPC on (127\.0\.0\.1:\d+)", text).group(1)
 
         async def main():

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.directory import Directory
+from cluster.shared.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc

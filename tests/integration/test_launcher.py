@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.factories import make_tiny_model_dir
+from tests.integration.up_process import start_up, wait_for_log
 
 
 def still_alive(pids: list[int]) -> list[str]:
@@ -37,21 +38,12 @@ def model_dir(tmp_path_factory):
 
 
 def test_up_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
-    log = open(tmp_path / "up.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--replicas", "2", "--model", str(model_dir),
-         "--block-size", "4", "--kv-cache-memory", "0.01", "--swap-space", "0.01", "--replica-num-cpus", "0.25",
-         "--prompt", "hello world", "--max-tokens", "4", "--grpc-port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE, stderr=log, text=True,
-    )
+    proc, log = start_up(tmp_path / "up.log", "--replicas", "2", "--model", str(model_dir), "--block-size", "4",
+                         "--kv-cache-memory", "0.01", "--swap-space", "0.01", "--replica-num-cpus", "0.25",
+                         "--prompt", "hello world", "--max-tokens", "4", "--grpc-port", "0", "--http-port", "0",
+                         stdout=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 300
-        text = ""
-        while time.monotonic() < deadline and "replica=" not in text:
-            time.sleep(0.5)
-            log.seek(0)
-            text = log.read()
-            assert proc.poll() is None, text[-3000:]
+        text = wait_for_log(proc, log, "replica=")
         assert "ready: gRPC on" in text and "start-up" in text, text[-3000:]
         assert "replica=" in text and "finish_reason=length" in text, text[-3000:]
         # The OpenAI-compatible API answers through the cluster.

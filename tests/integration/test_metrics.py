@@ -22,7 +22,7 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.directory import Directory
+from cluster.shared.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.metrics import ClusterMetrics, get_router_metrics
 from router.openai import serve_openai
@@ -248,8 +248,8 @@ def test_a_dead_replicas_series_disappear(cluster):
 def test_directory_returns_metrics_of_live_replicas_only(redis_server):
     # Publish, read back, stale epochs refused, deregister and expiry remove
     # the text, gc leaves no key behind; the publisher sends metrics_fn's text.
-    from cluster.directory import PublishStatus
-    from cluster.directory_publisher import DirectoryPublisher
+    from cluster.shared.directory import PublishStatus
+    from cluster.shared.directory.publisher import DirectoryPublisher
 
     async def main() -> None:
         directory = Directory.from_url(redis_server.url, f"m-{uuid.uuid4().hex[:6]}", ttl_s=1.0,

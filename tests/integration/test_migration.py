@@ -14,8 +14,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from cluster.directory import Directory
-from cluster.local import stats_of_every_replica
+from cluster.shared.directory import Directory
+from cluster.launch.local import stats_of_every_replica
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc

@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from cluster.app import build_app
-from cluster.config import ClusterConfig, EngineConfig
-from cluster.types import GenerationRequest, SamplingParams
+from cluster.shared.config import ClusterConfig, EngineConfig
+from cluster.shared.types import GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
 
 

@@ -10,8 +10,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cluster.directory import Directory, DirectoryUnavailable
-from cluster.redis_server import RedisServer, find_free_port
+from cluster.shared.directory import Directory, DirectoryUnavailable
+from cluster.launch.redis_server import RedisServer, find_free_port
 
 
 def test_start_stop_restart_on_the_same_port_with_a_password():
@@ -59,13 +59,12 @@ def test_redis_server_dies_with_a_killed_owner(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     import psutil
 
     code = (
         "import time\n"
-        "from cluster.redis_server import RedisServer\n"
+        "from cluster.launch.redis_server import RedisServer\n"
         "server = RedisServer().start()\n"
         "print(server.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -75,16 +74,7 @@ def test_redis_server_dies_with_a_killed_owner(tmp_path):
     assert psutil.pid_exists(redis_pid)
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(redis_pid).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"redis-server {redis_pid} outlived its killed owner")
+    assert_exits_within(redis_pid, 10)
 
 
 def test_redis_server_started_from_a_worker_thread_outlives_the_thread_but_not_its_owner():
@@ -95,12 +85,11 @@ def test_redis_server_started_from_a_worker_thread_outlives_the_thread_but_not_i
     import subprocess
     import sys
 
-    import psutil
 
     code = (
         "import asyncio, threading, time\n"
         "import redis\n"
-        "from cluster.redis_server import RedisServer\n"
+        "from cluster.launch.redis_server import RedisServer\n"
         "server = RedisServer()\n"
         "asyncio.run(asyncio.to_thread(server.start))  # the executor's thread exits with the loop\n"
         "worker = threading.Thread(target=server.restart)\n"
@@ -117,13 +106,19 @@ def test_redis_server_started_from_a_worker_thread_outlives_the_thread_but_not_i
     finally:
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
-    deadline = time.monotonic() + 10
+    assert_exits_within(redis_pid, 10)
+
+
+def assert_exits_within(pid: int, timeout_s: float) -> None:
+    """Fails unless process ``pid`` is gone (or a zombie) within ``timeout_s``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if psutil.Process(redis_pid).status() == psutil.STATUS_ZOMBIE:
-                break
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
         except psutil.NoSuchProcess:
-            break
+            return
         time.sleep(0.1)
-    else:
-        raise AssertionError(f"redis-server {redis_pid} outlived its killed owner")
+    raise AssertionError(f"redis-server {pid} outlived its killed owner")

@@ -11,10 +11,10 @@ import uuid
 import pytest
 
 from cluster.app import build_app
-from cluster.config import ClusterConfig, EngineConfig
-from cluster.directory import Directory
-from cluster.hashing import hash_block_chain, root_hash
-from cluster.types import GenerationRequest, SamplingParams
+from cluster.shared.config import ClusterConfig, EngineConfig
+from cluster.shared.directory import Directory
+from cluster.shared.hashing import hash_block_chain, root_hash
+from cluster.shared.types import GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
 from workers.model.loader import model_fingerprint
 

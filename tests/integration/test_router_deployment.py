@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.app import ROUTER_DEPLOYMENT, app_builder, build_app
-from cluster.config import ClusterConfig, EngineConfig, RouterConfig
+from cluster.shared.config import ClusterConfig, EngineConfig, RouterConfig
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir

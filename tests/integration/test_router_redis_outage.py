@@ -16,8 +16,8 @@ import uuid
 import grpc
 import pytest
 
-from cluster.directory import Directory, DirectoryUnavailable
-from cluster.redis_server import RedisServer
+from cluster.shared.directory import Directory, DirectoryUnavailable
+from cluster.launch.redis_server import RedisServer
 from router.pb import generation_pb2 as pb
 from tests.integration.router_cluster import (
     BLOCK_SIZE,

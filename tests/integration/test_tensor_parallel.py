@@ -23,8 +23,8 @@ import pytest
 import ray
 import torch
 
-from cluster.chat_template import ChatTemplate
-from cluster.types import SamplingParams
+from cluster.shared.chat_template import ChatTemplate
+from cluster.shared.types import SamplingParams
 from tests.factories import hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.llm import LLM
@@ -211,7 +211,7 @@ def test_ranks_run_in_the_callers_placement_group(tmp_path):
             self.llm = LLM(model_dir, block_size=4, tensor_parallel_size=2)
 
         def generate(self, prompts, max_tokens) -> list[list[int]]:
-            from cluster.types import SamplingParams
+            from cluster.shared.types import SamplingParams
 
             params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
             return [o.token_ids for o in self.llm.generate(prompts, params)]
@@ -223,7 +223,7 @@ def test_ranks_run_in_the_callers_placement_group(tmp_path):
     model_dir = make_tiny_model_dir("llama", tmp_path / "model")
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     expected = hf_greedy(model_dir, prompts, [6, 6])
-    # Bundle 0 for the driver (the replica), one bundle per rank, like cluster/app.py.
+    # Bundle 0 for the driver (the replica), one bundle per rank, like cluster/app/builder.py.
     pg = placement_group([{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
     rank_bundles = [f"CPU_group_{index}_{pg.id.hex()}" for index in (1, 2)]

@@ -1,4 +1,5 @@
-"""Factories for the model tests: tiny random-init HF checkpoints and a paged-KV driver.
+"""The model tests' paged-KV driver, HF logits oracle and rope settings (the tiny
+HF configs and models come from ``tests/factories.py``).
 
 ``PagedDriver`` plays the model runner in miniature: it owns a small KV cache
 (one tensor per layer, ``attention/base.py`` layout), hands out blocks to
@@ -21,21 +22,6 @@ from workers.model.attention.base import AttentionMetadata
 from workers.model.attention.torch_backend import TorchAttentionBackend
 from workers.model.llama import LlamaForCausalLM
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    # Peaked logits: greedy argmax is decided by the weights, not float noise.
-    initializer_range=0.2,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,
@@ -45,29 +31,6 @@ LLAMA3_ROPE = {
     # With theta 1e4 and head_dim 16, all three bands (kept, interpolated, divided) occur.
     "original_max_position_embeddings": 32,
 }
-
-
-def make_hf_config(family: str, **overrides):
-    """A tiny transformers config of ``family`` (llama | mistral | qwen2)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
-    defaults = {"mistral": {"sliding_window": 8}}.get(family, {})
-    return classes[family](**{**TINY, **defaults, **overrides})
-
-
-def make_hf_model(config, seed: int = 0):
-    """A random-init float32 HF model in eval mode; Qwen2 q/k/v biases made non-trivial."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if config.model_type == "qwen2":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    return model
 
 
 def save_hf_model(model, path: Path, max_shard_size: Optional[str] = None) -> Path:

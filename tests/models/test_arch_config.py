@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.conftest import LLAMA3_ROPE, make_hf_config
+from tests.factories import make_hf_config
+from tests.models.conftest import LLAMA3_ROPE
 from workers.model.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,

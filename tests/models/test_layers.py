@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.conftest import LLAMA3_ROPE, make_hf_config
+from tests.factories import make_hf_config
+from tests.models.conftest import LLAMA3_ROPE
 from workers.model.config import ModelArchConfig
 from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
 

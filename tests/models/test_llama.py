@@ -14,14 +14,8 @@ import random
 import pytest
 import torch
 
-from tests.models.conftest import (
-    LLAMA3_ROPE,
-    PagedDriver,
-    hf_logits,
-    make_hf_config,
-    make_hf_model,
-    save_hf_model,
-)
+from tests.factories import make_hf_config, make_hf_model
+from tests.models.conftest import LLAMA3_ROPE, PagedDriver, hf_logits, save_hf_model
 from workers.model.config import ModelArchConfig
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.conftest import make_hf_config, make_hf_model, save_hf_model
+from tests.factories import make_hf_config, make_hf_model
+from tests.models.conftest import save_hf_model
 from workers.model import gguf as gguf_module
 from workers.model import loader
 from workers.model.loader import (

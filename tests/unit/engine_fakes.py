@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence as Seq
 
-from cluster.config import SchedulerConfig
-from cluster.types import SamplingParams
+from cluster.shared.config import SchedulerConfig
+from cluster.shared.types import SamplingParams
 from workers.engine.block_pool import BlockPool
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, SchedulerOutput

@@ -10,9 +10,10 @@ import pickle
 
 import pytest
 
-from cluster.config import SchedulerConfig
-from cluster.types import GenerationRequest, ReplicaOverloadedError, SamplingParams, StreamChunk
-from router.backend import ModelInfo, OverloadedError, RouterBackend
+from cluster.shared.config import SchedulerConfig
+from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, SamplingParams, StreamChunk
+from router.backend import ModelInfo, RouterBackend
+from router.errors import OverloadedError
 from tests.unit.engine_fakes import FINGERPRINT, VOCAB, FakeRunner, make_scheduler
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import LLMEngine

@@ -18,9 +18,9 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
-from cluster import autoscaling
-from cluster.autoscaling import KVAwareAutoscalingPolicy, TTFTTracker, serve_autoscaling_config
-from cluster.config import AutoscalingConfig, ClusterConfig
+from cluster.shared import autoscaling
+from cluster.shared.autoscaling import KVAwareAutoscalingPolicy, TTFTTracker, serve_autoscaling_config
+from cluster.shared.config import AutoscalingConfig, ClusterConfig
 
 DEPLOYMENT = DeploymentID(name="replica", app_name="test")
 

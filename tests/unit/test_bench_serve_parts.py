@@ -11,9 +11,9 @@ import statistics
 
 import pytest
 
-from cluster import bench_datasets as ds
-from cluster.bench_clients import Delta, Usage
-from cluster.bench_metrics import (
+from cluster.bench import datasets as ds
+from cluster.bench.clients import Delta, Usage
+from cluster.bench.metrics import (
     RequestRecord,
     distribution,
     meets_slos,
@@ -22,8 +22,8 @@ from cluster.bench_metrics import (
     summarize,
     tokens_per_second_series,
 )
-from cluster.bench_serve import run_requests
-from cluster.status import ReplicaRow, format_status, merge_metrics, parse_metrics, token_rates
+from cluster.bench.serve import run_requests
+from cluster.client.status import ReplicaRow, format_status, merge_metrics, parse_metrics, token_rates
 
 VOCAB = 1000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.hashing import hash_block_chain, root_hash
+from cluster.shared.hashing import hash_block_chain, root_hash
 from workers.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.unit.engine_fakes import make_block_pool
 

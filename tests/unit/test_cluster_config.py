@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from cluster.config import AutoscalingConfig, ClusterConfig, EngineConfig, RouterConfig
+from cluster.shared.config import AutoscalingConfig, ClusterConfig, EngineConfig, RouterConfig
 
 FULL = """
 replicas: 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import EngineConfig
+from cluster.shared.config import EngineConfig
 
 
 def test_flat_arguments_land_in_their_sections():

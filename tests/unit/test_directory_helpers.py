@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from cluster import directory_lua as lua
-from cluster.directory import DirectoryUnavailable, PublishStatus, check_block_hashes, pairs_to_dict
-from cluster.directory_publisher import DirectoryPublisher, net_effect
-from cluster.redis_server import RedisServer, RedisServerNotFound
+from cluster.shared.directory import lua
+from cluster.shared.directory import DirectoryUnavailable, PublishStatus, check_block_hashes, pairs_to_dict
+from cluster.shared.directory.publisher import DirectoryPublisher, net_effect
+from cluster.launch.redis_server import RedisServer, RedisServerNotFound
 from workers.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 H = [bytes([i]) * 16 for i in range(8)]

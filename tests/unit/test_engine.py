@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cluster.types import FinishReason, GenerationRequest, SamplingParams
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams
 from tests.unit.engine_fakes import FINGERPRINT, VOCAB, FakeRunner, assert_all_blocks_free_or_cached
 from tests.unit.engine_fakes import expected_output, make_scheduler
 from workers.engine.async_engine import AsyncEngine

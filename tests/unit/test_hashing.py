@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from cluster.hashing import DIGEST_BYTES, hash_block, hash_block_chain, root_hash
+from cluster.shared.hashing import DIGEST_BYTES, hash_block, hash_block_chain, root_hash
 from tests.unit.engine_fakes import make_request
 
 # Pinned: changing any of these breaks every router / replica pair in a

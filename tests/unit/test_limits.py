@@ -1,22 +1,19 @@
 """Input limits (``router.limits``): the checks themselves, and that both front
-ends' parsers (gRPC ``router.convert``, HTTP ``router.openai_protocol``) apply
+ends' parsers (gRPC ``router.convert``, HTTP ``router.openai.protocol``) apply
 them with messages naming the field, the limit and the value allowed."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
-from cluster.chat_template import ChatTemplate
 from router.backend import ModelInfo
 from router.convert import request_from_proto
 from router.limits import LimitError, Limits
-from router.openai_protocol import APIError, parse_request
+from router.openai.protocol import APIError, parse_request
 from router.pb import generation_pb2 as pb
 from router.tokenizer import RouterTokenizer
-from tests.factories import save_tiny_tokenizer
+from tests.factories import make_router_tokenizer
 
 MAX_MODEL_LEN = 64
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -24,10 +21,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% end
 
 @pytest.fixture(scope="module")
 def router_tok(tmp_path_factory) -> RouterTokenizer:
-    folder: Path = tmp_path_factory.mktemp("limits-tok")
-    save_tiny_tokenizer(folder, 512)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return RouterTokenizer(tokenizer, ChatTemplate(TEMPLATE, bos_token="<s>", eos_token="</s>"), "fp-test")
+    return make_router_tokenizer(tmp_path_factory.mktemp("limits-tok"), TEMPLATE)
 
 
 def test_defaults_follow_vllm_and_openai():

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 from typing import AsyncIterator, Optional
 
 import httpx2
 import openai
 import pytest
-from tokenizers import Tokenizer
 
-from cluster.chat_template import ChatTemplate
-from cluster.types import FinishReason, GenerationRequest, StreamChunk, TokenLogprob
-from router.backend import ModelInfo, NoReplicaError, OverloadedError
+from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk, TokenLogprob
+from router.backend import ModelInfo
+from router.errors import NoReplicaError, OverloadedError
 from router.openai import serve_openai
 from router.tokenizer import RouterTokenizer
-from tests.factories import save_tiny_tokenizer
+from tests.factories import make_router_tokenizer
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
@@ -85,10 +83,7 @@ class FakeBackend:
 
 @pytest.fixture(scope="module")
 def router_tok(tmp_path_factory) -> RouterTokenizer:
-    folder: Path = tmp_path_factory.mktemp("tiny-tok")
-    save_tiny_tokenizer(folder, 512)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return RouterTokenizer(tokenizer, ChatTemplate(TEMPLATE, bos_token="<s>", eos_token="</s>"), "fp-test")
+    return make_router_tokenizer(tmp_path_factory.mktemp("tiny-tok"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")

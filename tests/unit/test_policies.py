@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.types import ReplicaStats
+from cluster.shared.types import ReplicaStats
 from router.policies import (
     DEFAULT_POLICY,
     CacheAwarePolicy,

@@ -12,10 +12,10 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.directory import DirectoryUnavailable
-from cluster.metrics_format import sample_names
-from cluster.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
-from router.backend import NoReplicaError, OverloadedError
+from cluster.shared.directory import DirectoryUnavailable
+from cluster.shared.metrics_format import sample_names
+from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
+from router.errors import NoReplicaError, OverloadedError
 from router.metrics import ClusterMetrics, RouterMetrics, merge_expositions, metered
 from router.openai import build_openai_app
 from tests.unit.engine_fakes import FINGERPRINT, VOCAB, FakeRunner, make_scheduler

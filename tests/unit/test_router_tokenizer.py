@@ -11,16 +11,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-import cluster.fingerprint
-from cluster.chat_template import ChatTemplate
-from cluster.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
+import cluster.shared.fingerprint
+from cluster.shared.chat_template import ChatTemplate
+from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
 from router.convert import (
     chunk_to_proto,
     replica_stats_to_proto,
@@ -31,6 +29,7 @@ from router.convert import (
 )
 from router.pb import generation_pb2 as pb
 from router.tokenizer import RouterTokenizer
+from tests.factories import import_blocking
 from workers.builder import load_tokenizer
 from workers.engine.sequence import Sequence
 from workers.llm import LLM
@@ -75,12 +74,12 @@ def engine_sequence(offline_llm, model_dir, prompt: str, chat: bool, block_size:
 
 
 def test_fingerprint_is_shared_with_the_engine(router_tok, model_dir, tmp_path):
-    assert loader.model_fingerprint is cluster.fingerprint.model_fingerprint
+    assert loader.model_fingerprint is cluster.shared.fingerprint.model_fingerprint
     assert router_tok.model_fingerprint == loader.model_fingerprint(model_dir)
     # A plain safetensors folder takes the hashing path (the converted one stores its digest).
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 8}))
     (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 1024)
-    assert cluster.fingerprint.model_fingerprint(tmp_path) == loader.model_fingerprint(tmp_path)
+    assert cluster.shared.fingerprint.model_fingerprint(tmp_path) == loader.model_fingerprint(tmp_path)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -204,14 +203,6 @@ def test_stream_chunks_and_replica_stats_to_proto():
 
 
 def test_router_modules_load_without_torch_or_workers():
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('torch', 'workers'):\n"
-        "            raise ImportError('blocked ' + name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import router.tokenizer, router.convert, router.pb.generation_pb2_grpc\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = import_blocking(["router.tokenizer", "router.convert", "router.pb.generation_pb2_grpc"],
+                           blocked=["torch", "workers"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cluster.types import SamplingParams
+from cluster.shared.types import SamplingParams
 from workers.engine.outputs import ScheduledRequest
 from workers.model.sampler import Sampler, apply_penalties, apply_top_k, apply_top_p, mix_seed
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.types import FinishReason
+from cluster.shared.types import FinishReason
 from workers.engine.outputs import ModelOutput
 from workers.engine.sequence import SequenceStatus
 from tests.unit.engine_fakes import (

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from cluster.types import FinishReason
+from cluster.shared.types import FinishReason
 from workers.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.unit.engine_fakes import (
     VOCAB,

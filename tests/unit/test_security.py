@@ -19,11 +19,10 @@ import httpx2
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tokenizers import Tokenizer
 
-from cluster.chat_template import ChatTemplate
-from cluster.types import FinishReason, GenerationRequest, StreamChunk
-from router.backend import ModelInfo, OverloadedError
+from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
+from router.backend import ModelInfo
+from router.errors import OverloadedError
 from router.limits import Limits
 from router.openai import serve_openai
 from router.pb import generation_pb2 as pb
@@ -31,7 +30,7 @@ from router.pb import generation_pb2_grpc as pb_grpc
 from router.security import ApiKeys, Security, TLSFiles, bearer_metadata, client_channel
 from router.server import RETRY_AFTER_KEY, RouterServer
 from router.tokenizer import RouterTokenizer
-from tests.factories import make_test_certs, save_tiny_tokenizer
+from tests.factories import make_router_tokenizer, make_test_certs
 
 KEY = "sk-test-0123456789"
 MODEL = "tiny"
@@ -96,10 +95,7 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def router_tok(tmp_path_factory) -> RouterTokenizer:
-    folder = tmp_path_factory.mktemp("sec-tok")
-    save_tiny_tokenizer(folder, 512)
-    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}", bos_token="", eos_token="")
-    return RouterTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")), template, "fp")
+    return make_router_tokenizer(tmp_path_factory.mktemp("sec-tok"), "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +309,8 @@ def test_http_overload_is_429_with_retry_after(secured, backend, certs):
 
 # ------------------------------------------------------------------ CLI
 def test_cli_generate_url_uses_tls_and_the_key_from_the_environment(secured, certs, capsys, monkeypatch):
-    from cluster.cli import _generate_remote, build_parser
+    from cluster.cli import build_parser
+    from cluster.client.generate import _generate_remote
 
     monkeypatch.setenv("PREFIXSERVE_API_KEY", KEY)
     argv = ["generate", "--url", secured.grpc.address, "--tls-ca", certs["ca"] + ".crt", "--max-tokens", "2", "hi"]

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from cluster.types import FinishReason, GenerationRequest, SamplingParams, StreamChunk
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams, StreamChunk
 from router.migration import MigrationLimitError, continuation, migrating_stream
 
 TARGET = list(range(50, 58))  # what an undisturbed greedy run generates

@@ -13,15 +13,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import math  # noqa: E402
 import pathlib  # noqa: E402
-import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.attention_cases import make_paged_case, reference  # noqa: E402
 from workers.model.attention import get_attention_backend  # noqa: E402
-from workers.model.attention.base import AttentionMetadata  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
 
@@ -29,63 +28,7 @@ from workers.model.attention.triton_backend import TritonAttentionBackend  # noq
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-try:
-    from workers.model.attention.torch_backend import TorchAttentionBackend
-except ImportError:  # the lead's backend not written yet
-    TorchAttentionBackend = None
-
-
-def make_batch(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed):
-    """A batch over a shuffled (non-contiguous) paged cache, decodes first.
-
-    Context K/V is written into the cache; the step's new K/V are returned for
-    the backend to write. Also returns each request's full K/V for references.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
-    kv_cache = torch.randn(2, num_blocks, block_size, hkv, head_dim, generator=gen)  # garbage elsewhere
-    flat = kv_cache.view(2, -1, hkv, head_dim)
-    tables, slots, full, qs, ks, vs = [], [], [], [], [], []
-    for seq_len, qlen in zip(seq_lens, query_lens):
-        blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
-        tables.append(blocks)
-        keys = torch.randn(seq_len, hkv, head_dim, generator=gen)
-        values = torch.randn(seq_len, hkv, head_dim, generator=gen)
-        full.append((keys, values))
-        seq_slots = [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        ctx = seq_len - qlen
-        flat[0, seq_slots[:ctx]], flat[1, seq_slots[:ctx]] = keys[:ctx], values[:ctx]
-        slots += seq_slots[ctx:]
-        qs.append(torch.randn(qlen, hq, head_dim, generator=gen))
-        ks.append(keys[ctx:])
-        vs.append(values[ctx:])
-    # One padding entry past the longest table.
-    meta = AttentionMetadata.build(slots, query_lens, seq_lens, [t + [0] for t in tables])
-    return kv_cache, meta, (torch.cat(qs), torch.cat(ks), torch.cat(vs)), full
-
-
-def naive_attention(q, keys, values, positions, scale, window):
-    """Per token: softmax over the keys it may see, in float64."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    outs = []
-    for qi, pos in zip(q.double(), positions):
-        lo = 0 if window is None else max(0, pos - window + 1)
-        weights = (torch.einsum("hd,lhd->hl", qi, k[lo : pos + 1]) * scale).softmax(-1)
-        outs.append(torch.einsum("hl,lhd->hd", weights, v[lo : pos + 1]))
-    return torch.stack(outs).float()
-
-
-def reference(meta, q, full, scale, window):
-    outs, start = [], 0
-    for (keys, values), seq_len, qlen in zip(full, meta.seq_lens_list, meta.query_lens_list):
-        positions = range(seq_len - qlen, seq_len)
-        outs.append(naive_attention(q[start : start + qlen], keys, values, positions, scale, window))
-        start += qlen
-    return torch.cat(outs)
+from workers.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 
 # Ragged lengths cross block (and 64-token tile) boundaries; 1 is a first token.
@@ -100,25 +43,26 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("block_size, hq, hkv, head_dim, seq_lens, window", DECODE_CASES)
 def test_decode_matches_references(block_size, hq, hkv, head_dim, seq_lens, window):
-    kv_cache, meta, (q, k, v), full = make_batch(seq_lens, [1] * len(seq_lens), block_size, hq, hkv, head_dim, seed=hq + block_size)
+    case = make_paged_case(seq_lens, [1] * len(seq_lens), block_size, hq, hkv, head_dim, seed=hq + block_size,
+                           table_padding=1)
     scale = 1 / math.sqrt(head_dim)
-    torch_cache = kv_cache.clone()
-    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, scale, window)
-    torch.testing.assert_close(out, reference(meta, q, full, scale, window), atol=1e-5, rtol=1e-5)
+    torch_cache = case.kv_cache.clone()
+    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.kv_cache, case.meta, scale, window)
+    torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)
     # The new keys and values were written to their slots.
-    flat = kv_cache.view(2, -1, hkv, head_dim)
-    assert torch.equal(flat[0, meta.slot_mapping], k) and torch.equal(flat[1, meta.slot_mapping], v)
-    if TorchAttentionBackend is not None:
-        expected = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, scale, window)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    flat = case.kv_cache.view(2, -1, hkv, head_dim)
+    slots = case.meta.slot_mapping
+    assert torch.equal(flat[0, slots], case.k) and torch.equal(flat[1, slots], case.v)
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, torch_cache, case.meta, scale, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_batch_splits_decodes_and_prefill_chunks():
     # Two decodes, a chunk with cached context, a fresh prompt.
     seq_lens, query_lens = [20, 3, 14, 6], [1, 1, 5, 6]
-    kv_cache, meta, (q, k, v), full = make_batch(seq_lens, query_lens, 4, 6, 2, 16, seed=3)
-    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, 0.25, 9)
-    torch.testing.assert_close(out, reference(meta, q, full, 0.25, 9), atol=1e-5, rtol=1e-5)
+    case = make_paged_case(seq_lens, query_lens, 4, 6, 2, 16, seed=3, table_padding=1)
+    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.kv_cache, case.meta, 0.25, 9)
+    torch.testing.assert_close(out, reference(case, 0.25, 9), atol=1e-5, rtol=1e-5)
 
 
 class RecordingBackend:
@@ -136,9 +80,10 @@ class RecordingBackend:
 
 def test_prefill_part_gets_rebased_metadata():
     seq_lens, query_lens = [9, 4, 7], [1, 3, 7]
-    kv_cache, meta, (q, k, v), _ = make_batch(seq_lens, query_lens, 4, 2, 2, 16, seed=4)
+    case = make_paged_case(seq_lens, query_lens, 4, 2, 2, 16, seed=4, table_padding=1)
+    meta = case.meta
     fallback = RecordingBackend()
-    TritonAttentionBackend(fallback=fallback).forward(q, k, v, kv_cache, meta, 0.25)
+    TritonAttentionBackend(fallback=fallback).forward(case.q, case.k, case.v, case.kv_cache, meta, 0.25)
     (sub,) = fallback.calls
     assert sub.query_start_loc.tolist() == [0, 3, 10]
     assert sub.seq_lens_list == [4, 7] and sub.query_lens_list == [3, 7]

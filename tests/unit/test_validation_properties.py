@@ -22,10 +22,8 @@ import httpx2
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
-from cluster.chat_template import ChatTemplate
-from cluster.types import FinishReason, GenerationRequest, StreamChunk
+from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
 from router.backend import ModelInfo
 from router.limits import Limits
 from router.openai import serve_openai
@@ -33,7 +31,7 @@ from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from router.server import RouterServer
 from router.tokenizer import RouterTokenizer
-from tests.factories import save_tiny_tokenizer
+from tests.factories import make_router_tokenizer
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 48
@@ -71,10 +69,7 @@ class CheckingBackend:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(grpc address, http base url), served from one background loop."""
-    folder = tmp_path_factory.mktemp("prop-tok")
-    save_tiny_tokenizer(folder, VOCAB)
-    tokenizer = RouterTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")),
-                                ChatTemplate(TEMPLATE, bos_token="<s>", eos_token="</s>"), "fp")
+    tokenizer = make_router_tokenizer(tmp_path_factory.mktemp("prop-tok"), TEMPLATE)
     backend = CheckingBackend(tokenizer)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Optional, TypeVar
 
-from cluster.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
+from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestOutput
 

@@ -19,11 +19,12 @@ import logging
 import time
 from typing import Callable, Optional, Protocol
 
-from cluster.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams
+from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats
 from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
+from workers.engine.validation import check_request
 
 logger = logging.getLogger(__name__)
 
@@ -69,43 +70,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------- requests
     def validate(self, request: GenerationRequest) -> None:
-        """Raises ValueError saying what to change if the request cannot run.
-
-        Checks everything again, even what the router validated: a request
-        that crossed a process boundary (unpickled, ``__post_init__`` not
-        run) must not reach the scheduler with bad values.
-        """
-        if not isinstance(request, GenerationRequest):
-            raise ValueError(f"expected a GenerationRequest, got {type(request).__name__}")
-        if not isinstance(request.request_id, str) or not request.request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
-        if not isinstance(request.priority, int) or not isinstance(request.cache_salt, str):
-            raise ValueError("priority must be an integer and cache_salt a string")
-        params = request.sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        try:
-            params.validate()
-        except TypeError as exc:
-            raise ValueError(f"sampling_params has a value of the wrong type: {exc}") from None
-        ids = request.prompt_token_ids
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty: send at least one token (or non-empty text)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                f"shorten the prompt to at most {self.max_model_len - 1} tokens (one is needed to generate)"
-            )
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-            )
+        """Raises ValueError saying what to change if the request cannot run
+        (``validation.py``: the request itself, then whether it fits). No mutation."""
+        check_request(request, self.vocab_size)
         if request.request_id in self._seqs:
             raise ValueError(f"request id {request.request_id!r} is already running: use a unique id")
-        problem = self.scheduler.check_request_fits(len(ids), request.sampling_params.max_tokens)
+        problem = self.scheduler.check_request_fits(len(request.prompt_token_ids), request.sampling_params.max_tokens)
         if problem:
             raise ValueError(problem)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Optional, Sequence as Seq
 
+from cluster.shared.sizes import cdiv
 from workers.engine.block_pool import BlockPool, KVCacheSnapshot, KVEventBatch
 from workers.engine.sequence import Sequence
 
@@ -103,7 +104,7 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens of KV."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # -------------------------------------------------------------- admission
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from cluster.types import FinishReason, SamplingParams, TokenLogprob
+from cluster.shared.types import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass

@@ -29,19 +29,23 @@ The scheduler advances ``num_computed_tokens`` in ``update_from_output``,
 after the runner computed the step. One ``schedule()`` must be followed by
 its ``update_from_output`` (even when the output is empty: sequences that
 could never fit are reported there) before the next ``schedule()``.
+
+The queues and their order live in ``request_queue.py``; what a request must
+be to run here, in ``validation.py``.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from cluster.config import SchedulerConfig
-from cluster.types import FinishReason, TokenLogprob
+from cluster.shared.config import SchedulerConfig
+from cluster.shared.types import FinishReason, TokenLogprob
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from workers.engine.request_queue import RequestQueue
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.validation import Capacity, fit_problem
 
 StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
 
@@ -84,12 +88,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
 
-        self.waiting: list[Sequence] = []  # sorted by _key
-        self.running: list[Sequence] = []  # admission order
-        self.swapped: list[Sequence] = []  # sorted by _key
-        self._requests: dict[str, Sequence] = {}  # every unfinished sequence
-        self._arrival_index: dict[str, int] = {}  # tie-break of equal arrival times
-        self._next_arrival_index = 0
+        self.queue = RequestQueue()
         self._finished_ids: set[str] = set()  # since the last schedule()
         self._finished_in_schedule: list[Sequence] = []  # reported by update_from_output
         self.num_preemptions_total = 0
@@ -97,57 +96,35 @@ class Scheduler:
     # ---------------------------------------------------------------- figures
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.queue.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.queue.waiting)
 
     @property
     def num_swapped(self) -> int:
-        return len(self.swapped)
+        return len(self.queue.swapped)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(len(self.queue))
 
     def get_request(self, request_id: str) -> Optional[Sequence]:
         """The unfinished sequence with this id, or None. No mutation."""
-        return self._requests.get(request_id)
+        return self.queue.get(request_id)
 
-    def _key(self, seq: Sequence) -> tuple[int, float, int]:
-        """Scheduling order: smaller goes first, largest is preempted first."""
-        return (seq.priority, seq.arrival_time, self._arrival_index[seq.request_id])
+    @property
+    def capacity(self) -> Capacity:
+        """What bounds a request here (``validation.fit_problem``)."""
+        kv = self.kv_manager
+        return Capacity(max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                        enable_chunked_prefill=self.enable_chunked_prefill, block_size=kv.block_size,
+                        num_device_blocks=kv.num_device_blocks)
 
     # --------------------------------------------------------------- requests
     def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> Optional[str]:
-        """Says what to change if a request can never run here, else None.
-
-        The KV a request may need is that of its prompt and all but its last
-        possible output token, capped by ``max_model_len``. No mutation.
-        """
-        if num_prompt_tokens < 1:
-            return "prompt is empty: send at least one token"
-        if num_prompt_tokens >= self.max_model_len:
-            return (
-                f"prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len}: "
-                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
-            )
-        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
-            return (
-                f"prompt has {num_prompt_tokens} tokens but max_num_batched_tokens is "
-                f"{self.max_num_batched_tokens} and chunked prefill is off: shorten the prompt, "
-                f"raise max_num_batched_tokens or set enable_chunked_prefill"
-            )
-        num_kv_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
-        num_blocks = self.kv_manager.num_blocks_for(num_kv_tokens)
-        if num_blocks > self.kv_manager.num_device_blocks:
-            return (
-                f"prompt of {num_prompt_tokens} tokens with max_tokens {max_tokens} needs up to "
-                f"{num_blocks} KV blocks of {self.kv_manager.block_size} tokens but the cache holds "
-                f"{self.kv_manager.num_device_blocks}: lower max_tokens, shorten the prompt or raise "
-                f"num_kv_blocks / kv_cache_memory"
-            )
-        return None
+        """Says what to change if a request can never run here, else None. No mutation."""
+        return fit_problem(num_prompt_tokens, max_tokens, self.capacity)
 
     def add_request(self, seq: Sequence) -> None:
         """Queues a new waiting sequence (mutates). The caller has checked
@@ -157,13 +134,7 @@ class Scheduler:
         Raises:
             ValueError: The request id is already in use.
         """
-        if seq.request_id in self._requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in use: use a unique id")
-        assert seq.status is SequenceStatus.WAITING and not seq.block_ids and seq.num_computed_tokens == 0
-        self._requests[seq.request_id] = seq
-        self._arrival_index[seq.request_id] = self._next_arrival_index
-        self._next_arrival_index += 1
-        bisect.insort(self.waiting, seq, key=self._key)
+        self.queue.add(seq)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
         """Ends a request wherever it is and frees its blocks (mutates). For
@@ -172,7 +143,7 @@ class Scheduler:
         Returns:
             False if no unfinished request has this id.
         """
-        seq = self._requests.get(request_id)
+        seq = self.queue.get(request_id)
         if seq is None:
             return False
         self._finish(seq, reason)
@@ -183,18 +154,8 @@ class Scheduler:
         return self.finish_request(request_id, FinishReason.ABORT)
 
     def _finish(self, seq: Sequence, reason: FinishReason, message: Optional[str] = None) -> None:
-        queue = {
-            SequenceStatus.WAITING: self.waiting,
-            SequenceStatus.RUNNING: self.running,
-            SequenceStatus.SWAPPED: self.swapped,
-        }[seq.status]
-        queue.remove(seq)
         self.kv_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_message = message
-        del self._requests[seq.request_id]
-        del self._arrival_index[seq.request_id]
+        self.queue.remove(seq, reason, message)
         self._finished_ids.add(seq.request_id)
 
     # --------------------------------------------------------------- schedule
@@ -220,7 +181,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, self._key(s)))
+        order = sorted(self.queue.running, key=lambda s: (s.num_uncomputed_tokens > 1, self.queue.key(s)))
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -240,7 +201,7 @@ class Scheduler:
             if self._never_fits(seq.num_computed_tokens + num_new):
                 self._finish_for_capacity(seq)
                 return False
-            victim = max(self.running, key=self._key)
+            victim = max(self.queue.running, key=self.queue.key)
             if victim in plan.scheduled:
                 plan.budget += plan.scheduled.pop(victim)
             self._preempt(victim, plan)
@@ -251,7 +212,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
         """Swaps ``seq`` out, or frees it for recompute when swapping is off
         or the swap pool is full; its generated tokens are kept."""
-        self.running.remove(seq)
+        self.queue.running.remove(seq)
         self.num_preemptions_total += 1
         seq.num_preemptions += 1
         plan.num_preempted += 1
@@ -259,18 +220,16 @@ class Scheduler:
             mapping = self.kv_manager.swap_out(seq)
             if mapping is not None:
                 plan.swap_out.extend(mapping)
-                seq.status = SequenceStatus.SWAPPED
-                bisect.insort(self.swapped, seq, key=self._key)
+                self.queue.requeue(seq, SequenceStatus.SWAPPED)
                 return
         self.kv_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        # Its key predates every later arrival of its priority: front of the queue.
-        bisect.insort(self.waiting, seq, key=self._key)
+        self.queue.requeue(seq, SequenceStatus.WAITING)
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
-        while self.swapped and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.swapped[0]
+        swapped = self.queue.swapped
+        while swapped and plan.budget > 0 and self.num_running < self.max_num_seqs:
+            seq = swapped[0]
             if self._never_fits(seq.num_tokens):
                 self._finish_for_capacity(seq)
                 continue
@@ -280,13 +239,14 @@ class Scheduler:
             mapping = self.kv_manager.swap_in(seq, num_new)
             if mapping is None:
                 break
-            self.swapped.pop(0)
+            swapped.pop(0)
             plan.swap_in.extend(mapping)
             self._start_running(seq, num_new, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        waiting = self.queue.waiting
+        while waiting and plan.budget > 0 and self.num_running < self.max_num_seqs:
+            seq = waiting[0]
             if self._never_fits(seq.num_tokens):
                 self._finish_for_capacity(seq)
                 continue
@@ -296,7 +256,7 @@ class Scheduler:
                 break
             if self.kv_manager.allocate_slots(seq, num_new, hit_blocks) is None:
                 break
-            self.waiting.pop(0)
+            waiting.pop(0)
             seq.num_computed_tokens = num_hit_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit_tokens
@@ -304,7 +264,7 @@ class Scheduler:
 
     def _start_running(self, seq: Sequence, num_new: int, plan: _StepPlan) -> None:
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.queue.running.append(seq)
         plan.scheduled[seq] = num_new
         plan.budget -= num_new
 
@@ -365,7 +325,7 @@ class Scheduler:
         results: list[StepResult] = [(seq, [], None) for seq in self._finished_in_schedule]
         self._finished_in_schedule = []
         for i, req in enumerate(sched_out.scheduled):
-            seq = self._requests.get(req.request_id)
+            seq = self.queue.get(req.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             assert seq.num_computed_tokens == req.num_computed_tokens, (seq, req)
@@ -405,21 +365,13 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Asserts queue, status and block-table invariants. No mutation."""
         kv = self.kv_manager
-        kv.check_integrity(self._requests.values())
-        queued = self.waiting + self.running + self.swapped
-        assert len(queued) == len(self._requests) == len({s.request_id for s in queued})
-        assert all(self._requests[s.request_id] is s for s in queued)
-        assert len(self.running) <= self.max_num_seqs
-        for seq in self.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_ids and not seq.cpu_block_ids, seq
-            assert seq.num_computed_tokens == 0, seq
-        for seq in self.running:
-            assert seq.status is SequenceStatus.RUNNING and not seq.cpu_block_ids, seq
+        kv.check_integrity(list(self.queue))
+        self.queue.check_integrity(self.max_num_seqs)
+        for seq in self.queue.waiting:
+            assert not seq.block_ids and not seq.cpu_block_ids and seq.num_computed_tokens == 0, seq
+        for seq in self.queue.running:
+            assert not seq.cpu_block_ids, seq
             assert 0 < seq.num_uncomputed_tokens and len(seq.block_ids) >= kv.num_blocks_for(seq.num_computed_tokens)
-        for seq in self.swapped:
-            assert seq.status is SequenceStatus.SWAPPED and not seq.block_ids, seq
+        for seq in self.queue.swapped:
+            assert not seq.block_ids, seq
             assert len(seq.cpu_block_ids) == kv.num_blocks_for(seq.num_computed_tokens), seq
-        keys = [self._key(s) for s in self.waiting]
-        assert keys == sorted(keys), "waiting queue out of order"
-        keys = [self._key(s) for s in self.swapped]
-        assert keys == sorted(keys), "swapped queue out of order"

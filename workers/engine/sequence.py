@@ -13,7 +13,7 @@ Tokens, computed tokens and blocks (block_size 4, prompt of 6, 3 generated)::
                             sampled, its KV is computed next step)
 
 ``block_hashes[i]`` chains on ``block_hashes[i-1]`` (``hash_root`` for i = 0)
-as ``cluster.hashing`` specifies; ``append_token`` extends the chain one block
+as ``cluster.shared.hashing`` specifies; ``append_token`` extends the chain one block
 at a time, so a step never rehashes the prompt.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import enum
 from typing import Iterable, Optional
 
-from cluster.hashing import hash_block, hash_block_chain, root_hash
-from cluster.types import FinishReason, GenerationRequest, SamplingParams
+from cluster.shared.hashing import hash_block, hash_block_chain, root_hash
+from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -49,8 +49,8 @@ class Sequence:
         priority: Lower is served first (vLLM convention).
         arrival_time: Ties in priority go to the earlier arrival.
 
-    Raises:
-        ValueError: Empty prompt or block_size < 1.
+    The engine validates requests before it builds sequences
+    (``validation.py``): an empty prompt here is a bug (asserted).
     """
 
     def __init__(
@@ -66,10 +66,7 @@ class Sequence:
         arrival_time: float = 0.0,
     ) -> None:
         prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id!r} has an empty prompt: send at least one token")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        assert prompt and block_size >= 1, (request_id, block_size)
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.output_token_ids: list[int] = []

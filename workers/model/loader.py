@@ -35,7 +35,7 @@ import torch
 
 # The fingerprint lives in cluster (pure Python) so the router computes the same
 # value without torch; re-exported here for existing callers.
-from cluster.fingerprint import FINGERPRINT_FILE, model_fingerprint, weight_files
+from cluster.shared.fingerprint import FINGERPRINT_FILE, model_fingerprint, weight_files
 from workers.model.attention.base import AttentionBackend
 from workers.model.config import ModelArchConfig
 from workers.model.llama import LlamaForCausalLM

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from cluster.types import TokenLogprob
+from cluster.shared.types import TokenLogprob
 from workers.engine.outputs import ScheduledRequest
 
 _MASK64 = (1 << 64) - 1

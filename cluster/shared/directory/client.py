@@ -5,11 +5,11 @@ ask, in one round trip, how many leading blocks of a request's hash chain
 each live replica holds. Liveness comes from a registry with heartbeats and
 epochs: entries of a replica that stopped heartbeating, or of an earlier
 epoch of a restarted one, are never returned. The key schema and scripts are
-in ``cluster/directory_lua.py``; the design, consistency argument and memory
+in ``cluster/shared/directory/lua.py``; the design, consistency argument and memory
 cost are in docs/DIRECTORY.md.
 
     router:   counts = await directory.lookup(block_hashes)   # {replica_id: n}
-    replica:  DirectoryPublisher (cluster/directory_publisher.py) wraps
+    replica:  DirectoryPublisher (cluster/shared/directory/publisher.py) wraps
               register / heartbeat / publish / resync below.
 
 Failure convention: Redis unreachable (refused, timed out, loading, read-only,
@@ -25,7 +25,6 @@ TTL 5 s, connect timeout 0.25 s, socket timeout 0.5 s, one immediate retry
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from typing import Awaitable, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
@@ -35,8 +34,9 @@ from redis import exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from cluster import directory_lua as lua
-from cluster.hashing import DIGEST_BYTES
+from cluster.shared.directory import lua
+from cluster.shared.directory.errors import UNAVAILABLE_ERRORS, DirectoryError, DirectoryUnavailable, PublishStatus
+from cluster.shared.hashing import DIGEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -44,50 +44,21 @@ DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_TTL_S = 5.0
 DEFAULT_CONNECT_TIMEOUT_S = 0.25
 DEFAULT_SOCKET_TIMEOUT_S = 0.5
-DEFAULT_UNAVAILABLE_BACKOFF_S = 1.0
+DEFAULTUNAVAILABLE_ERRORS_BACKOFF_S = 1.0
 RESYNC_CHUNK = 4096  # hashes per SADD command of a resync pipeline
 
 T = TypeVar("T")
 
-# Errors that mean "Redis cannot serve us now", as opposed to a bug.
-_UNAVAILABLE = (
-    rex.ConnectionError,
-    rex.TimeoutError,
-    rex.BusyLoadingError,
-    rex.ReadOnlyError,
-    rex.OutOfMemoryError,
-    OSError,
-)
-
-
-class DirectoryError(Exception):
-    """A directory call failed; routers treat it as "no cache information"."""
-
-
-class DirectoryUnavailable(DirectoryError):
-    """Redis is unreachable or cannot serve writes right now."""
-
-
-class PublishStatus(str, enum.Enum):
-    """What the directory did with a publish, resync or heartbeat."""
-
-    OK = lua.OK
-    GAP = lua.GAP  # seq_no was not last + 1: set dropped, resync needed
-    NEEDS_RESYNC = lua.NEEDS_RESYNC  # registered or gapped, no resync yet
-    UNKNOWN = lua.UNKNOWN  # registry entry expired or Redis restarted: re-register
-    SUPERSEDED = lua.SUPERSEDED  # a newer epoch of this replica id exists
-
-
 def check_block_hashes(block_hashes: Iterable[bytes]) -> list[bytes]:
     """Returns the hashes as a list, raising ``ValueError`` on a bad one.
 
-    The directory stores raw 16-byte digests (``cluster.hashing``); a hex
+    The directory stores raw 16-byte digests (``cluster.shared.hashing``); a hex
     string or a truncated digest would silently never match, so reject it.
     """
     out = list(block_hashes)
     for h in out:
         if not isinstance(h, (bytes, bytearray)) or len(h) != DIGEST_BYTES:
-            raise ValueError(f"block hashes must be {DIGEST_BYTES}-byte digests from cluster.hashing, got {h!r}")
+            raise ValueError(f"block hashes must be {DIGEST_BYTES}-byte digests from cluster.shared.hashing, got {h!r}")
     return out
 
 
@@ -128,7 +99,7 @@ class Directory:
         client: aioredis.Redis,
         namespace: str = "default",
         ttl_s: float = DEFAULT_TTL_S,
-        unavailable_backoff_s: float = DEFAULT_UNAVAILABLE_BACKOFF_S,
+        unavailable_backoff_s: float = DEFAULTUNAVAILABLE_ERRORS_BACKOFF_S,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -153,7 +124,7 @@ class Directory:
         ttl_s: float = DEFAULT_TTL_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
-        unavailable_backoff_s: float = DEFAULT_UNAVAILABLE_BACKOFF_S,
+        unavailable_backoff_s: float = DEFAULTUNAVAILABLE_ERRORS_BACKOFF_S,
     ) -> "Directory":
         """Builds a directory with its own connection pool (no I/O yet).
 
@@ -287,7 +258,7 @@ class Directory:
 
         Order of application: ``cleared`` empties the set, then ``removed``
         hashes leave it, then ``stored`` hashes join it. ``net_effect`` in
-        ``cluster.directory_publisher`` turns an ordered event list into such
+        ``cluster.shared.directory.publisher`` turns an ordered event list into such
         a batch.
 
         Args:
@@ -388,7 +359,7 @@ class Directory:
             )
         try:
             result = await call()
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE_ERRORS as exc:
             if not self._down_reason:
                 logger.warning("directory %s: Redis unavailable during %s: %s", self.namespace, what, exc)
             self._down_reason = f"{type(exc).__name__}: {exc}"

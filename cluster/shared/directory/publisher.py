@@ -32,7 +32,8 @@ import inspect
 import logging
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-from cluster.directory import DEFAULT_HEARTBEAT_S, Directory, DirectoryError, PublishStatus
+from cluster.shared.directory.client import DEFAULT_HEARTBEAT_S, Directory
+from cluster.shared.directory.errors import DirectoryError, PublishStatus
 
 logger = logging.getLogger(__name__)
 

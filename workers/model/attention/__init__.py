@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from cluster.config import ATTENTION_BACKENDS
+from cluster.shared.config import ATTENTION_BACKENDS
 from workers.model.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "get_attention_backend", "write_kv"]

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from cluster.shared.sizes import cdiv
 from workers.model.attention import cpu_decode
 from workers.model.attention.base import AttentionMetadata, write_kv
 
@@ -122,7 +123,7 @@ class TorchAttentionBackend:
         n = end - start
         block_size = kv_cache.shape[2]
         max_len = max(meta.seq_lens_list[start:end])
-        num_blocks = -(-max_len // block_size)
+        num_blocks = cdiv(max_len, block_size)
         ids = meta.block_tables[start:end, :num_blocks].flatten()
         # [n*nb, bs, Hkv, hd] -> [n, Hkv, L, hd]; index_select is ~2.5x
         # faster than advanced indexing here.
@@ -168,7 +169,7 @@ class TorchAttentionBackend:
             )
             return out.squeeze(0).transpose(0, 1)
         block_size = kv_cache.shape[2]
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = cdiv(seq_len, block_size)
         ids = block_table[:num_blocks]
         keys = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
         values = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)

@@ -1,0 +1,152 @@
+"""``prefixserve up``: a local cluster (Ray on loopback, redis-server,
+replicas, gRPC and OpenAI front ends) from flags and an optional config file,
+serving until Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from cluster.cli.flags import add_engine_args, add_router_args, engine_kwargs, limits_from_args, security_from_args
+
+logger = logging.getLogger("prefixserve")
+
+# `up` flags that override a top-level field of the cluster config.
+_UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url", "namespace",
+                     "max_ongoing_requests", "routing_policy")
+
+
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    """The flags of ``up``: cluster, front ends, engine."""
+    from cluster.shared.config import ROUTING_POLICIES
+
+    up.add_argument("--config", default=None, metavar="CLUSTER_YAML",
+                    help="cluster config file (the RayService's schema); flags override its values")
+    # Defaults None: unset flags keep the --config file's value (or the config default).
+    up.add_argument("--replicas", type=int, default=None, help="default: 1")
+    up.add_argument("--replica-num-cpus", type=float, default=None,
+                    help="CPUs reserved per replica (fractional; default 0.5)")
+    up.add_argument("--rank-num-cpus", type=float, default=None,
+                    help="CPUs reserved per tensor-parallel rank (default 0.5)")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
+    up.add_argument("--namespace", default=None, help="prefix-directory namespace (default 'default')")
+    up.add_argument("--max-ongoing-requests", type=int, default=None, help="default: 256")
+    up.add_argument("--routing-policy", default=None, choices=list(ROUTING_POLICIES), help="default: cache_aware")
+    up.add_argument("--grpc-port", type=int, default=None,
+                    help="port of the gRPC router (0: pick a free one; default 50051)")
+    up.add_argument("--grpc-host", default=None, help="interface the gRPC and HTTP routers bind (default 127.0.0.1)")
+    up.add_argument("--http-port", type=int, default=None,
+                    help="port of the OpenAI-compatible HTTP API (0: pick a free one; -1: none; default 8000)")
+    up.add_argument("--migration-limit", type=int, default=None,
+                    help="most times a stream moves to another replica when its replica dies (default 3)")
+    up.add_argument("--drain-timeout-s", type=float, default=None,
+                    help="on SIGTERM, seconds running streams get to finish (default 30)")
+    up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
+    up.add_argument("--max-tokens", type=int, default=64, help="for --prompt")
+    up.add_argument("--exit-after-prompt", action="store_true", help="stop after --prompt instead of serving")
+    add_router_args(up)
+    add_engine_args(up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Starts the cluster, optionally streams ``--prompt``, serves until a signal, stops everything."""
+    import asyncio
+    import signal
+    import threading
+
+    from cluster.launch.local import LocalCluster
+
+    config = up_config(args)
+    stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    cluster = LocalCluster(config, grpc_port=config.router.grpc_port, grpc_host=config.router.host,
+                           http_port=config.router.http_port,
+                           limits=limits_from_args(args, config.router.limits),
+                           security=security_from_args(args, config.router))
+    try:
+        cluster.start()
+        # ray.init installs its own SIGTERM handler (it aborts): take it back.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        rss_mib, count = _tree_rss_mib()
+        logger.info("ready: gRPC on %s, OpenAI HTTP on %s, start-up %.1fs, %d processes, RSS %.0f MiB; "
+                    "Ctrl-C or SIGTERM stops", cluster.grpc_address, cluster.http_url, cluster.startup_seconds,
+                    count, rss_mib)
+        if args.prompt:
+            asyncio.run(_stream_prompt(cluster, args.prompt, args.max_tokens))
+        if not args.exit_after_prompt:
+            stop.wait()
+    finally:
+        cluster.stop()
+    return 0
+
+
+def up_config(args: argparse.Namespace) -> Any:
+    """The ``ClusterConfig`` of ``up``: the ``--config`` file (or the
+    defaults), then every flag given on the command line on top of it.
+
+    Raises:
+        ValueError: The file or a flag is invalid (names the key).
+    """
+    from cluster.shared.config import ClusterConfig, EngineConfig
+
+    base = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
+    top = {name: getattr(args, name) for name in _UP_CLUSTER_FLAGS if getattr(args, name) is not None}
+    router = {}
+    if args.grpc_port is not None:
+        router["grpc_port"] = args.grpc_port
+    if args.grpc_host is not None:
+        router["host"] = args.grpc_host
+    if args.http_port is not None:
+        router["http_port"] = None if args.http_port < 0 else args.http_port
+    for name in ("migration_limit", "drain_timeout_s"):
+        if getattr(args, name) is not None:
+            router[name] = getattr(args, name)
+    engine = base.engine
+    if engine_kwargs(args):
+        engine = EngineConfig.from_kwargs(**{**base.engine.flat(), **engine_kwargs(args)})
+    return dataclasses.replace(base, **top, engine=engine, router=dataclasses.replace(base.router, **router))
+
+
+async def _stream_prompt(cluster: Any, prompt: str, max_tokens: int) -> None:
+    from tokenizers import Tokenizer
+
+    from cluster.shared.types import GenerationRequest, SamplingParams
+    from workers.model.loader import resolve_model
+
+    model_dir = resolve_model(cluster.config.engine.model)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{model_dir} has no tokenizer.json: --prompt needs one")
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(prompt).ids
+    request = GenerationRequest("cli-prompt", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    async for chunk in cluster.generate(request):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.finished:
+            sys.stdout.write("\n")
+            logger.info("replica=%s finish_reason=%s cached_prompt_tokens=%d",
+                        chunk.replica_id, chunk.finish_reason.value, chunk.cached_prompt_tokens)
+
+
+def _tree_rss_mib() -> tuple[float, int]:
+    """RSS of this process and all its descendants (Ray, Redis, replicas)."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20, len(procs)

@@ -1,0 +1,33 @@
+"""The frozen configuration tree, read once at the entry points.
+
+Knob names follow vLLM (block_size, max_num_seqs, max_num_batched_tokens,
+enable_chunked_prefill, enable_prefix_caching, swap_space, preemption_mode,
+tensor_parallel_size, enforce_eager, dtype, seed) so users find what they
+know. Leaves of the program receive plain values, never this tree.
+
+    engine.py    one replica's engine: EngineConfig with its cache, scheduler
+                 and parallel sections; EngineConfig.from_kwargs reads the flat
+                 keyword arguments of LLM(...) and the CLI
+    cluster.py   the cluster around the engines: ClusterConfig, RouterConfig,
+                 AutoscalingConfig
+    loading.py   strict reading of the whole tree from a mapping or a YAML file
+                 (``prefixserve up --config``, the RayService's serveConfigV2
+                 args): unknown keys are errors named by their full path
+"""
+
+from cluster.shared.config.cluster import ROUTING_POLICIES, AutoscalingConfig, ClusterConfig, RouterConfig
+from cluster.shared.config.engine import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    PREEMPTION_MODES,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS", "DTYPES", "PREEMPTION_MODES", "ROUTING_POLICIES",
+    "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
+    "RouterConfig", "SchedulerConfig",
+]

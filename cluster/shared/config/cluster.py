@@ -1,0 +1,275 @@
+"""The cluster around the engines: replicas, the Redis directory, the
+routers (gRPC and OpenAI HTTP front ends) and autoscaling.
+
+``ClusterConfig.from_dict`` / ``from_yaml`` read the whole tree (the file of
+``prefixserve up --config`` and the RayService's ``serveConfigV2`` args)
+strictly, through ``loading.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+from cluster.shared.config.engine import EngineConfig
+from cluster.shared.config.loading import build_strict, from_env, read_yaml_mapping
+
+ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The front ends (gRPC + OpenAI-compatible HTTP) and their Serve deployment.
+
+    Attributes:
+        host: Interface the routers bind; ``127.0.0.1`` locally, ``0.0.0.0``
+            in a pod.
+        grpc_port: Port of ``prefixserve.v1.Generation`` (fixed per node).
+        http_port: Port of the OpenAI-compatible HTTP API; ``None`` serves none.
+        num_routers: Router deployment replicas in a Serve application (at
+            most one per node, so each node's fixed ports are bound once).
+        router_num_cpus: CPUs reserved per router replica.
+        router_resources: Custom Ray resources each router replica asks for,
+            e.g. ``{prefixserve_router: 1}`` to place routers on the pods that
+            advertise that resource (and that the gRPC / HTTP Services select).
+        migration_limit: Most times one request's stream moves to another
+            replica because its replica died (``router/migration.py``);
+            past it the request fails with UNAVAILABLE.
+        drain_timeout_s: On shutdown (SIGTERM), seconds running streams get
+            to finish after the routers stop accepting requests.
+        limits: Input limits and the in-flight bound of each router, by the
+            names of ``router.limits.Limits`` (``max_prompt_tokens``,
+            ``max_output_tokens``, ``max_request_bytes``, ``max_messages``,
+            ``max_stop_strings``, ``max_stop_string_chars``,
+            ``max_stop_token_ids``, ``max_logprobs``,
+            ``max_inflight_requests``); unknown names are errors.
+        tls_cert: PEM certificate: serve gRPC and HTTP over TLS (with ``tls_key``).
+        tls_key: PEM private key of ``tls_cert``.
+        tls_client_ca: PEM CA: require client certificates it signed (mTLS).
+        api_key_file: File with one accepted bearer token per line (a
+            mounted Secret); unset: no authentication.
+        auth_health: Require a token for health checks too.
+        auth_metrics: Require a token for ``GET /metrics`` too.
+    """
+
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: Optional[int] = 8000
+    num_routers: int = 1
+    router_num_cpus: float = 0.5
+    router_resources: dict = field(default_factory=dict)
+    migration_limit: int = 3
+    drain_timeout_s: float = 30.0
+    limits: dict = field(default_factory=dict)
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_client_ca: Optional[str] = None
+    api_key_file: Optional[str] = None
+    auth_health: bool = False
+    auth_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be a port in 0..65535, got {port}")
+        if self.grpc_port is not None and self.grpc_port == self.http_port and self.grpc_port != 0:
+            raise ValueError(f"grpc_port and http_port must differ, both are {self.grpc_port}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if self.router_num_cpus <= 0:
+            raise ValueError(f"router_num_cpus must be > 0, got {self.router_num_cpus}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("router TLS needs both tls_cert and tls_key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("router tls_client_ca (mTLS) needs tls_cert and tls_key too")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    """Thresholds of the KV-aware autoscaling policy (``cluster/shared/autoscaling.py``).
+
+    Set ``autoscaling:`` in the cluster config to let Serve scale the replica
+    deployment between ``min_replicas`` and ``max_replicas``; without it the
+    deployment keeps ``replicas`` replicas. The algorithm and why each
+    default is what it is are in ``cluster/shared/autoscaling.py``'s header.
+
+    Attributes:
+        min_replicas: Fewest replicas (>= 1: a scale-to-zero replica would
+            lose its prefix cache and make the first request wait for a
+            model load).
+        max_replicas: Most replicas.
+        target_kv_cache_usage: Mean fraction of device KV blocks in use per
+            replica that the policy steers to (cached-but-free blocks count
+            as free).
+        target_num_waiting: Mean requests waiting for admission per replica
+            that the policy steers to.
+        target_ttft_s: Mean time to first token (seconds) the policy steers
+            to; ``None`` ignores TTFT.
+        downscale_headroom: Scale down only when, with one replica fewer,
+            every signal would still be at most this fraction of its target
+            (the hysteresis band between scaling up at 1.0 and down here).
+        upscale_delay_s: Pressure must stay above target this long before
+            replicas are added.
+        downscale_delay_s: Load must stay below the headroom this long before
+            one replica is removed.
+        max_upscale_step: Most replicas added by one decision.
+        look_back_period_s: Window over which Serve averages each replica's
+            reported metrics.
+        metrics_interval_s: How often replicas push their metrics to Serve's
+            controller (Serve marks this knob deprecated in favour of an
+            environment variable but still reads it in 2.60).
+    """
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_cache_usage: float = 0.75
+    target_num_waiting: float = 2.0
+    target_ttft_s: Optional[float] = 2.0
+    downscale_headroom: float = 0.6
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+    max_upscale_step: int = 2
+    look_back_period_s: float = 10.0
+    metrics_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1 (scale to zero is not supported), got {self.min_replicas}")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if not 0.0 < self.target_kv_cache_usage <= 1.0:
+            raise ValueError(f"target_kv_cache_usage must be in (0, 1], got {self.target_kv_cache_usage}")
+        if self.target_num_waiting <= 0:
+            raise ValueError(f"target_num_waiting must be > 0, got {self.target_num_waiting}")
+        if self.target_ttft_s is not None and self.target_ttft_s <= 0:
+            raise ValueError(f"target_ttft_s must be > 0 seconds or null (ignore TTFT), got {self.target_ttft_s}")
+        if not 0.0 < self.downscale_headroom < 1.0:
+            raise ValueError(
+                f"downscale_headroom must be in (0, 1) so scale-up and scale-down thresholds differ, "
+                f"got {self.downscale_headroom}"
+            )
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+        if self.max_upscale_step < 1:
+            raise ValueError(f"max_upscale_step must be >= 1, got {self.max_upscale_step}")
+        if self.metrics_interval_s <= 0:
+            raise ValueError(f"metrics_interval_s must be > 0 seconds, got {self.metrics_interval_s}")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"look_back_period_s ({self.look_back_period_s}) must be > metrics_interval_s "
+                f"({self.metrics_interval_s}): the window must hold more than one report"
+            )
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A local or KubeRay cluster: replicas of one engine, and the directory.
+
+    Attributes:
+        replicas: Serve replicas (each owns one engine and its TP group).
+        replica_num_cpus: CPUs reserved per replica actor; fractional so
+            several fit on a small machine.
+        rank_num_cpus: CPUs reserved per tensor-parallel rank actor.
+        redis_url: The prefix directory; None lets the local launcher start
+            a ``redis-server`` on a loopback port.
+        namespace: Directory namespace (one per model / cluster).
+        max_ongoing_requests: Serve's cap of concurrent requests per replica.
+        routing_policy: ``cache_aware`` (default), ``least_load``,
+            ``power_of_two`` or ``round_robin`` (``router/policies/``).
+        routing_policy_params: The policy's thresholds by name, e.g.
+            ``{balance_abs_threshold: 16}`` for ``cache_aware`` (each
+            policy file's header lists them with their defaults); unknown
+            names are errors.
+        engine: The engine of every replica.
+        router: The gRPC / HTTP front ends.
+        autoscaling: ``None`` keeps ``replicas`` replicas; set, Serve scales
+            between its ``min_replicas`` and ``max_replicas`` with the
+            KV-aware policy, starting from ``replicas``.
+
+    ``from_dict`` / ``from_yaml`` read the same tree from a mapping or a YAML
+    file (``prefixserve up --config``, the RayService's ``serveConfigV2``);
+    ``to_dict`` writes it back.
+    """
+
+    replicas: int = 1
+    replica_num_cpus: float = 0.5
+    rank_num_cpus: float = 0.5
+    redis_url: Optional[str] = None
+    namespace: str = "default"
+    max_ongoing_requests: int = 256
+    routing_policy: str = "cache_aware"
+    routing_policy_params: dict = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    autoscaling: Optional[AutoscalingConfig] = None
+
+    def __post_init__(self) -> None:
+        if self.routing_policy not in ROUTING_POLICIES:
+            close = difflib.get_close_matches(self.routing_policy, ROUTING_POLICIES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}{hint}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replica_num_cpus <= 0 or self.rank_num_cpus <= 0:
+            raise ValueError("replica_num_cpus and rank_num_cpus must be > 0 (fractions are fine)")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        scaling = self.autoscaling
+        if scaling is not None and not scaling.min_replicas <= self.replicas <= scaling.max_replicas:
+            raise ValueError(
+                f"with autoscaling, replicas ({self.replicas}) is the initial replica count and must lie in "
+                f"[min_replicas, max_replicas] = [{scaling.min_replicas}, {scaling.max_replicas}]; "
+                f"set replicas: {min(max(self.replicas, scaling.min_replicas), scaling.max_replicas)}"
+            )
+
+    @property
+    def max_num_replicas(self) -> int:
+        """Most replicas the deployment can have (for sizing local Ray)."""
+        return self.autoscaling.max_replicas if self.autoscaling is not None else self.replicas
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> "ClusterConfig":
+        """Builds the tree from a nested mapping (a parsed YAML file).
+
+        Every level is checked strictly: an unknown or misspelled key, or a
+        value of the wrong type, is an error naming its full key path (e.g.
+        ``engine.cache.blok_size``) and the closest known key. Under
+        ``engine:`` the knobs of its sections may be given nested
+        (``cache: {block_size: 16}``) or flat as vLLM names them
+        (``block_size: 16``), not both for one knob. ``redis_url: env:NAME``
+        reads the URL from environment variable ``NAME`` now (a password
+        kept in a Kubernetes Secret stays out of the manifest).
+
+        Raises:
+            ValueError: Says which key to change and how.
+        """
+        if isinstance(mapping, Mapping) and isinstance(mapping.get("redis_url"), str):
+            mapping = {**mapping, "redis_url": from_env(mapping["redis_url"], "redis_url")}
+        return build_strict(cls, mapping)
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, "os.PathLike[str]"]) -> "ClusterConfig":
+        """Reads ``from_dict``'s schema from a YAML file.
+
+        Raises:
+            ValueError: Unreadable file, not a mapping, or an invalid config
+                (the message names the file and the key).
+        """
+        data = read_yaml_mapping(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """The nested mapping ``from_dict`` reads back (plain YAML/JSON values)."""
+        return dataclasses.asdict(self)

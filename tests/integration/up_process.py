@@ -1,0 +1,29 @@
+"""``prefixserve up`` run as a user runs it: a child process whose log the
+tests read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Optional
+
+
+def start_up(log_path: Path, *args: str, stdout: Optional[int] = subprocess.DEVNULL) -> tuple[subprocess.Popen, IO]:
+    """Starts ``python -m cluster.cli up *args`` logging to ``log_path``; returns the process and its log."""
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", *args], stdout=stdout, stderr=log, text=True)
+    return proc, log
+
+
+def wait_for_log(proc: subprocess.Popen, log: IO, needle: str, timeout_s: float = 300) -> str:
+    """The whole log once ``needle`` is in it; fails if the process exits or time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while needle not in text:
+        assert time.monotonic() < deadline and proc.poll() is None, text[-3000:]
+        time.sleep(0.5)
+        log.seek(0)
+        text = log.read()
+    return text
