@@ -104,8 +104,8 @@ class RouterBackend:
                                   f"max_inflight_requests is {cap}: retry later")
         self.num_inflight += 1
         try:
-            decode = self.tokenizer.decode if hasattr(self.tokenizer, "decode") else None
-            stream = migrating_stream(self._attempt, request, self.migration_limit, decode)
+            tokenizer = self.tokenizer if hasattr(self.tokenizer, "decode") else None
+            stream = migrating_stream(self._attempt, request, self.migration_limit, tokenizer)
             try:
                 async for chunk in stream:
                     yield chunk

@@ -18,12 +18,19 @@ dies before its first token is simply retried. Usage is reported as for one
 request: ``prompt_tokens`` of the original prompt, ``completion_tokens`` of
 all attempts, ``cached_prompt_tokens`` of the first attempt.
 
+Text: after a migration the router detokenizes the stream itself, with the
+replicas' incremental detokenizer (``cluster/shared/detokenizer.py``) replayed
+from the original prompt over every streamed token. The client's text is then
+exactly what one undisturbed replica would have sent, also where a
+multi-byte character or an invalid byte sequence straddles the migration
+point, and a stop string that straddles it is found (the stream ends there
+with ``stop``; the replica's sequence is aborted).
+
 Limits (documented, not hidden): seeded random sampling continues with the
 new replica's generator state, so a migrated sampled stream is a valid sample
 but not the same one; ``frequency_penalty`` / ``presence_penalty`` count only
 output tokens, and after a migration the streamed tokens are part of the
-prompt, so those penalties see fewer tokens; a stop string that straddles the
-migration point is not detected (its two parts are checked separately).
+prompt, so those penalties see fewer tokens.
 
 At most ``migration_limit`` migrations per request (default 3, like Dynamo's
 ``--migration-limit``); past that the request fails with ``NoReplicaError``
@@ -36,6 +43,7 @@ import dataclasses
 import logging
 from typing import AsyncIterator, Callable, Optional
 
+from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
 
 logger = logging.getLogger(__name__)
@@ -43,9 +51,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIGRATION_LIMIT = 3
 
 OpenStream = Callable[[GenerationRequest], AsyncIterator[StreamChunk]]
-Decode = Callable[[list[int]], str]
-# Prompt tokens the replicas' detokenizer keeps as context (workers/engine/detokenizer.py).
-_PROMPT_CONTEXT = 5
 
 
 class MigrationLimitError(RuntimeError):
@@ -77,27 +82,41 @@ def continuation(request: GenerationRequest, generated: list[int], attempt: int)
     )
 
 
-def _unsent_text(decode: Optional[Decode], prompt: list[int], generated: list[int], sent: str) -> str:
-    """Text of streamed tokens that the dead replica had not sent yet (held back
-    for a possible stop string or an incomplete UTF-8 character)."""
-    if decode is None or not generated:
-        return ""
-    context = prompt[-_PROMPT_CONTEXT:]
-    full = decode(context + generated)[len(decode(context)):]
-    return full[len(sent):] if full.startswith(sent) else ""
+class _Retext:
+    """The router's own detokenizer of a migrated stream: the replica's
+    algorithm, replayed from the original prompt over every streamed token."""
+
+    def __init__(self, tokenizer: TokenDecoder, request: GenerationRequest, generated: list[int], sent: str) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params.stop)
+        replayed = self.detok.append(generated)
+        # What the dead replica computed but held back (a stop-string window or
+        # an incomplete character) is owed to the client.
+        self.owed = replayed[len(sent):] if replayed.startswith(sent) else ""
+
+    def text_of(self, chunk: StreamChunk) -> str:
+        text = self.owed + self.detok.append(chunk.token_ids)
+        self.owed = ""
+        if chunk.finished or self.detok.stopped:
+            text += self.detok.flush()
+        return text
+
+    def final_text(self) -> str:
+        text, self.owed = self.owed + self.detok.flush(), ""
+        return text
 
 
 async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                            migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-                           decode: Optional[Decode] = None) -> AsyncIterator[StreamChunk]:
+                           tokenizer: Optional[TokenDecoder] = None) -> AsyncIterator[StreamChunk]:
     """Streams ``request`` through ``open_stream``, migrating when a replica dies.
 
     Args:
         open_stream: Starts one attempt (a Serve streaming call) and yields its chunks.
         request: The client's request.
         migration_limit: Most migrations for this request (>= 0).
-        decode: The model's ``decode(ids)``; lets a migration send the text of
-            streamed tokens the dead replica still held back.
+        tokenizer: The model's tokenizer (``decode(ids, skip_special_tokens)``):
+            after a migration the text is detokenized here, as one replica
+            would have (see the module doc). None: the replicas' text as is.
 
     Raises:
         MigrationLimitError: A replica died after ``migration_limit`` migrations.
@@ -107,7 +126,7 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
         raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
     generated: list[int] = []
     sent = ""  # text the client received
-    carry = ""  # text owed to the client, sent with the next chunk
+    retext: Optional[_Retext] = None
     prompt_tokens = len(request.prompt_token_ids)
     cached: Optional[int] = None
     current = request
@@ -120,12 +139,17 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                 if cached is None:
                     cached = chunk.cached_prompt_tokens
                 if migrations:
+                    stopped = retext is not None and retext.detok.stopped
+                    text = retext.text_of(chunk) if retext is not None else chunk.text
+                    if retext is not None and retext.detok.stopped and not stopped:
+                        chunk = dataclasses.replace(chunk, finish_reason=FinishReason.STOP)
                     chunk = dataclasses.replace(
-                        chunk, request_id=request.request_id, text=carry + chunk.text, prompt_tokens=prompt_tokens,
+                        chunk, request_id=request.request_id, text=text, prompt_tokens=prompt_tokens,
                         completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
-                    carry = ""
                 sent += chunk.text
                 yield chunk
+                if chunk.finished:
+                    return  # a stop string found here ends the stream (closing it aborts the replica's)
             return
         except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
             if not is_replica_death(exc):
@@ -139,11 +163,12 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                            request.request_id, len(generated), migrations, migration_limit)
         finally:
             await stream.aclose()
-        carry = _unsent_text(decode, list(request.prompt_token_ids), generated, sent)
+        retext = _Retext(tokenizer, request, generated, sent) if tokenizer is not None else None
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None and len(generated) >= max_tokens:
             # Every token arrived; only the final chunk was lost with the replica.
-            yield StreamChunk(request.request_id, [], carry, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
+            text = retext.final_text() if retext is not None else ""
+            yield StreamChunk(request.request_id, [], text, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
                               completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
             return
         current = continuation(request, generated, migrations)

@@ -26,8 +26,6 @@ from workers.model.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 
-
-
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros whose CPU pages are committed only when first written.
 

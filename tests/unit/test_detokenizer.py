@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.detokenizer import IncrementalDetokenizer
+from cluster.shared.detokenizer import IncrementalDetokenizer
 
 
 class ByteDecoder:

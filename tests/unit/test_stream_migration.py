@@ -43,9 +43,9 @@ class Script:
             raise self.error
 
 
-def run(script: Script, request: GenerationRequest, limit: int = 3, decode=None) -> list[StreamChunk]:
+def run(script: Script, request: GenerationRequest, limit: int = 3, tokenizer=None) -> list[StreamChunk]:
     async def main():
-        return [c async for c in migrating_stream(script, request, limit, decode)]
+        return [c async for c in migrating_stream(script, request, limit, tokenizer)]
 
     return asyncio.run(main())
 
@@ -93,6 +93,13 @@ def test_death_after_the_last_token_ends_the_stream_without_a_new_attempt():
     assert len(script.requests) == 1
 
 
+class AngleTokens:
+    """A tokenizer whose token t reads ``<t>``."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids)
+
+
 def test_text_the_dead_replica_held_back_is_sent_with_the_next_chunk():
     class HoldsBack(Script):
         async def __call__(self, request):
@@ -100,9 +107,71 @@ def test_text_the_dead_replica_held_back_is_sent_with_the_next_chunk():
                 # The first replica streams tokens but holds their text back (stop-string window).
                 yield chunk if len(self.requests) > 1 else StreamChunk(chunk.request_id, chunk.token_ids, "")
 
-    decode = lambda ids: "".join(f"<{t}>" for t in ids)  # noqa: E731
-    chunks = run(HoldsBack([3]), make_request(), decode=decode)
-    assert "".join(c.text for c in chunks) == decode(TARGET)
+    chunks = run(HoldsBack([3]), make_request(), tokenizer=AngleTokens())
+    assert "".join(c.text for c in chunks) == AngleTokens().decode(TARGET)
+
+
+class ByteTokens:
+    """Token t is the byte t: multi-byte characters span tokens, and stray bytes decode to U+FFFD."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class DetokenizingReplica:
+    """Each attempt continues ``target`` after its prompt and detokenizes as a replica does
+    (``IncrementalDetokenizer`` over its own prompt); dies after ``die_after[i]`` tokens."""
+
+    def __init__(self, prompt, target, die_after):
+        self.prompt, self.target, self.die_after = list(prompt), list(target), list(die_after)
+        self.requests = []
+
+    async def __call__(self, request):
+        from cluster.shared.detokenizer import IncrementalDetokenizer
+
+        self.requests.append(request)
+        limit = self.die_after.pop(0) if self.die_after else None
+        detok = IncrementalDetokenizer(ByteTokens(), request.prompt_token_ids, request.sampling_params.stop)
+        done = len(request.prompt_token_ids) - len(self.prompt)
+        todo = self.target[done: done + request.sampling_params.max_tokens]
+        for i, token in enumerate(todo):
+            if limit is not None and i == limit:
+                raise ActorDiedError()
+            text = detok.append([token])
+            finish = FinishReason.STOP if detok.stopped else FinishReason.LENGTH if i == len(todo) - 1 else None
+            if finish is not None:
+                text += detok.flush()
+            yield StreamChunk(request.request_id, [token], text, finish, prompt_tokens=len(request.prompt_token_ids),
+                              completion_tokens=i + 1)
+            if finish is not None:
+                return
+
+
+def byte_request(prompt, max_tokens, stop=()):
+    return GenerationRequest("b1", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop))
+
+
+@pytest.mark.parametrize("die_after", range(1, 12))
+def test_migrated_text_is_what_one_replica_sends_even_inside_a_character(die_after):
+    # "é" and "ö" are two bytes each; 0xb6 alone and 0xcd 0xb6 are garbage that
+    # decodes differently depending on where a decoding window starts.
+    prompt = list(b"say: ")
+    target = list("héllo wörld".encode()) + [0xCD, 0xB6, 0xB6, 0x41, 0xE2, 0x82]
+    reference = run(DetokenizingReplica(prompt, target, []), byte_request(prompt, len(target)), tokenizer=ByteTokens())
+    migrated = run(DetokenizingReplica(prompt, target, [die_after]), byte_request(prompt, len(target)),
+                   tokenizer=ByteTokens())
+    assert [t for c in migrated for t in c.token_ids] == target
+    assert "".join(c.text for c in migrated) == "".join(c.text for c in reference)
+
+
+def test_a_stop_string_straddling_the_migration_point_ends_the_stream():
+    prompt = list(b"say: ")
+    target = list(b"hello world and more")
+    script = DetokenizingReplica(prompt, target, [4])  # dies after "hell"
+    chunks = run(script, byte_request(prompt, len(target), stop=("lo w",)), tokenizer=ByteTokens())
+    assert "".join(c.text for c in chunks) == "hel"
+    assert chunks[-1].finish_reason == FinishReason.STOP
+    assert len([t for c in chunks for t in c.token_ids]) < len(target)
 
 
 def test_continuation_keeps_everything_but_prompt_budget_and_id():

@@ -20,7 +20,7 @@ import time
 from typing import Callable, Optional, Protocol
 
 from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats
-from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
