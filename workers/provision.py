@@ -78,5 +78,6 @@ def load_model_for(
     # float32 on CPU: bf16 matmuls are 5-60x slower without AVX-512.
     dtype = resolve_dtype(config.dtype, device)
     backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size)
-    model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp)
+    model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
+                             linear_backend=config.linear_backend)
     return model, arch, dtype

@@ -3,6 +3,8 @@ plot where a picture says more) and compare against a baseline measured in
 the same run. None of them asserts a time.
 
     offline.py   ``bench offline``: our engine vs Hugging Face static batching
+    latency.py   ``bench latency``: decode step and prefill times (step_profile.py: where
+                 a step goes; llama_cpp_peer.py: llama.cpp on the same weights)
     serve.py     ``bench serve``: the serving benchmark (as ``vllm bench serve``)
     datasets.py, clients.py, metrics.py   its workloads, gRPC / OpenAI clients, figures
     routing.py   ``bench routing``: one multi-tenant workload per routing policy

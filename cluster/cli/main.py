@@ -5,6 +5,7 @@
     prefixserve generate --url HOST:PORT "prompt" [--chat]   via a running cluster (gRPC)
     prefixserve chat [--url HOST:PORT] [--system TEXT]       multi-turn chat on the terminal
     prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
+    prefixserve bench latency [--batch-sizes 1 8 32] ...     decode step and prefill times (--compare llama.cpp)
     prefixserve bench routing [--request-rate R] ...         one workload per routing policy
     prefixserve bench router [--requests N] ...              the router's own cost (echo replicas)
     prefixserve bench serve [--url HOST:PORT] [--dataset-name D] ...   serving benchmark (as vllm bench serve)
@@ -71,6 +72,8 @@ COMMANDS = (
             "cluster.bench.soak", "add_soak_args", "run_soak_command"),
     Command(("bench", "offline"), "our engine vs Hugging Face generate, same workload",
             "cluster.bench.offline", "add_offline_args", "run_offline"),
+    Command(("bench", "latency"), "step times at fixed batch sizes and lengths (--compare llama.cpp)",
+            "cluster.bench.latency", "add_latency_args", "run_latency"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",
             "cluster.bench.routing", "add_routing_args", "run_routing"),
     Command(("bench", "router"), "the router's own cost: decision time, routed req/s",

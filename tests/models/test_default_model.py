@@ -125,8 +125,9 @@ def test_logits_match_transformers_on_converted_folder(converted, ours) -> None:
     driver = PagedDriver(ours, num_blocks=32, block_size=16)
     logits = driver.step({"a": prompt})["a"]
     reference = hf_logits(hf, prompt)
-    # Same arithmetic as transformers up to attention; observed bit-identical here.
-    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+    # The native GEMM sums each dot product in its own (batch-invariant) order, not
+    # MKL's: float rounding apart, the logits are transformers'.
+    torch.testing.assert_close(logits, reference, atol=1e-3, rtol=0)
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
     tokens = list(prompt)
     for _ in range(8):

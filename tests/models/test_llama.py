@@ -112,8 +112,23 @@ def test_uses_fused_projections(case) -> None:
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
     assert "model.layers.0.mlp.gate_up_proj.weight" in names
     assert not any(".q_proj." in n or ".gate_proj." in n for n in names)
-    if ours.arch.tie_word_embeddings:
-        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    if ours.arch.tie_word_embeddings:  # one copy: the embedding reads the LM head's packed rows
+        assert ours.lm_head.backend == "native" and ours.model.embed_tokens.packed is ours.lm_head.packed
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn", "native"])
+def test_every_linear_backend_matches_hf(backend, tmp_path) -> None:
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    # Biases on every projection and a tied LM head: each kernel path with and without a bias.
+    hf = make_hf_model(make_hf_config("llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=True))
+    folder = save_hf_model(hf, tmp_path)
+    ours, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend(), linear_backend=backend)
+    assert {m.backend for m in ours.modules() if hasattr(m, "backend")} == {backend}
+    prompt = random.Random(2).choices(range(3, hf.config.vocab_size), k=PROMPT_LEN)
+    driver = PagedDriver(ours, block_size=4)
+    _assert_close(driver.step({"a": prompt})["a"], hf_logits(hf, prompt))
+    _assert_close(driver.step({"a": [5]})["a"], hf_logits(hf, prompt + [5])[-1:])
 
 
 @pytest.mark.parametrize("name", ["mistral_sliding", "qwen2_sliding_upper"])

@@ -138,7 +138,8 @@ def test_concurrent_conversions_convert_once(monkeypatch, tmp_path: Path) -> Non
 def test_load_model_builds_on_meta_and_matches_direct_construction(tiny_dir: Path, attn_backend) -> None:
     from workers.model.llama import LlamaForCausalLM
 
-    model, arch = load_model(tiny_dir, "auto", "cpu", attn_backend)
+    # The torch backend keeps the plain weights (the native one packs them: test_llama.py).
+    model, arch = load_model(tiny_dir, "auto", "cpu", attn_backend, linear_backend="torch")
     assert arch.family == "llama" and not model.training
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
     direct = LlamaForCausalLM(arch, attn_backend)

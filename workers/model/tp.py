@@ -33,8 +33,8 @@ The MLP's intermediate size and the vocabulary are split the same way
 (first ranks get the extra row). A rank's query heads are always contiguous,
 so its slice of ``o_proj``'s input columns is one range.
 
-With ``N = 1`` the model takes no ``TPContext`` and builds plain ``nn.Linear``
-and ``nn.Embedding`` modules: the single-process path has no collective and
+With ``N = 1`` the model takes no ``TPContext`` and builds plain ``Linear``
+and ``Embedding`` modules: the single-process path has no collective and
 no extra branch.
 """
 
@@ -47,7 +47,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+
+from workers.model.linear import Embedding, Linear
 
 Range = tuple[int, int]  # (first, count)
 
@@ -237,7 +238,7 @@ class TPContext:
         return out
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer whose input features are sharded: the rank's partial
     product, summed over ranks, then the (full, replicated) bias once."""
 
@@ -246,11 +247,11 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.matmul(x))
         return out if self.bias is None else out.add_(self.bias)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """An embedding holding vocab rows ``[first, first + count)``: ids outside
     the slice look up zeros, and the all-reduce fills in every row."""
 
@@ -262,20 +263,20 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
 
-def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: Optional[TPContext]) -> nn.Linear:
-    """``nn.Linear`` without TP, else a ``RowParallelLinear`` (``in_features`` is local)."""
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: Optional[TPContext]) -> Linear:
+    """A ``Linear`` without TP, else a ``RowParallelLinear`` (``in_features`` is local)."""
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
-def vocab_embedding(vocab_size: int, hidden_size: int, tp: Optional[TPContext]) -> nn.Embedding:
-    """``nn.Embedding`` without TP, else the rank's ``VocabParallelEmbedding``."""
+def vocab_embedding(vocab_size: int, hidden_size: int, tp: Optional[TPContext]) -> Embedding:
+    """An ``Embedding`` without TP, else the rank's ``VocabParallelEmbedding``."""
     if tp is None:
-        return nn.Embedding(vocab_size, hidden_size)
+        return Embedding(vocab_size, hidden_size)
     return VocabParallelEmbedding(tp.shard.vocab, hidden_size, tp)

@@ -19,6 +19,7 @@ from cluster.shared.config.cluster import ROUTING_POLICIES, AutoscalingConfig, C
 from cluster.shared.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
+    LINEAR_BACKENDS,
     PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
@@ -27,7 +28,7 @@ from cluster.shared.config.engine import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DTYPES", "PREEMPTION_MODES", "ROUTING_POLICIES",
+    "ATTENTION_BACKENDS", "DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "ROUTING_POLICIES",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig",
 ]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -117,6 +118,9 @@ class EngineConfig:
         seed: Seed of the sampling of requests that bring no seed.
         attention_backend: ``auto`` picks flash_attn on GPU when installed,
             else torch.
+        linear_backend: Kernel of the linear layers (``workers/model/linear.py``):
+            ``auto`` (our batch-invariant native GEMM on CPU, cuBLAS on GPUs),
+            ``native``, ``onednn`` or ``torch``.
         enforce_eager: Never capture CUDA graphs (no effect on CPU).
         device: ``cpu`` or ``cuda``; ``None`` picks cuda when available.
     """
@@ -127,6 +131,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     seed: int = 0
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     enforce_eager: bool = True
     device: Optional[str] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -140,6 +145,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -12,149 +12,185 @@ query heads of one KV head together so each key is loaded once::
             online softmax update of acc[g], m[g], l[g] with V[b, j, h]
         out[r, h*G+g] = acc[g] / l[g]
 
-It is plain C compiled with the system's ``cc`` into the prefixserve cache
-folder and loaded with ctypes (which releases the GIL during the call). No
-compiler, or a failed build, leaves ``load()`` returning None and the torch
-path in use; nothing else changes.
+One call per layer can also write the step's new keys and values into their
+slots first, reading q, k and v straight out of the fused projection's rows
+(no copies, no separate scatter).
+
+It is plain C built on first use (``workers/model/native.py``): no compiler,
+or a failed build, leaves ``load()`` returning None and the torch path in
+use; nothing else changes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
+
+from workers.model import native
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
 #include <float.h>
+#include <string.h>
 
 #define MAX_GROUP 32
 #define MAX_DIM 256
 #define MAX_BLOCK 256
 
+/* One (request, KV head): the G query heads of KV head h over positions
+   [lo, len) of the paged cache; q rows of G * head_dim floats at qh, output
+   likewise at oh. Per block: scores of all G heads (each key loaded once),
+   the block max, exp in one vectorizable pass, then each value row loaded
+   once for all G accumulators. ATTEND(G, D) specializes it for a group size
+   and head_dim known at compile time (the accumulators then live in vector
+   registers); attend_any serves every other shape. */
+#define ATTEND_BODY(G, D)                                                                   \
+    float acc[G][D];                                                                        \
+    float m[G], l[G];                                                                       \
+    float s[G][MAX_BLOCK];                                                                  \
+    for (int g = 0; g < G; ++g) {                                                           \
+        m[g] = -FLT_MAX; l[g] = 0.0f;                                                       \
+        for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;                                       \
+    }                                                                                       \
+    for (int start = lo - lo % block_size; start < len; start += block_size) {              \
+        const int blk = table[start / block_size];                                          \
+        const int j0 = start < lo ? lo - start : 0;                                         \
+        const int j1 = (len - start) < block_size ? (len - start) : block_size;             \
+        const float* kb = k_cache + ((long)blk * block_size) * row + (long)h * D;           \
+        const float* vb = v_cache + ((long)blk * block_size) * row + (long)h * D;           \
+        if (start + block_size < len) { /* the next block's rows of this head, ahead */     \
+            const long nb = (long)table[start / block_size + 1] * block_size * row + (long)h * D; \
+            for (int j = 0; j < block_size; ++j)                                            \
+                for (int d = 0; d < D; d += 16) {                                           \
+                    __builtin_prefetch(k_cache + nb + (long)j * row + d);                   \
+                    __builtin_prefetch(v_cache + nb + (long)j * row + d);                   \
+                }                                                                           \
+        }                                                                                   \
+        for (int j = j0; j < j1; ++j) {                                                     \
+            const float* kj = kb + (long)j * row;                                           \
+            for (int g = 0; g < G; ++g) {                                                   \
+                const float* qg = qh + (long)g * D;                                         \
+                float dot = 0.0f;                                                           \
+                _Pragma("omp simd reduction(+:dot)")                                        \
+                for (int d = 0; d < D; ++d) dot += qg[d] * kj[d];                           \
+                s[g][j] = dot * scale;                                                      \
+            }                                                                               \
+        }                                                                                   \
+        for (int g = 0; g < G; ++g) {                                                       \
+            float mx = m[g];                                                                \
+            for (int j = j0; j < j1; ++j) mx = s[g][j] > mx ? s[g][j] : mx;                 \
+            const float corr = expf(m[g] - mx);                                             \
+            m[g] = mx;                                                                      \
+            float sum = 0.0f;                                                               \
+            _Pragma("omp simd reduction(+:sum)")                                            \
+            for (int j = j0; j < j1; ++j) { s[g][j] = expf(s[g][j] - mx); sum += s[g][j]; } \
+            l[g] = l[g] * corr + sum;                                                       \
+            for (int d = 0; d < D; ++d) acc[g][d] *= corr;                                  \
+        }                                                                                   \
+        for (int j = j0; j < j1; ++j) {                                                     \
+            const float* vj = vb + (long)j * row;                                           \
+            for (int g = 0; g < G; ++g) {                                                   \
+                const float p = s[g][j];                                                    \
+                for (int d = 0; d < D; ++d) acc[g][d] += p * vj[d];                         \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < G; ++g) {                                                           \
+        const float inv = 1.0f / l[g];                                                      \
+        for (int d = 0; d < D; ++d) oh[(long)g * D + d] = acc[g][d] * inv;                  \
+    }
+
+#define ATTEND_ARGS const float* qh, float* oh, const float* k_cache, const float* v_cache, \
+    const int* table, int len, int lo, int h, int block_size, long row, float scale
+
+#define ATTEND(G, D) static void attend_##G##_##D(ATTEND_ARGS) { ATTEND_BODY(G, D) }
+ATTEND(1, 64) ATTEND(2, 64) ATTEND(3, 64) ATTEND(4, 64) ATTEND(5, 64) ATTEND(6, 64) ATTEND(7, 64) ATTEND(8, 64)
+ATTEND(1, 128) ATTEND(2, 128) ATTEND(3, 128) ATTEND(4, 128) ATTEND(5, 128) ATTEND(6, 128) ATTEND(7, 128) ATTEND(8, 128)
+
+static void attend_any(ATTEND_ARGS, int G, int D) { ATTEND_BODY(G, D) }
+
+typedef void (*attend_fn)(ATTEND_ARGS);
+static const attend_fn ATTEND_64[9] = {0, attend_1_64, attend_2_64, attend_3_64, attend_4_64,
+                                       attend_5_64, attend_6_64, attend_7_64, attend_8_64};
+static const attend_fn ATTEND_128[9] = {0, attend_1_128, attend_2_128, attend_3_128, attend_4_128,
+                                        attend_5_128, attend_6_128, attend_7_128, attend_8_128};
+
+static void attend(const float* qh, float* oh, const float* k_cache, const float* v_cache,
+                   const int* table, int len, int lo, int h, int G, int D, int block_size,
+                   long row, float scale) {
+    attend_fn fn = 0;
+    if (G <= 8 && D == 64) fn = ATTEND_64[G];
+    else if (G <= 8 && D == 128) fn = ATTEND_128[G];
+    if (fn) fn(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale);
+    else attend_any(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, G, D);
+}
+
+/* Decode attention: request r's query (num_heads * head_dim floats at
+   q + r * ldq) over its positions [0, seq_lens[r]) of the paged cache; out
+   rows at out + r * ldo. With k and v (rows at k + r * ldk, v + r * ldv),
+   each request's new key and value are first written to slot_mapping[r]. */
 void paged_decode_f32(
-    const float* q, const float* k_cache, const float* v_cache,
-    const int* block_tables, int table_width, const int* seq_lens,
+    const float* q, long ldq, const float* k, long ldk, const float* v, long ldv, const long* slot_mapping,
+    float* k_cache, float* v_cache, const int* block_tables, int table_width, const int* seq_lens,
     int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int window, float* out)
+    float scale, int window, float* out, long ldo)
 {
-    const int group = num_heads / num_kv_heads;
+    const int G = num_heads / num_kv_heads;
     const long row = (long)num_kv_heads * head_dim;          /* one token's K (or V) */
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    if (k) {
+        for (int r = 0; r < num_reqs; ++r) {
+            memcpy(k_cache + slot_mapping[r] * row, k + (long)r * ldk, sizeof(float) * row);
+            memcpy(v_cache + slot_mapping[r] * row, v + (long)r * ldv, sizeof(float) * row);
+        }
+    }
+    long work = 0;
+    for (int r = 0; r < num_reqs; ++r) work += seq_lens[r];
+    work *= (long)num_heads * head_dim;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work > 16384)
     for (int r = 0; r < num_reqs; ++r) {
         for (int h = 0; h < num_kv_heads; ++h) {
-            float acc[MAX_GROUP][MAX_DIM];
-            float m[MAX_GROUP], l[MAX_GROUP];
-            float s[MAX_GROUP][MAX_BLOCK];
-            const float* qh = q + ((long)r * num_heads + (long)h * group) * head_dim;
-            for (int g = 0; g < group; ++g) {
-                m[g] = -FLT_MAX; l[g] = 0.0f;
-                for (int d = 0; d < head_dim; ++d) acc[g][d] = 0.0f;
-            }
             const int len = seq_lens[r];
             const int lo = (window > 0 && len > window) ? len - window : 0;
-            for (int start = lo - lo % block_size; start < len; start += block_size) {
-                const int blk = block_tables[(long)r * table_width + start / block_size];
-                const int j0 = start < lo ? lo - start : 0;
-                const int j1 = (len - start) < block_size ? (len - start) : block_size;
-                const float* kb = k_cache + ((long)blk * block_size) * row + (long)h * head_dim;
-                const float* vb = v_cache + ((long)blk * block_size) * row + (long)h * head_dim;
-                for (int g = 0; g < group; ++g) {
-                    const float* qg = qh + (long)g * head_dim;
-                    float mx = m[g];
-                    for (int j = j0; j < j1; ++j) {
-                        const float* kj = kb + (long)j * row;
-                        float dot = 0.0f;
-                        #pragma omp simd reduction(+:dot)
-                        for (int d = 0; d < head_dim; ++d) dot += qg[d] * kj[d];
-                        dot *= scale;
-                        s[g][j] = dot;
-                        if (dot > mx) mx = dot;
-                    }
-                    const float corr = expf(m[g] - mx);
-                    l[g] *= corr;
-                    #pragma omp simd
-                    for (int d = 0; d < head_dim; ++d) acc[g][d] *= corr;
-                    m[g] = mx;
-                    for (int j = j0; j < j1; ++j) {
-                        const float p = expf(s[g][j] - mx);
-                        const float* vj = vb + (long)j * row;
-                        l[g] += p;
-                        #pragma omp simd
-                        for (int d = 0; d < head_dim; ++d) acc[g][d] += p * vj[d];
-                    }
-                }
-            }
-            float* oh = out + ((long)r * num_heads + (long)h * group) * head_dim;
-            for (int g = 0; g < group; ++g) {
-                const float inv = 1.0f / l[g];
-                for (int d = 0; d < head_dim; ++d) oh[(long)g * head_dim + d] = acc[g][d] * inv;
-            }
+            attend(q + (long)r * ldq + (long)h * G * head_dim, out + (long)r * ldo + (long)h * G * head_dim,
+                   k_cache, v_cache, block_tables + (long)r * table_width, len, lo, h, G, head_dim,
+                   block_size, row, scale);
         }
     }
 }
 """
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast"]
+_FLAGS = (*native.FLAGS, "-ffp-contract=fast", "-fno-math-errno")
 _lock = threading.Lock()
-_loaded: dict[str, Optional[ctypes.CDLL]] = {}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prefixserve")
-    return Path(root) / "kernels"
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """Builds (once per source version and machine) and loads the kernel.
+    """Builds (once per source version and machine, ``workers/model/native.py``) and loads the kernel.
 
     Returns:
         The library, or None when no C compiler is found or the build fails
         (logged once; callers fall back to torch).
     """
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + os.uname().machine).encode()).hexdigest()[:16]
+    global _lib, _tried
     with _lock:
-        if digest in _loaded:
-            return _loaded[digest]
-        _loaded[digest] = lib = _build_and_load(digest)
-        return lib
-
-
-def _build_and_load(digest: str) -> Optional[ctypes.CDLL]:
-    target = _cache_dir() / f"paged_decode_{digest}.so"
-    if not target.exists():
-        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if cc is None:
-            logger.info("no C compiler found: CPU decode attention uses the torch path")
-            return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "paged_decode.c"
-            src.write_text(_SOURCE)
-            built = Path(tmp) / target.name
-            proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                logger.warning("building the CPU decode kernel failed; using the torch path:\n%s", proc.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: concurrent builders agree
-    lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [
-        ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-    return lib
+        if not _tried:
+            _tried = True
+            lib = native.build("paged_decode", _SOURCE, _FLAGS)
+            if lib is not None:
+                fn = lib.paged_decode_f32
+                fn.restype = None
+                p, lg, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+                fn.argtypes = [p, lg, p, lg, p, lg, p, p, p, p, i, p, i, i, i, i, i, ctypes.c_float, i, p, lg]
+            _lib = lib
+        return _lib
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -164,6 +200,8 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
         and kv_cache.dtype == torch.float32
         and kv_cache.is_contiguous()
         and num_heads % num_kv_heads == 0
@@ -181,23 +219,39 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int],
+    new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged K/V (see module doc).
 
     Args:
-        q: [B, num_heads, head_dim] float32.
+        q: [B, num_heads, head_dim] float32; rows may be strided (heads and
+            head_dim contiguous, e.g. a view of the fused q/k/v projection).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
         block_tables: [B, width] int32.
         seq_lens: [B] int32 (the query sits at position seq_len - 1).
+        new_kv: ``(k, v, slot_mapping)``: each request's new key and value
+            ([B, num_kv_heads, head_dim], rows may be strided, heads and
+            head_dim contiguous) written to its slot first, in the same call.
+
+    Returns:
+        [B, num_heads, head_dim], contiguous.
     """
-    q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
     num_reqs, num_heads, head_dim = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    tables, lens = tables.contiguous(), lens.contiguous()
+    out = torch.empty(num_reqs, num_heads, head_dim, dtype=q.dtype)
+    k_ptr = v_ptr = slots_ptr = None
+    ldk = ldv = 0
+    if new_kv is not None:
+        k, v, slots = new_kv
+        assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
+        assert slots.dtype == torch.int64 and slots.is_contiguous()
+        k_ptr, v_ptr, slots_ptr, ldk, ldv = k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.stride(0), v.stride(0)
     lib.paged_decode_f32(
-        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), num_reqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2],
-        float(scale), int(sliding_window or 0), out.data_ptr(),
+        q.data_ptr(), q.stride(0), k_ptr, ldk, v_ptr, ldv, slots_ptr, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_reqs, num_heads, kv_cache.shape[3], head_dim,
+        kv_cache.shape[2], float(scale), int(sliding_window or 0), out.data_ptr(), num_heads * head_dim,
     )
     return out

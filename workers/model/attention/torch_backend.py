@@ -47,6 +47,7 @@ class TorchAttentionBackend:
     def __init__(self, native_decode: bool = True) -> None:
         self._native_decode = native_decode
         self._native_lib = None
+        self._native_layouts: dict[tuple, bool] = {}
 
     def forward(
         self,
@@ -58,9 +59,13 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
+        nd = meta.num_decodes
+        if nd == meta.num_requests and self._native_decode and self._native_ready(q, k, v, kv_cache):
+            # A decode-only step: the new K/V are written and attended in one native call.
+            return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                           sliding_window, new_kv=(k, v, meta.slot_mapping))
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window)
         start = nd  # decodes occupy the first nd tokens
@@ -79,6 +84,25 @@ class TorchAttentionBackend:
             start += qlen
         return out
 
+    def _native_ready(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                      kv_cache: torch.Tensor) -> bool:
+        """Whether the native kernel serves this call (built, and the layout fits).
+        Every layer of a model calls with the same layout: the answer is kept."""
+        key = (q.shape[1:], q.stride()[1:], q.dtype, kv_cache.shape[2:], kv_cache.dtype,
+               None if k is None else (k.stride()[1:], v.stride()[1:], k.dtype))
+        ready = self._native_layouts.get(key)
+        if ready is None:
+            ready = cpu_decode.supports(q, kv_cache) and kv_cache.is_contiguous()
+            if k is not None:
+                ready = ready and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.dtype == torch.float32
+                                      for t in (k, v))
+            if ready and self._native_lib is None:
+                self._native_lib = cpu_decode.load()
+                self._native_decode = self._native_lib is not None
+            ready = ready and self._native_lib is not None
+            self._native_layouts[key] = ready
+        return ready
+
     def _decode(
         self,
         q: torch.Tensor,
@@ -92,14 +116,10 @@ class TorchAttentionBackend:
         # faster than one big gather. Each group is padded to its longest
         # context; the runner orders decodes longest first, so padding is small.
         nd = q.shape[0]
-        if self._native_decode and cpu_decode.supports(q, kv_cache):
-            if self._native_lib is None:
-                self._native_lib = cpu_decode.load()
-                self._native_decode = self._native_lib is not None
-            if self._native_lib is not None:
-                return cpu_decode.paged_decode(
-                    self._native_lib, q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window
-                )
+        if self._native_decode and self._native_ready(q, None, None, kv_cache):
+            return cpu_decode.paged_decode(
+                self._native_lib, q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window
+            )
         row_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.element_size()
         out = torch.empty_like(q)
         start = 0

@@ -1,0 +1,114 @@
+"""The native CPU kernels: the packed GEMM of the linear layers (``gemm.py``)
+and the fused norm / rotary / SiLU kernels (``cpu_ops.py``), against float64
+or torch references, and batch invariance: a row's result is bitwise the
+same whatever else is in the batch, where it sits, and how many threads run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.model import cpu_ops, gemm
+from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+pytestmark = pytest.mark.skipif(gemm.load() is None, reason="no C compiler or no AVX2 + FMA here")
+
+SHAPES = [(960, 576), (576, 1536), (100, 64), (37, 10), (1, 3)]  # model shapes, and ragged panels
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_float64(n, k, with_bias):
+    gen = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(33, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    packed = gemm.PackedWeight(w, b, gemm.load())
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    torch.testing.assert_close(packed.matmul(x), ref.float(), atol=2e-5 * k**0.5, rtol=1e-5)
+    torch.testing.assert_close(packed.matmul_no_bias(x), (x.double() @ w.double().T).float(),
+                               atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:3])
+def test_gemm_rows_do_not_depend_on_their_batch(n, k):
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(64, k, generator=gen)
+    packed = gemm.PackedWeight(w, b, gemm.load())
+    full = packed.matmul(x)
+    # Every batch size from 1 up (across the row-block and K-blocking thresholds), at several offsets.
+    for size in list(range(1, 30)) + [40, 63]:
+        for start in {0, 1, 64 - size}:
+            if start + size <= 64:
+                assert torch.equal(packed.matmul(x[start : start + size]), full[start : start + size]), (size, start)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed.matmul(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    strided = torch.randn(64, k + 5, generator=gen)[:, :k]  # rows with a stride other than k
+    strided.copy_(x)
+    assert torch.equal(packed.matmul(strided), full)
+
+
+def test_packed_rows_read_back_the_weight():
+    w = torch.randn(100, 24)
+    packed = gemm.PackedWeight(w, None, gemm.load())
+    ids = torch.tensor([0, 31, 32, 99, 5])
+    assert torch.equal(packed.rows(ids), w[ids])
+
+
+def _ops():
+    lib = cpu_ops.load()
+    if lib is None:
+        pytest.skip("the fused CPU kernels did not build")
+    return lib
+
+
+def test_add_rms_norm_matches_torch_and_adds_in_place():
+    lib = _ops()
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(9, 64), torch.randn(9, 64)
+    expected_residual = residual + x
+    expected = norm(expected_residual.clone())  # torch: the norm of the sum
+    norm.native = lib
+    res = residual.clone()
+    out = norm(x, res)
+    assert torch.equal(res, expected_residual)  # the add is exact either way
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm(x), RMSNorm.forward(_torch_norm(norm), x), atol=1e-5, rtol=1e-5)
+    assert torch.equal(norm(x[3:4]), norm(x)[3:4])  # a row alone, bitwise
+
+
+def _torch_norm(norm: RMSNorm) -> RMSNorm:
+    plain = RMSNorm(norm.weight.shape[0], norm.eps)
+    plain.weight.data.copy_(norm.weight.data)
+    return plain
+
+
+def test_rotary_in_place_matches_torch_on_strided_rows():
+    lib = _ops()
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    positions = torch.tensor([0, 5, 17, 63])
+    cos, sin = rope.lookup(positions)
+    qkv = torch.randn(4, (3 + 2) * 16 + 32)  # q and k heads, then v: rows strided like the model's
+    qk = qkv[:, : 5 * 16].view(4, 5, 16)
+    expected = RotaryEmbedding.apply(qk, cos, sin)
+    untouched = qkv[:, 5 * 16 :].clone()
+    out = RotaryEmbedding.apply(qk, cos, sin, lib)
+    assert out.data_ptr() == qk.data_ptr()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 5 * 16 :], untouched)
+
+
+def test_silu_and_mul_matches_torch():
+    lib = _ops()
+    x = torch.randn(7, 2 * 48) * 4
+    act = SiluAndMul()
+    expected = F.silu(x[:, :48]) * x[:, 48:]
+    act.native = lib
+    torch.testing.assert_close(act(x), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(act(x[2:3]), act(x)[2:3])

@@ -1,0 +1,169 @@
+"""Fused elementwise kernels of the decoder layer on CPU (float32), native:
+
+    add_rms_norm(x, residual, weight)   residual += x; out = rms_norm(residual) * weight
+    rms_norm(x, weight)                 out = rms_norm(x) * weight
+    rotary(qk, cos, sin)                in place, HF's rotate-half convention
+    silu_and_mul(gate_up)               silu(gate) * up
+
+Eager torch spends ~8 op dispatches on an RMSNorm, ~8 on the rotary
+embedding and 3 on SiLU-and-mul, each a pass over memory; these are one call
+and one pass each, threaded over tokens. Every row is computed on its own in
+a fixed order (the norm's sum of squares runs over the hidden size, in order),
+so, as with the native GEMM, a token's result does not depend on the rest of
+the batch. Arithmetic follows HF's float32 order (mean of squares, rsqrt of
+mean + eps, times the weight); the sum's order differs from torch's
+vectorized ``mean`` by float rounding.
+
+Built with ``workers/model/native.py``; without a compiler ``load()`` is None
+and the layers keep their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from workers.model import native
+
+_SOURCE = r"""
+#include <math.h>
+
+static inline float row_inv_rms(const float* x, long n, float eps) {
+    float sum = 0.0f;
+    for (long i = 0; i < n; ++i) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
+/* residual[t] += x[t] (x may be NULL), out[t] = rms_norm(residual[t]) * weight */
+void add_rms_norm_f32(const float* x, float* residual, const float* weight, float* out,
+                      long tokens, long hidden, float eps) {
+    #pragma omp parallel for schedule(static) if (tokens * hidden > 65536)
+    for (long t = 0; t < tokens; ++t) {
+        float* r = residual + t * hidden;
+        if (x) {
+            const float* xt = x + t * hidden;
+            #pragma omp simd
+            for (long i = 0; i < hidden; ++i) r[i] += xt[i];
+        }
+        const float inv = row_inv_rms(r, hidden, eps);
+        float* o = out + t * hidden;
+        #pragma omp simd
+        for (long i = 0; i < hidden; ++i) o[i] = weight[i] * (r[i] * inv);
+    }
+}
+
+/* qk: [tokens] rows of `heads` heads of `dim` floats, row stride ld; cos/sin: [tokens, dim/2] */
+void rotary_f32(float* qk, long tokens, long heads, long dim, long ld, const float* cos, const float* sin) {
+    const long half = dim / 2;
+    #pragma omp parallel for schedule(static) if (tokens * heads * dim > 65536)
+    for (long t = 0; t < tokens; ++t) {
+        const float* c = cos + t * half;
+        const float* s = sin + t * half;
+        for (long h = 0; h < heads; ++h) {
+            float* x1 = qk + t * ld + h * dim;
+            float* x2 = x1 + half;
+            #pragma omp simd
+            for (long i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* exp(x) for the SiLU: Cephes' single-precision polynomial on the reduced
+   argument (within ~1 ulp of expf), written so the compiler vectorizes it;
+   every element goes through the same instructions. */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int i; float f; } scale;
+    scale.i = ((int)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i] */
+void silu_and_mul_f32(const float* gu, float* out, long tokens, long inter) {
+    #pragma omp parallel for schedule(static) if (tokens * inter > 16384)
+    for (long t = 0; t < tokens; ++t) {
+        const float* g = gu + t * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + t * inter;
+        #pragma omp simd
+        for (long i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+    }
+}
+"""
+
+# -ffp-contract=off: a * c - b * s is not fused into one FMA in some rows and not
+# others; every element is computed by the same two roundings. -fno-math-errno
+# lets expf vectorize (glibc's vector math): a column's element is always
+# computed by the same code, whatever the number of rows.
+_FLAGS = (*native.FLAGS, "-ffp-contract=off", "-fno-math-errno")
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The kernels, or None (no compiler or a failed build)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        lib = native.build("cpu_ops", _SOURCE, _FLAGS)
+        if lib is not None:
+            p, lg, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+            lib.add_rms_norm_f32.argtypes = [p, p, p, p, lg, lg, f]
+            lib.rotary_f32.argtypes = [p, lg, lg, lg, lg, p, p]
+            lib.silu_and_mul_f32.argtypes = [p, p, lg, lg]
+            for fn in (lib.add_rms_norm_f32, lib.rotary_f32, lib.silu_and_mul_f32):
+                fn.restype = None
+        _lib = lib
+    return _lib
+
+
+def _ok(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def add_rms_norm(lib: ctypes.CDLL, x: Optional[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``residual += x`` in place (when ``x`` is given); returns ``rms_norm(residual) * weight``.
+
+    ``x`` and ``residual`` are ``[T, H]`` contiguous float32 on CPU.
+    """
+    tokens, hidden = residual.shape
+    out = torch.empty_like(residual)
+    lib.add_rms_norm_f32(x.data_ptr() if x is not None else None, residual.data_ptr(), weight.data_ptr(),
+                         out.data_ptr(), tokens, hidden, eps)
+    return out
+
+
+def rotary(lib: ctypes.CDLL, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates ``qk`` ``[T, heads, D]`` in place (rows may be strided, heads and D contiguous);
+    ``cos`` / ``sin`` ``[T, D / 2]`` contiguous."""
+    tokens, heads, dim = qk.shape
+    assert qk.stride(2) == 1 and qk.stride(1) == dim
+    lib.rotary_f32(qk.data_ptr(), tokens, heads, dim, qk.stride(0), cos.data_ptr(), sin.data_ptr())
+
+
+def silu_and_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for contiguous ``[T, 2I]``."""
+    tokens, width = gate_up.shape
+    out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
+    lib.silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2)
+    return out
+
+
+__all__ = ["add_rms_norm", "load", "rotary", "silu_and_mul", "_ok"]

@@ -1,0 +1,226 @@
+"""A native float32 GEMM for the linear layers on CPU: ``y = x @ W.T (+ b)``
+with ``W`` packed once at load, and every output element computed the same
+way whatever the batch.
+
+Layout and loop (NR = 2 vectors: 32 floats with AVX-512, 16 with AVX2)::
+
+    W [N, K]  ──pack──▶  panels [ceil(N / NR)][K][NR]   (zero-padded columns)
+
+    for each panel p            (threads split the panels)
+      for each block of MR rows of x
+        acc[MR][NR] = 0
+        for k = 0 .. K-1:       acc[r][j] = fma(W[p*NR + j, k], x[r, k], acc[r][j])
+        y[r, p*NR + j] = acc[r][j] (+ b[j])
+
+Batch invariance: element ``y[r, n]`` is one FMA chain over ``k`` in
+ascending order from zero, then the bias: the same instructions on the same
+values whether the step has 1 row or 512, whichever row block or thread
+computes it, and wherever the row sits in the batch. A request's logits
+therefore never depend on its batch-mates (vLLM and SGLang need a special
+batch-invariant mode for this; here it is the default). Its reduction order
+differs from MKL's, so results differ from ``F.linear`` by float rounding
+(parity with transformers is tested on tokens, as before).
+
+Speed: the microkernel keeps MR x 2 vector accumulators in registers
+(AVX-512: 12 x 2 of 32, AVX2: 6 x 2 of 16) with one broadcast of ``x`` per
+row and ``k``; weights stream through each panel once per row block, in
+the packed order the hardware prefetcher follows. At one row it reads the
+weights at the memory's speed; with many rows it is bound by FMA throughput.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Optional
+
+import torch
+
+from workers.model import native
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 12
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+#define MR 6
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#else
+#error "the native GEMM needs AVX2 and FMA"
+#endif
+#define NR (2 * VL)
+#ifndef PF
+#define PF 32  /* software prefetch distance of the weights, in k steps */
+#endif
+
+int gemm_panel_width(void) { return NR; }
+int gemm_rows_per_block(void) { return MR; }
+
+/* acc = (first ? 0 : the partial sums in y) + x[:, k0:k1] . W[k0:k1]; the sums pass
+   through y between K blocks as float32, so the FMA chain of an element is the same
+   whatever the blocking. */
+#define UKR(R)                                                                              \
+static void ukr_##R(const float* x, long ldx, const float* wp, long K, float* y, long ldy,  \
+                    int nvalid, const float* bias, int first) {                             \
+    vec acc[R][2];                                                                          \
+    if (first || nvalid != NR) {                                                            \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }           \
+        if (!first) for (int r = 0; r < R; ++r) {                                           \
+            float tmp[NR] = {0};                                                            \
+            memcpy(tmp, y + r * ldy, sizeof(float) * nvalid);                               \
+            acc[r][0] = VLOAD(tmp); acc[r][1] = VLOAD(tmp + VL);                            \
+        }                                                                                   \
+    } else {                                                                                \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VLOAD(y + r * ldy); acc[r][1] = VLOAD(y + r * ldy + VL); } \
+    }                                                                                       \
+    for (long k = 0; k < K; ++k) {                                                          \
+        _mm_prefetch((const char*)(wp + (k + PF) * NR), _MM_HINT_T0);                       \
+        _mm_prefetch((const char*)(wp + (k + PF) * NR + 16), _MM_HINT_T0);                  \
+        const vec w0 = VLOAD(wp + k * NR), w1 = VLOAD(wp + k * NR + VL);                    \
+        for (int r = 0; r < R; ++r) {                                                       \
+            const vec xb = VSET1(x[r * ldx + k]);                                           \
+            acc[r][0] = VFMA(w0, xb, acc[r][0]);                                            \
+            acc[r][1] = VFMA(w1, xb, acc[r][1]);                                            \
+        }                                                                                   \
+    }                                                                                       \
+    if (bias) {                                                                             \
+        const vec b0 = VLOAD(bias), b1 = VLOAD(bias + VL);                                  \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VADD(acc[r][0], b0); acc[r][1] = VADD(acc[r][1], b1); } \
+    }                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                           \
+        if (nvalid == NR) {                                                                 \
+            VSTORE(y + r * ldy, acc[r][0]); VSTORE(y + r * ldy + VL, acc[r][1]);            \
+        } else {                                                                            \
+            float tmp[NR];                                                                  \
+            VSTORE(tmp, acc[r][0]); VSTORE(tmp + VL, acc[r][1]);                            \
+            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+UKR(1) UKR(2) UKR(3) UKR(4) UKR(5) UKR(6)
+#if MR > 6
+UKR(7) UKR(8) UKR(9) UKR(10) UKR(11) UKR(12)
+#endif
+
+typedef void (*ukr_fn)(const float*, long, const float*, long, float*, long, int, const float*, int);
+static const ukr_fn UKRS[MR + 1] = {
+    0, ukr_1, ukr_2, ukr_3, ukr_4, ukr_5, ukr_6,
+#if MR > 6
+    ukr_7, ukr_8, ukr_9, ukr_10, ukr_11, ukr_12,
+#endif
+};
+
+/* y[M, ldy] = x[M, ldx] @ W.T (+ bias); wp: panels [ceil(N / NR)][K][NR];
+   bias: NULL or ceil(N / NR) * NR floats (zero-padded). With more rows than one
+   block, K is cut in blocks of KC so a panel's block stays in L1 while every row
+   block uses it. */
+#define KC 256
+void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
+              const float* bias, float* y, long ldy) {
+    const long P = (N + NR - 1) / NR;
+    const long kc = M > MR ? KC : K;
+    const int parallel = (double)M * (double)N * (double)K > 262144.0;
+    #pragma omp parallel for schedule(static) if (parallel)
+    for (long p = 0; p < P; ++p) {
+        const float* w = wp + p * K * NR;
+        const float* b = bias ? bias + p * NR : 0;
+        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+        for (long k0 = 0; k0 < K; k0 += kc) {
+            const long k1 = k0 + kc < K ? k0 + kc : K;
+            for (long m = 0; m < M; m += MR) {
+                const int rows = (M - m) < MR ? (int)(M - m) : MR;
+                UKRS[rows](x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
+                           k1 == K ? b : 0, k0 == 0);
+            }
+        }
+    }
+}
+"""
+
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The built kernel library, or None (no compiler, no AVX2 + FMA, or a failed build)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        lib = native.build("gemm_f32", _SOURCE)
+        if lib is not None:
+            lib.gemm_f32.restype = None
+            lib.gemm_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                     ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+            lib.gemm_panel_width.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+class PackedWeight:
+    """A weight ``[N, K]`` (and bias) packed for :func:`gemm_f32`.
+
+    Args:
+        weight: ``[N, K]`` float32 on CPU.
+        bias: ``[N]`` float32 or None.
+        lib: The kernel library (``load()``).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], lib: ctypes.CDLL) -> None:
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+        self.lib = lib
+        self.out_features, self.in_features = weight.shape
+        nr = lib.gemm_panel_width()
+        self.panel_width = nr
+        num_panels = -(-self.out_features // nr)
+        padded = torch.zeros(num_panels * nr, self.in_features, dtype=torch.float32)
+        padded[: self.out_features] = weight.detach()
+        # [P, NR, K] -> [P, K, NR]: column j of panel p is row p * NR + j of W.
+        self.panels = padded.view(num_panels, nr, self.in_features).transpose(1, 2).contiguous()
+        self.bias: Optional[torch.Tensor] = None
+        if bias is not None:
+            self.bias = torch.zeros(num_panels * nr, dtype=torch.float32)
+            self.bias[: self.out_features] = bias.detach()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[ids]`` ``[len(ids), K]`` read back from the panels (a tied embedding's lookup)."""
+        nr = self.panel_width
+        return self.panels[ids // nr, :, ids % nr]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] @ W.T + b`` as ``[M, N]`` float32."""
+        return self._run(x, self.bias)
+
+    def matmul_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] @ W.T`` (a row-parallel layer adds the bias after its all-reduce)."""
+        return self._run(x, None)
+
+    def _run(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32:
+            x = x.reshape(-1, self.in_features).contiguous().float()
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        if m:
+            self.lib.gemm_f32(x.data_ptr(), m, self.in_features, x.stride(0), self.panels.data_ptr(),
+                              self.out_features, bias.data_ptr() if bias is not None else None,
+                              y.data_ptr(), self.out_features)
+        return y
