@@ -10,7 +10,8 @@ Where the figures come from::
 
     gauges      num_requests_{running,waiting,swapped}, kv_cache_usage_perc
                 <- ReplicaStats of the last engine step   (set_load, before render)
-    counters    num_preemptions_total, prefix_cache_{queries,hits}_total (tokens)
+    counters    num_preemptions_total, prefix_cache_{queries,hits}_total (tokens),
+                model_compilations_total (torch.compile graphs, enforce_eager False)
                 <- the engine's cumulative counters       (record_engine_counters,
                    after every step on the engine thread)
     counters    prompt_tokens_total, generation_tokens_total
@@ -80,6 +81,8 @@ class ReplicaMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits_total", "Prompt tokens served from the prefix cache.")
         self.num_preemptions = counter("num_preemptions_total", "Sequences preempted (swapped or recomputed).")
+        self.model_compilations = counter(
+            "model_compilations_total", "Graphs torch.compile built for the model (enforce_eager False).")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.time_to_first_token = histogram(
@@ -93,7 +96,8 @@ class ReplicaMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "From entering the engine to first being scheduled.",
             REQUEST_LATENCY_BUCKETS)
-        self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                               "model_compilations": 0}
 
     # ----------------------------------------------------------- recording
     def set_load(self, stats: ReplicaStats) -> None:
@@ -104,12 +108,13 @@ class ReplicaMetrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
 
     def record_engine_counters(self, *, num_preemptions: int, prefix_cache_queries: int,
-                               prefix_cache_hits: int) -> None:
+                               prefix_cache_hits: int, model_compilations: int = 0) -> None:
         """Advances the counters to the engine's cumulative values (never backwards)."""
         targets = {
             "num_preemptions": (num_preemptions, self.num_preemptions),
             "prefix_cache_queries": (prefix_cache_queries, self.prefix_cache_queries),
             "prefix_cache_hits": (prefix_cache_hits, self.prefix_cache_hits),
+            "model_compilations": (model_compilations, self.model_compilations),
         }
         for name, (value, counter) in targets.items():
             delta = value - self._engine_counts[name]

@@ -77,7 +77,11 @@ def load_model_for(
     dtype and attention backend."""
     # float32 on CPU: bf16 matmuls are 5-60x slower without AVX-512.
     dtype = resolve_dtype(config.dtype, device)
-    backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size)
+    if config.batch_invariant and config.linear_backend not in ("auto", "native"):
+        raise ValueError(f"batch_invariant needs linear_backend native (or auto), got {config.linear_backend!r}")
+    backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size,
+                                    batch_invariant=config.batch_invariant)
     model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
-                             linear_backend=config.linear_backend)
+                             linear_backend="native" if config.batch_invariant else config.linear_backend,
+                             enforce_eager=config.enforce_eager)
     return model, arch, dtype

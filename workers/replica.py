@@ -227,6 +227,7 @@ class ReplicaServer:
             num_preemptions=scheduler.num_preemptions_total,
             prefix_cache_queries=scheduler.kv_manager.prefix_cache_queries,
             prefix_cache_hits=scheduler.kv_manager.prefix_cache_hits,
+            model_compilations=getattr(self._parts.runner, "num_compilations", 0) if self._parts else 0,
         )
 
     def _collect_events(self) -> None:

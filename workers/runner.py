@@ -136,6 +136,12 @@ class ModelRunner:
                 logprobs[owner] = lp
         return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    @property
+    def num_compilations(self) -> int:
+        """Graphs ``torch.compile`` built for the model so far (0 when eager)."""
+        compiled = getattr(self.model, "compiled", None)
+        return compiled.num_compilations if compiled is not None else 0
+
     def shutdown(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its ranks)."""
 

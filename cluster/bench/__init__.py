@@ -3,6 +3,7 @@ plot where a picture says more) and compare against a baseline measured in
 the same run. None of them asserts a time.
 
     offline.py   ``bench offline``: our engine vs Hugging Face static batching
+    kernels.py   ``bench kernels``: the linear-layer backends on the model's shapes
     latency.py   ``bench latency``: decode step and prefill times (step_profile.py: where
                  a step goes; llama_cpp_peer.py: llama.cpp on the same weights)
     serve.py     ``bench serve``: the serving benchmark (as ``vllm bench serve``)

@@ -6,6 +6,7 @@
     prefixserve chat [--url HOST:PORT] [--system TEXT]       multi-turn chat on the terminal
     prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
     prefixserve bench latency [--batch-sizes 1 8 32] ...     decode step and prefill times (--compare llama.cpp)
+    prefixserve bench kernels [--m 1 8 32] ...               linear-layer backends on the model's shapes
     prefixserve bench routing [--request-rate R] ...         one workload per routing policy
     prefixserve bench router [--requests N] ...              the router's own cost (echo replicas)
     prefixserve bench serve [--url HOST:PORT] [--dataset-name D] ...   serving benchmark (as vllm bench serve)
@@ -74,6 +75,8 @@ COMMANDS = (
             "cluster.bench.offline", "add_offline_args", "run_offline"),
     Command(("bench", "latency"), "step times at fixed batch sizes and lengths (--compare llama.cpp)",
             "cluster.bench.latency", "add_latency_args", "run_latency"),
+    Command(("bench", "kernels"), "every linear-layer backend on the model's shapes: time and batch invariance",
+            "cluster.bench.kernels", "add_kernels_args", "run_kernels"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",
             "cluster.bench.routing", "add_routing_args", "run_routing"),
     Command(("bench", "router"), "the router's own cost: decision time, routed req/s",

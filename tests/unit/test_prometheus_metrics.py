@@ -88,10 +88,12 @@ def test_gauges_and_engine_counters():
     assert value(metrics, "prefixserve:num_requests_swapped") == 1
     assert value(metrics, "prefixserve:kv_cache_usage_perc") == 0.85
     metrics.record_engine_counters(num_preemptions=2, prefix_cache_queries=40, prefix_cache_hits=16)
-    metrics.record_engine_counters(num_preemptions=5, prefix_cache_queries=40, prefix_cache_hits=24)
+    metrics.record_engine_counters(num_preemptions=5, prefix_cache_queries=40, prefix_cache_hits=24,
+                                   model_compilations=2)
     assert value(metrics, "prefixserve:num_preemptions_total") == 5
     assert value(metrics, "prefixserve:prefix_cache_queries_total") == 40
     assert value(metrics, "prefixserve:prefix_cache_hits_total") == 24
+    assert value(metrics, "prefixserve:model_compilations_total") == 2
 
 
 def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
@@ -100,7 +102,7 @@ def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert "_created" not in text
     expected = {"num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "model_compilations", "prompt_tokens",
                 "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
                 "e2e_request_latency_seconds", "request_queue_time_seconds"}
     assert set(families) == {"prefixserve:" + name for name in expected}

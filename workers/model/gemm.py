@@ -134,7 +134,7 @@ static const ukr_fn UKRS[MR + 1] = {
    bias: NULL or ceil(N / NR) * NR floats (zero-padded). With more rows than one
    block, K is cut in blocks of KC so a panel's block stays in L1 while every row
    block uses it. */
-#define KC 256
+#define KC 128
 void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
               const float* bias, float* y, long ldy) {
     const long P = (N + NR - 1) / NR;

@@ -53,8 +53,11 @@ class Linear(nn.Linear):
         self.kernel_no_bias: Optional[Kernel] = None  # x -> x @ W.T
         self.backend = "torch"
         self.packed: Optional[gemm.PackedWeight] = None
+        self.use_gemm_op = False  # under torch.compile: the native GEMM as a custom op (compiled.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gemm_op:
+            return torch.ops.prefixserve.gemm(x, self.packed.panels, self.packed.bias, self.out_features)
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)

@@ -76,6 +76,7 @@ class LlamaAttention(nn.Module):
         o_bias: bool = False,
         sliding_window: Optional[int] = None,
         tp: Optional[TPContext] = None,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -87,6 +88,8 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window
         self.attn_backend = attn_backend
         self.native: Any = None  # cpu_ops library (in-place rotary), set by finalize
+        self.layer_idx = layer_idx
+        self.use_attention_op = False  # under torch.compile: attention as a custom op (compiled.py)
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = row_parallel_linear(self.q_size, hidden_size, o_bias, tp)
 
@@ -111,7 +114,10 @@ class LlamaAttention(nn.Module):
         qk = RotaryEmbedding.apply(qk, cos, sin, self.native)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        if self.use_attention_op:
+            out = torch.ops.prefixserve.attention(q, k, v, kv_cache, self.layer_idx)
+        else:
+            out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -164,6 +170,7 @@ class LlamaDecoderLayer(nn.Module):
             o_bias=arch.o_proj_bias,
             sliding_window=arch.layer_sliding_window(layer_idx),
             tp=tp,
+            layer_idx=layer_idx,
         )
         self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -240,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
         )[0]
         self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
         self.lm_head = Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
+        self.compiled: Any = None  # CompiledDecoder with enforce_eager False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -267,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             Final hidden states ``[T, hidden_size]``.
         """
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
@@ -279,10 +289,12 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
-    def finalize(self, linear_backend: str) -> int:
+    def finalize(self, linear_backend: str, compile: bool = False) -> int:
         """Installs the (resolved) linear backend's kernels once the weights are
         loaded (``linear.py``) and, on CPU in float32, the fused native norms,
-        rotary and SiLU (``cpu_ops.py``); returns the number of linear layers."""
+        rotary and SiLU (``cpu_ops.py``); with ``compile`` the decoder stack
+        runs under ``torch.compile`` (``compiled.py``). Returns the number of
+        linear layers."""
         tied = (self.lm_head, self.model.embed_tokens) if self.arch.tie_word_embeddings else None
         count = finalize_linears(self, linear_backend, tied)
         weight = self.model.norm.weight
@@ -290,6 +302,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
                 module.native = native
+        if compile:
+            from workers.model.compiled import CompiledDecoder
+
+            self.compiled = CompiledDecoder(self)
         return count
 
     @torch.no_grad()

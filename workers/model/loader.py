@@ -178,6 +178,7 @@ def load_model(
     attn_backend: AttentionBackend,
     tp: Optional[TPContext] = None,
     linear_backend: str = "auto",
+    enforce_eager: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Builds the model of a folder (see ``resolve_model``) and loads its weights.
 
@@ -185,7 +186,8 @@ def load_model(
     ``device``, so no time goes into random initialization. With ``tp`` only
     the rank's slice is materialized and copied from the checkpoint. Then the
     linear layers get ``linear_backend``'s kernels (``linear.py``; weights
-    packed once).
+    packed once); without ``enforce_eager`` the decoder stack is compiled
+    (``compiled.py``; not with tensor parallelism, whose collectives stay eager).
 
     Raises:
         ValueError: If the folder's config or weights are not supported.
@@ -201,7 +203,11 @@ def load_model(
     model.load_weights(iter_weights(folder))
     model.eval()
     backend = resolve_linear_backend(linear_backend, device, torch_dtype)
-    num_linears = model.finalize(backend)
+    compile = not enforce_eager and tp is None and backend == "native"
+    if not enforce_eager and not compile:
+        logger.info("enforce_eager False: compiling needs the native linear backend and no tensor parallelism; "
+                    "running eager")
+    num_linears = model.finalize(backend, compile=compile)
     logger.info("loaded %s (%s, %s) in %.1f s; %d linear layers on the %s backend", folder, arch.family,
                 torch_dtype, time.monotonic() - start, num_linears, backend)
     return model, arch

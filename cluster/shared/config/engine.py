@@ -121,7 +121,19 @@ class EngineConfig:
         linear_backend: Kernel of the linear layers (``workers/model/linear.py``):
             ``auto`` (our batch-invariant native GEMM on CPU, cuBLAS on GPUs),
             ``native``, ``onednn`` or ``torch``.
-        enforce_eager: Never capture CUDA graphs (no effect on CPU).
+        batch_invariant: Guarantee that a request's outputs (tokens and
+            logprobs, bitwise) never depend on what else is in its steps,
+            including how its prompt's prefill is chunked: every attention
+            query, prefill or decode, runs the same per-query kernel. Without
+            it (the default, faster prefill) outputs are already independent
+            of batch-mates except through prefill chunk boundaries. CPU,
+            float32, ``linear_backend`` native.
+        enforce_eager: Run the model eagerly. False compiles the decoder stack
+            with ``torch.compile`` (``workers/model/compiled.py``; the native
+            linear backend, no tensor parallelism). The default stays eager:
+            on CPU the native fused kernels already do what inductor would
+            fuse, and measured steps are no faster compiled while the first
+            steps pay ~30 s of compilation (``bench latency``).
         device: ``cpu`` or ``cuda``; ``None`` picks cuda when available.
     """
 
@@ -132,6 +144,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    batch_invariant: bool = False
     enforce_eager: bool = True
     device: Optional[str] = None
     cache: CacheConfig = field(default_factory=CacheConfig)

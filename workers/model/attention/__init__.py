@@ -33,6 +33,7 @@ def get_attention_backend(
     *,
     dtype: Optional[torch.dtype] = None,
     block_size: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """Builds the attention backend called ``name`` for ``device``.
 
@@ -43,6 +44,8 @@ def get_attention_backend(
             flash-attn for float32 and ``flash_attn`` fail early.
         block_size: KV block size, when known; flash-attn's paged KV needs a
             multiple of 256, checked here rather than at the first forward.
+        batch_invariant: Every query through one per-query kernel, prefill
+            included (``torch`` backend on CPU, float32, native kernel built).
 
     Returns:
         A backend implementing ``AttentionBackend``.
@@ -55,6 +58,8 @@ def get_attention_backend(
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     device = torch.device(device)
+    if batch_invariant:
+        return _batch_invariant_backend(name, device, dtype)
     if name == "auto":
         return _auto_backend(device, dtype, block_size)
     if name == "torch":
@@ -64,6 +69,19 @@ def get_attention_backend(
     if name == "triton":
         return _triton_backend(device)
     return _flash_attn_backend(device, dtype, block_size)
+
+
+def _batch_invariant_backend(name: str, device: torch.device, dtype: Optional[torch.dtype]) -> AttentionBackend:
+    from workers.model.attention import cpu_decode
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    if name not in ("auto", "torch") or device.type != "cpu" or dtype not in (None, torch.float32):
+        raise ValueError(f"batch_invariant runs on CPU in float32 with attention_backend auto or torch; got "
+                         f"{name!r} on {device.type} in {dtype}: drop batch_invariant or change them")
+    if cpu_decode.load() is None:
+        raise ValueError("batch_invariant needs the native attention kernel, which did not build here "
+                         "(a C compiler is needed; see the log)")
+    return TorchAttentionBackend(batch_invariant=True)
 
 
 def _auto_backend(device: torch.device, dtype: Optional[torch.dtype], block_size: Optional[int]) -> AttentionBackend:

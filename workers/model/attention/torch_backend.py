@@ -44,8 +44,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, native_decode: bool = True) -> None:
-        self._native_decode = native_decode
+    def __init__(self, native_decode: bool = True, batch_invariant: bool = False) -> None:
+        self._native_decode = native_decode or batch_invariant
+        self.batch_invariant = batch_invariant
         self._native_lib = None
         self._native_layouts: dict[tuple, bool] = {}
 
@@ -60,6 +61,8 @@ class TorchAttentionBackend:
         sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         nd = meta.num_decodes
+        if self.batch_invariant:
+            return self._per_query(q, k, v, kv_cache, meta, scale, sliding_window)
         if nd == meta.num_requests and self._native_decode and self._native_ready(q, k, v, kv_cache):
             # A decode-only step: the new K/V are written and attended in one native call.
             return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
@@ -83,6 +86,23 @@ class TorchAttentionBackend:
             )
             start += qlen
         return out
+
+    def _per_query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+        """Every query token as its own decode: token t of request i attends
+        positions [.., pos_t] through the decode kernel, so a token's result is
+        the same whether it came in a prefill chunk (of any size) or a decode."""
+        if not self._native_ready(q, None, None, kv_cache):
+            raise ValueError("batch_invariant attention needs the native CPU kernel and a float32 cache")
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                           sliding_window)
+        owner = torch.repeat_interleave(torch.arange(meta.num_requests), torch.tensor(meta.query_lens_list))
+        positions = torch.cat([torch.arange(s - n, s) for s, n in zip(meta.seq_lens_list, meta.query_lens_list)])
+        tables = meta.block_tables.index_select(0, owner)
+        return cpu_decode.paged_decode(self._native_lib, q, kv_cache, tables, (positions + 1).to(torch.int32),
+                                       scale, sliding_window)
 
     def _native_ready(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                       kv_cache: torch.Tensor) -> bool:
