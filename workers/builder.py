@@ -106,7 +106,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         BlockPool(num_cpu_blocks, block_size, enable_caching=False) if num_cpu_blocks else None,
     )
     eos = list(arch.eos_token_ids)
-    scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos)
+    windows = {arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)}
+    window = windows.pop() if len(windows) == 1 else None  # released only when every layer slides
+    scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
+                          sliding_window=window)
     engine = LLMEngine(
         scheduler,
         runner,

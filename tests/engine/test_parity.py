@@ -105,8 +105,12 @@ def test_greedy_matches_hf(case, scenario):
     llm = LLM(str(case.model_dir), **case.scenario(scenario))
     outs = llm.generate(case.prompts, [greedy(n) for n in case.max_tokens])
     assert [o.token_ids for o in outs] == case.expected
-    if scenario in ("swap", "recompute"):
-        assert llm.engine.scheduler.num_preemptions_total > 0
+    scheduler = llm.engine.scheduler
+    if scenario in ("swap", "recompute") and scheduler.sliding_window is None:
+        # Mistral's sequences release the blocks outside their window (8 tokens) and
+        # fit the tight pool without preemption; tests/unit/test_sliding_window_blocks.py
+        # preempts windowed sequences on purpose.
+        assert scheduler.num_preemptions_total > 0
     check_pool(llm)
 
 

@@ -50,6 +50,7 @@ def make_scheduler(
     enable_caching: bool = True,
     max_model_len: int = 256,
     eos_token_ids: Seq[int] = (),
+    sliding_window: Optional[int] = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -58,7 +59,8 @@ def make_scheduler(
         preemption_mode=preemption_mode,
     )
     kv = make_kv_manager(num_blocks, num_cpu_blocks, block_size, enable_caching)
-    return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=eos_token_ids)
+    return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+                     sliding_window=sliding_window)
 
 
 def make_request(
@@ -103,8 +105,10 @@ class FakeRunner:
         num_cpu_blocks: int = 0,
         block_size: int = BLOCK_SIZE,
         model: Callable[[Seq[int]], int] = next_token,
+        window: Optional[int] = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window  # a sliding-window model: it reads (and checks) the last `window` positions only
         self.device: list[list[Optional[tuple[int, int]]]] = [[None] * block_size for _ in range(num_blocks)]
         self.cpu: list[list[Optional[tuple[int, int]]]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.model = model
@@ -114,7 +118,7 @@ class FakeRunner:
     def for_scheduler(cls, scheduler: Scheduler, model: Callable[[Seq[int]], int] = next_token) -> "FakeRunner":
         kv = scheduler.kv_manager
         num_cpu = kv.swap_pool.num_blocks if kv.swap_pool is not None else 0
-        return cls(kv.num_device_blocks, num_cpu, kv.block_size, model)
+        return cls(kv.num_device_blocks, num_cpu, kv.block_size, model, scheduler.sliding_window)
 
     def _slot(self, block_ids: Seq[int], pos: int) -> Optional[tuple[int, int]]:
         return self.device[block_ids[pos // self.block_size]][pos % self.block_size]
@@ -130,10 +134,12 @@ class FakeRunner:
         for req in sched.scheduled:
             truth = list(req.prompt_token_ids) + list(req.output_token_ids)
             assert req.input_token_ids == truth[req.num_computed_tokens : req.seq_len], req.request_id
-            cached = [self._slot(req.block_ids, p) for p in range(req.num_computed_tokens)]
-            expected = [(t, p) for p, t in enumerate(truth[: req.num_computed_tokens])]
+            first = 0 if self.window is None else max(0, req.num_computed_tokens - self.window + 1)
+            cached = [self._slot(req.block_ids, p) for p in range(first, req.num_computed_tokens)]
+            expected = [(t, p) for p, t in enumerate(truth[: req.num_computed_tokens])][first:]
             assert cached == expected, f"{req.request_id}: KV cache corrupted"
-            contexts.append([t for t, _ in cached] + req.input_token_ids)
+            context = [t for t, _ in cached] + req.input_token_ids
+            contexts.append(context if self.window is None else context[-self.window :])
             if req.num_sample_tokens:
                 assert req.seq_len == len(truth), req.request_id
         sampled = []
@@ -169,11 +175,13 @@ def run_to_completion(
     raise AssertionError(f"not finished after {max_steps} steps")
 
 
-def expected_output(prompt: Seq[int], max_tokens: int, model: Callable[[Seq[int]], int] = next_token) -> list[int]:
-    """What an unpressured run generates (no stops but max_tokens)."""
+def expected_output(prompt: Seq[int], max_tokens: int, model: Callable[[Seq[int]], int] = next_token,
+                    window: Optional[int] = None) -> list[int]:
+    """What an unpressured run generates (no stops but max_tokens); with
+    ``window`` the model sees only the last ``window`` tokens."""
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(model(tokens))
+        tokens.append(model(tokens if window is None else tokens[-window:]))
     return tokens[len(prompt) :]
 
 

@@ -33,6 +33,18 @@ Swap order within one step (the runner copies out, then in, then runs)::
 (The scheduler never swaps out and in during one step today -- it resumes
 swapped sequences only in steps without preemption -- but the manager does
 not rely on that.)
+
+Sliding windows (every layer attends to the last W positions only): once a
+block lies wholly before every position the sequence will still attend from,
+``release_outside_window`` returns it to the pool (a full block stays in the
+prefix cache for others) and points its table entry at the first block still
+held, so positions keep their table index (block 5, window 8)::
+
+    block_ids   [A, B, C, D, E]  ->  [C, C, C, D, E]   num_released_blocks 2
+    owned                               ^^^^ only C, D, E are referenced
+
+A sequence with released blocks is never swapped (its prefix is gone): it is
+preempted for recompute.
 """
 
 from __future__ import annotations
@@ -191,11 +203,34 @@ class KVCacheManager:
         )
         seq.num_registered_blocks = end
 
+    def release_outside_window(self, seq: Sequence, window: int) -> int:
+        """Releases the leading blocks no sliding window of ``window``
+        positions reaches any more (mutates; see the module doc).
+
+        The next position to compute is ``num_computed_tokens`` and it attends
+        from ``num_computed_tokens - window + 1`` on: blocks wholly before that
+        are never read again by this sequence.
+
+        Returns:
+            The number of blocks released now.
+        """
+        first_needed = max(0, seq.num_computed_tokens - window + 1) // self.block_size
+        first_needed = min(first_needed, len(seq.block_ids) - 1)
+        start = seq.num_released_blocks
+        if first_needed <= start:
+            return 0
+        self.device_pool.free(reversed(seq.block_ids[start:first_needed]))
+        keep = seq.block_ids[first_needed]
+        seq.block_ids[:first_needed] = [keep] * first_needed
+        seq.num_released_blocks = first_needed
+        return first_needed - start
+
     def free(self, seq: Sequence) -> None:
         """Returns all of ``seq``'s device and CPU blocks (mutates). Its full
         cached blocks stay hittable until evicted, tail blocks first."""
-        self.device_pool.free(reversed(seq.block_ids))
+        self.device_pool.free(reversed(seq.block_ids[seq.num_released_blocks :]))
         seq.block_ids = []
+        seq.num_released_blocks = 0
         if seq.cpu_block_ids:
             assert self.swap_pool is not None
             self.swap_pool.free(seq.cpu_block_ids)
@@ -209,9 +244,10 @@ class KVCacheManager:
 
         Returns:
             ``[(device_block, cpu_block), ...]`` to copy, or None (nothing
-            changed) without a swap pool or room in it.
+            changed) without a swap pool or room in it, or when the sequence
+            released blocks outside its sliding window.
         """
-        if self.swap_pool is None:
+        if self.swap_pool is None or seq.num_released_blocks:
             return None
         num_blocks = self.num_blocks_for(seq.num_computed_tokens)
         assert num_blocks <= len(seq.block_ids)
@@ -289,7 +325,7 @@ class KVCacheManager:
         device_refs: Counter[int] = Counter()
         cpu_refs: Counter[int] = Counter(self._swap_in_sources)
         for seq in seqs:
-            device_refs.update(seq.block_ids)
+            device_refs.update(seq.block_ids[seq.num_released_blocks :])
             cpu_refs.update(seq.cpu_block_ids)
             assert seq.num_registered_blocks <= len(seq.block_ids)
         for block_id in range(self.device_pool.num_blocks):

@@ -69,6 +69,8 @@ class Scheduler:
         kv_manager: Block tables over the device (and swap) pools.
         max_model_len: Longest prompt + output; reaching it ends a sequence.
         eos_token_ids: Tokens that end a sequence unless ``ignore_eos``.
+        sliding_window: When every layer attends only to this many last
+            positions, blocks outside the window are released after each step.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        sliding_window: Optional[int] = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token, one output), got {max_model_len}")
@@ -87,6 +90,7 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.sliding_window = sliding_window
 
         self.queue = RequestQueue()
         self._finished_ids: set[str] = set()  # since the last schedule()
@@ -119,7 +123,7 @@ class Scheduler:
         kv = self.kv_manager
         return Capacity(max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                         enable_chunked_prefill=self.enable_chunked_prefill, block_size=kv.block_size,
-                        num_device_blocks=kv.num_device_blocks)
+                        num_device_blocks=kv.num_device_blocks, sliding_window=self.sliding_window)
 
     # --------------------------------------------------------------- requests
     def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> Optional[str]:
@@ -331,6 +335,8 @@ class Scheduler:
             assert seq.num_computed_tokens == req.num_computed_tokens, (seq, req)
             seq.num_computed_tokens += req.num_input_tokens
             self.kv_manager.cache_computed_blocks(seq)
+            if self.sliding_window is not None:
+                self.kv_manager.release_outside_window(seq, self.sliding_window)
             sampled = model_out.sampled_token_ids[i]
             assert len(sampled) == req.num_sample_tokens, (req.request_id, sampled)
             if not sampled:
@@ -372,6 +378,7 @@ class Scheduler:
         for seq in self.queue.running:
             assert not seq.cpu_block_ids, seq
             assert 0 < seq.num_uncomputed_tokens and len(seq.block_ids) >= kv.num_blocks_for(seq.num_computed_tokens)
+            assert seq.num_released_blocks < max(1, len(seq.block_ids)), seq
         for seq in self.queue.swapped:
-            assert not seq.block_ids, seq
+            assert not seq.block_ids and not seq.num_released_blocks, seq
             assert len(seq.cpu_block_ids) == kv.num_blocks_for(seq.num_computed_tokens), seq

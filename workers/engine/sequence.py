@@ -1,7 +1,8 @@
 """A request inside the engine: its tokens, its block table and its state.
 
 A ``Sequence`` is owned by the scheduler; the KV manager edits only its block
-fields (``block_ids``, ``cpu_block_ids``, ``num_registered_blocks``). The
+fields (``block_ids``, ``cpu_block_ids``, ``num_registered_blocks``,
+``num_released_blocks``). The
 model runner never sees it, only read-only views in ``ScheduledRequest``.
 
 Tokens, computed tokens and blocks (block_size 4, prompt of 6, 3 generated)::
@@ -91,6 +92,9 @@ class Sequence:
         self.block_ids: list[int] = []  # device block table while RUNNING
         self.cpu_block_ids: list[int] = []  # swap blocks while SWAPPED
         self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
+        # Leading table entries whose blocks were released because no layer's sliding
+        # window reaches them any more; they point at the first block still held.
+        self.num_released_blocks = 0
 
         self.hash_root = root_hash(model_fingerprint, cache_salt)
         self.block_hashes: list[bytes] = hash_block_chain(prompt, block_size, self.hash_root)

@@ -27,6 +27,7 @@ class Capacity:
     enable_chunked_prefill: bool
     block_size: int
     num_device_blocks: int
+    sliding_window: Optional[int] = None  # every layer's; a sequence then holds its window's blocks only
 
 
 def check_request(request: GenerationRequest, vocab_size: int) -> None:
@@ -74,6 +75,11 @@ def fit_problem(num_prompt_tokens: int, max_tokens: int, capacity: Capacity) -> 
         )
     num_kv_tokens = min(num_prompt_tokens + max_tokens, max_model_len) - 1
     num_blocks = cdiv(num_kv_tokens, capacity.block_size)
+    if capacity.sliding_window is not None:
+        # Blocks outside the window are released after each step: the most held at
+        # once is the prompt's (a prefill in one step) or a window's and two more.
+        num_blocks = min(num_blocks, max(cdiv(num_prompt_tokens, capacity.block_size),
+                                         cdiv(capacity.sliding_window, capacity.block_size) + 2))
     if num_blocks > capacity.num_device_blocks:
         return (
             f"prompt of {num_prompt_tokens} tokens with max_tokens {max_tokens} needs up to "

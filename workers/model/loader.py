@@ -36,7 +36,7 @@ import torch
 # The fingerprint lives in cluster (pure Python) so the router computes the same
 # value without torch; re-exported here for existing callers.
 from cluster.shared.cache import cache_root
-from cluster.shared.fingerprint import FINGERPRINT_FILE, model_fingerprint, weight_files
+from cluster.shared.fingerprint import FINGERPRINT_FILE, model_fingerprint, weight_files  # noqa: F401 (re-exported)
 from workers.model.attention.base import AttentionBackend
 from workers.model.config import ModelArchConfig
 from workers.model.linear import resolve_linear_backend
