@@ -195,8 +195,12 @@ def run_offline(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     work = make_workload(args, vocab, special)
     logger.info("workload: %d prompts, %d prompt tokens, %d output tokens", len(work.prompts),
                 sum(map(len, work.prompts)), work.num_output_tokens)
+    warm_start = time.perf_counter()
     llm.generate([work.prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    warmup_s = time.perf_counter() - warm_start
+    compiled_before = llm.runner.num_compilations if hasattr(llm.runner, "num_compilations") else 0
     results = [run_engine(llm, work)]
+    compiled_after = llm.runner.num_compilations if hasattr(llm.runner, "num_compilations") else 0
     if not args.skip_hf:
         results.append(run_hf(llm.model_dir, work, args.hf_batch_size, pad_id=min(special)))
     report: dict[str, Any] = {
@@ -204,6 +208,9 @@ def run_offline(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                                                    "min_output_len", "max_output_len", "workload_seed")},
         "engine_args": {k: v for k, v in llm.config.flat().items() if isinstance(v, (int, float, str, bool, type(None)))},
         "runs": [r.summary() for r in results],
+        # torch.compile (enforce_eager False): graphs built in the warm-up and during the timed run.
+        "warmup_seconds": round(warmup_s, 2),
+        "compilations": {"warmup": compiled_before, "timed_run": compiled_after - compiled_before},
     }
     if len(results) == 2:
         report["throughput_ratio"] = round(results[0].tokens_per_s / results[1].tokens_per_s, 2)
@@ -226,6 +233,9 @@ def _print_table(report: dict[str, Any]) -> None:
     lines = format_table(rows)
     if "throughput_ratio" in report:
         lines.append(f"throughput ratio (prefixserve / hf): {report['throughput_ratio']:.2f}x")
+    comp = report.get("compilations", {})
+    lines.append(f"warm-up {report.get('warmup_seconds', 0):.1f} s; torch.compile graphs: {comp.get('warmup', 0)} "
+                 f"in the warm-up, {comp.get('timed_run', 0)} during the timed run")
     if "prefix_cache" in report:
         pc = report["prefix_cache"]
         lines.append(
