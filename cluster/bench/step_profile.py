@@ -37,7 +37,7 @@ def _timed(timers: dict[str, float], key: str, fn: Callable[..., Any]) -> Callab
 
 @contextmanager
 def _instrumented(llm: Any, timers: dict[str, float]) -> Iterator[None]:
-    from workers.model.linear import Linear
+    from torch import nn
 
     runner = llm.runner
     model = getattr(runner, "model", None)
@@ -49,8 +49,11 @@ def _instrumented(llm: Any, timers: dict[str, float]) -> Iterator[None]:
         patched.append((obj, name, obj.__dict__.get(name)))
         setattr(obj, name, _timed(timers, key, getattr(obj, name)))
 
+    decoder = getattr(model, "native_decoder", None)
+    if decoder is not None:  # its own timers: it calls the kernels without the modules
+        decoder.timers = timers
     for module in model.modules():
-        if isinstance(module, Linear) and module is not model.lm_head:
+        if isinstance(module, nn.Linear) and module is not model.lm_head:
             patch(module, "forward", "linear")
     patch(model.model.layers[0].self_attn.attn_backend, "forward", "attention")
     patch(model, "forward", "forward")
@@ -59,6 +62,8 @@ def _instrumented(llm: Any, timers: dict[str, float]) -> Iterator[None]:
     try:
         yield
     finally:
+        if decoder is not None:
+            decoder.timers = None
         for obj, name, old in reversed(patched):
             if old is None:
                 delattr(obj, name)

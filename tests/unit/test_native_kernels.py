@@ -34,13 +34,14 @@ def test_gemm_matches_float64(n, k, with_bias):
 def test_gemm_rows_do_not_depend_on_their_batch(n, k):
     gen = torch.Generator().manual_seed(7)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    x = torch.randn(64, k, generator=gen)
+    x = torch.randn(160, k, generator=gen)
     packed = gemm.PackedWeight(w, b, gemm.load())
     full = packed.matmul(x)
-    # Every batch size from 1 up (across the row-block and K-blocking thresholds), at several offsets.
-    for size in list(range(1, 30)) + [40, 63]:
-        for start in {0, 1, 64 - size}:
-            if start + size <= 64:
+    # Every batch size from 1 up, across the row-block, K-blocking and packing
+    # thresholds (12 / 128 rows), at several offsets.
+    for size in list(range(1, 30)) + [40, 63, 127, 128, 129, 160]:
+        for start in {0, 1, 160 - size}:
+            if start + size <= 160:
                 assert torch.equal(packed.matmul(x[start : start + size]), full[start : start + size]), (size, start)
     threads = torch.get_num_threads()
     try:
@@ -48,7 +49,7 @@ def test_gemm_rows_do_not_depend_on_their_batch(n, k):
         assert torch.equal(packed.matmul(x), full)
     finally:
         torch.set_num_threads(threads)
-    strided = torch.randn(64, k + 5, generator=gen)[:, :k]  # rows with a stride other than k
+    strided = torch.randn(160, k + 5, generator=gen)[:, :k]  # rows with a stride other than k
     strided.copy_(x)
     assert torch.equal(packed.matmul(strided), full)
 

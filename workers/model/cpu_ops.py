@@ -112,25 +112,17 @@ void silu_and_mul_f32(const float* gu, float* out, long tokens, long inter) {
 # lets expf vectorize (glibc's vector math): a column's element is always
 # computed by the same code, whatever the number of rows.
 _FLAGS = (*native.FLAGS, "-ffp-contract=off", "-fno-math-errno")
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "add_rms_norm_f32": [_P, _P, _P, _P, _L, _L, _F],
+    "rotary_f32": [_P, _L, _L, _L, _L, _P, _P],
+    "silu_and_mul_f32": [_P, _P, _L, _L],
+}
 
 
 def load() -> Optional[ctypes.CDLL]:
     """The kernels, or None (no compiler or a failed build)."""
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        lib = native.build("cpu_ops", _SOURCE, _FLAGS)
-        if lib is not None:
-            p, lg, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-            lib.add_rms_norm_f32.argtypes = [p, p, p, p, lg, lg, f]
-            lib.rotary_f32.argtypes = [p, lg, lg, lg, lg, p, p]
-            lib.silu_and_mul_f32.argtypes = [p, p, lg, lg]
-            for fn in (lib.add_rms_norm_f32, lib.rotary_f32, lib.silu_and_mul_f32):
-                fn.restype = None
-        _lib = lib
-    return _lib
+    return native.build("cpu_ops", _SOURCE, _FLAGS, _SIGNATURES)
 
 
 def _ok(*tensors: torch.Tensor) -> bool:

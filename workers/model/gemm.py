@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -130,50 +131,135 @@ static const ukr_fn UKRS[MR + 1] = {
 #endif
 };
 
+/* The same microkernel over a packed block of x: row r's value at k is
+   xp[k * MR + r], so the MR broadcasts of a step come from one cache line
+   (instead of MR rows' lines). Same FMA chains, so the same bits. */
+#define UKRP(R)                                                                             \
+static void ukrp_##R(const float* xp, const float* wp, long K, float* y, long ldy,          \
+                     int nvalid, const float* bias, int first) {                            \
+    vec acc[R][2];                                                                          \
+    if (first || nvalid != NR) {                                                            \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }           \
+        if (!first) for (int r = 0; r < R; ++r) {                                           \
+            float tmp[NR] = {0};                                                            \
+            memcpy(tmp, y + r * ldy, sizeof(float) * nvalid);                               \
+            acc[r][0] = VLOAD(tmp); acc[r][1] = VLOAD(tmp + VL);                            \
+        }                                                                                   \
+    } else {                                                                                \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VLOAD(y + r * ldy); acc[r][1] = VLOAD(y + r * ldy + VL); } \
+    }                                                                                       \
+    for (long k = 0; k < K; ++k) {                                                          \
+        const vec w0 = VLOAD(wp + k * NR), w1 = VLOAD(wp + k * NR + VL);                    \
+        const float* xk = xp + k * MR;                                                      \
+        for (int r = 0; r < R; ++r) {                                                       \
+            const vec xb = VSET1(xk[r]);                                                    \
+            acc[r][0] = VFMA(w0, xb, acc[r][0]);                                            \
+            acc[r][1] = VFMA(w1, xb, acc[r][1]);                                            \
+        }                                                                                   \
+    }                                                                                       \
+    if (bias) {                                                                             \
+        const vec b0 = VLOAD(bias), b1 = VLOAD(bias + VL);                                  \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VADD(acc[r][0], b0); acc[r][1] = VADD(acc[r][1], b1); } \
+    }                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                           \
+        if (nvalid == NR) {                                                                 \
+            VSTORE(y + r * ldy, acc[r][0]); VSTORE(y + r * ldy + VL, acc[r][1]);            \
+        } else {                                                                            \
+            float tmp[NR];                                                                  \
+            VSTORE(tmp, acc[r][0]); VSTORE(tmp + VL, acc[r][1]);                            \
+            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+UKRP(1) UKRP(2) UKRP(3) UKRP(4) UKRP(5) UKRP(6)
+#if MR > 6
+UKRP(7) UKRP(8) UKRP(9) UKRP(10) UKRP(11) UKRP(12)
+#endif
+
+typedef void (*ukrp_fn)(const float*, const float*, long, float*, long, int, const float*, int);
+static const ukrp_fn UKRPS[MR + 1] = {
+    0, ukrp_1, ukrp_2, ukrp_3, ukrp_4, ukrp_5, ukrp_6,
+#if MR > 6
+    ukrp_7, ukrp_8, ukrp_9, ukrp_10, ukrp_11, ukrp_12,
+#endif
+};
+
 /* y[M, ldy] = x[M, ldx] @ W.T (+ bias); wp: panels [ceil(N / NR)][K][NR];
-   bias: NULL or ceil(N / NR) * NR floats (zero-padded). With more rows than one
-   block, K is cut in blocks of KC so a panel's block stays in L1 while every row
-   block uses it. */
+   bias: NULL or ceil(N / NR) * NR floats (zero-padded).
+
+   Up to MR rows (decode steps): each thread streams its panels once, K whole.
+   More rows: K is cut in blocks of KC so a panel's KC x NR block (16 KiB) stays
+   in L1 while every row block uses it; from PACK_ROWS rows (prefill) each block
+   of x is first packed in MR-row strips ([M / MR][KC][MR]) so a step's
+   broadcasts come from one cache line. The partial sums pass through y between K blocks as
+   float32: the FMA chain of an element is the same either way. */
 #define KC 128
+#define PACK_ROWS 128
 void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
               const float* bias, float* y, long ldy) {
     const long P = (N + NR - 1) / NR;
-    const long kc = M > MR ? KC : K;
     const int parallel = (double)M * (double)N * (double)K > 262144.0;
-    #pragma omp parallel for schedule(static) if (parallel)
-    for (long p = 0; p < P; ++p) {
-        const float* w = wp + p * K * NR;
-        const float* b = bias ? bias + p * NR : 0;
-        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
-        for (long k0 = 0; k0 < K; k0 += kc) {
-            const long k1 = k0 + kc < K ? k0 + kc : K;
-            for (long m = 0; m < M; m += MR) {
-                const int rows = (M - m) < MR ? (int)(M - m) : MR;
-                UKRS[rows](x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
-                           k1 == K ? b : 0, k0 == 0);
+    if (M < PACK_ROWS) {
+        const long kc = M > MR ? KC : K;
+        #pragma omp parallel for schedule(static) if (parallel)
+        for (long p = 0; p < P; ++p) {
+            const float* w = wp + p * K * NR;
+            const float* b = bias ? bias + p * NR : 0;
+            const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                const long k1 = k0 + kc < K ? k0 + kc : K;
+                for (long m = 0; m < M; m += MR) {
+                    const int rows = (M - m) < MR ? (int)(M - m) : MR;
+                    UKRS[rows](x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
+                               k1 == K ? b : 0, k0 == 0);
+                }
+            }
+        }
+        return;
+    }
+    const long strips = (M + MR - 1) / MR;
+    float* xp = (float*)aligned_alloc(64, sizeof(float) * strips * KC * MR + 64);
+    #pragma omp parallel if (parallel)
+    {
+        for (long k0 = 0; k0 < K; k0 += KC) {
+            const long kc = k0 + KC < K ? KC : K - k0;
+            #pragma omp for schedule(static)
+            for (long s = 0; s < strips; ++s) {
+                float* dst = xp + s * KC * MR;
+                for (long k = 0; k < kc; ++k)
+                    for (int r = 0; r < MR; ++r) {
+                        const long m = s * MR + r;
+                        dst[k * MR + r] = m < M ? x[m * ldx + k0 + k] : 0.0f;
+                    }
+            }
+            #pragma omp for schedule(static)
+            for (long p = 0; p < P; ++p) {
+                const float* w = wp + p * K * NR + k0 * NR;
+                const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+                const float* b = (bias && k0 + kc == K) ? bias + p * NR : 0;
+                for (long s = 0; s < strips; ++s) {
+                    const int rows = (M - s * MR) < MR ? (int)(M - s * MR) : MR;
+                    UKRPS[rows](xp + s * KC * MR, w, kc, y + s * MR * ldy + p * NR, ldy, nvalid, b, k0 == 0);
+                }
             }
         }
     }
+    free(xp);
 }
 """
 
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
+_P, _L = ctypes.c_void_p, ctypes.c_long
+_SIGNATURES = {"gemm_f32": [_P, _L, _L, _L, _P, _L, _P, _P, _L]}
 
 
 def load() -> Optional[ctypes.CDLL]:
     """The built kernel library, or None (no compiler, no AVX2 + FMA, or a failed build)."""
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        lib = native.build("gemm_f32", _SOURCE)
-        if lib is not None:
-            lib.gemm_f32.restype = None
-            lib.gemm_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                                     ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
-            lib.gemm_panel_width.restype = ctypes.c_int
-        _lib = lib
-    return _lib
+    lib = native.build("gemm_f32", _SOURCE, signatures=_SIGNATURES)
+    if lib is not None:
+        lib.gemm_panel_width.restype = ctypes.c_int
+        lib.gemm_rows_per_block.restype = ctypes.c_int
+    return lib
 
 
 class PackedWeight:

@@ -248,6 +248,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
         self.lm_head = Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
         self.compiled: Any = None  # CompiledDecoder with enforce_eager False
+        self.native_decoder: Any = None  # NativeDecoder when every kernel is native (native_decoder.py)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -277,6 +278,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.compiled is not None:
             return self.compiled(input_ids, positions, kv_caches, meta)
+        if self.native_decoder is not None:
+            return self.native_decoder.forward(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
@@ -306,6 +309,10 @@ class LlamaForCausalLM(nn.Module):
             from workers.model.compiled import CompiledDecoder
 
             self.compiled = CompiledDecoder(self)
+        else:
+            from workers.model.native_decoder import NativeDecoder
+
+            self.native_decoder = NativeDecoder.try_build(self)
         return count
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from cluster.shared.cache import cache_root
 
@@ -51,8 +51,17 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build(name: str, source: str, flags: Sequence[str] = FLAGS) -> Optional[ctypes.CDLL]:
-    """Builds (once per source, flags and CPU) and loads ``source`` as ``name``.
+Signatures = dict[str, list[Any]]  # function name -> argtypes (restype: void)
+
+
+def build(name: str, source: str, flags: Sequence[str] = FLAGS,
+          signatures: Optional[Signatures] = None) -> Optional[ctypes.CDLL]:
+    """Builds (once per source, flags and CPU) and loads ``source`` as ``name``;
+    each call after the first returns the same library.
+
+    Args:
+        signatures: ``{function: argtypes}`` of the void functions to declare
+            once the library is loaded.
 
     Returns:
         The library, or None when no C compiler is found or the build fails
@@ -62,7 +71,12 @@ def build(name: str, source: str, flags: Sequence[str] = FLAGS) -> Optional[ctyp
     key = f"{name}_{digest}"
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build_and_load(name, key, source, flags)
+            lib = _build_and_load(name, key, source, flags)
+            for function, argtypes in (signatures or {}).items():
+                if lib is not None:
+                    fn = getattr(lib, function)
+                    fn.restype, fn.argtypes = None, argtypes
+            _loaded[key] = lib
         return _loaded[key]
 
 

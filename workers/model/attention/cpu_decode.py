@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import Optional
 
 import torch
@@ -167,9 +166,9 @@ void paged_decode_f32(
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256
 _FLAGS = (*native.FLAGS, "-ffp-contract=fast", "-fno-math-errno")
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURES = {"paged_decode_f32": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I,
+                                    ctypes.c_float, _I, _P, _L]}
 
 
 def load() -> Optional[ctypes.CDLL]:
@@ -179,18 +178,7 @@ def load() -> Optional[ctypes.CDLL]:
         The library, or None when no C compiler is found or the build fails
         (logged once; callers fall back to torch).
     """
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            lib = native.build("paged_decode", _SOURCE, _FLAGS)
-            if lib is not None:
-                fn = lib.paged_decode_f32
-                fn.restype = None
-                p, lg, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-                fn.argtypes = [p, lg, p, lg, p, lg, p, p, p, p, i, p, i, i, i, i, i, ctypes.c_float, i, p, lg]
-            _lib = lib
-        return _lib
+    return native.build("paged_decode", _SOURCE, _FLAGS, _SIGNATURES)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

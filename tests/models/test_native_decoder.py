@@ -1,0 +1,49 @@
+"""The native decoder (``workers/model/native_decoder.py``) makes the module
+path's kernel calls with precomputed pointers: its logits are bitwise the
+module path's, in decode-only steps and in steps with prefill chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.factories import make_hf_config, make_hf_model
+from tests.models.conftest import PagedDriver, save_hf_model
+from workers.model.attention.torch_backend import TorchAttentionBackend
+from workers.model.loader import load_model
+
+CASES = {
+    "llama_bias_tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    "mistral_sliding": ("mistral", {"sliding_window": 8}),
+    "qwen2": ("qwen2", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_decoder_matches_the_module_path_bitwise(name, tmp_path):
+    family, overrides = CASES[name]
+    folder = save_hf_model(make_hf_model(make_hf_config(family, **overrides)), tmp_path)
+    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
+    fast = model.native_decoder
+    if fast is None:
+        pytest.skip("a native kernel did not build here")
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(n)] for i, n in enumerate([5, 13, 1, 22])}
+    drivers = [PagedDriver(model, block_size=4), PagedDriver(model, block_size=4)]
+    steps = [
+        {"r0": prompts["r0"], "r1": prompts["r1"][:6]},        # prefills
+        {"r0": [7], "r1": prompts["r1"][6:], "r2": prompts["r2"]},  # a decode and prefill chunks
+        {"r0": [8], "r1": [9], "r2": [10]},                  # decode only
+        {"r0": [11], "r1": [12], "r2": [13], "r3": prompts["r3"]},
+        {"r0": [14], "r1": [15], "r2": [16], "r3": [17]},    # decode only, past the sliding window
+    ]
+    for chunks in steps:
+        model.native_decoder = fast
+        got = drivers[0].step(chunks)
+        model.native_decoder = None  # the module path
+        expected = drivers[1].step(chunks)
+        for rid in chunks:
+            assert torch.equal(got[rid], expected[rid]), (name, rid)
+    model.native_decoder = fast

@@ -1,0 +1,172 @@
+"""The decoder stack on native kernels with as little Python as a step allows.
+
+With every kernel native (CPU, float32, ``linear_backend`` native, the fused
+ops of ``cpu_ops.py`` and the decode-attention kernel built; no tensor
+parallelism, no ``torch.compile``), a layer is nine C calls: norm, q/k/v
+GEMM, rotary, attention, o GEMM, norm, gate/up GEMM, SiLU, down GEMM. The
+module path spends as long again around them in module calls, views and
+argument checks (about 3 µs each, ~25 per layer at one token), which at
+batch 1 is a tenth of a step. This path makes the same calls with pointers
+and sizes worked out once at load (weights) and once per step (metadata):
+the same kernels on the same data, so the same bits as the module path
+(``tests/models/test_native_decoder.py``).
+
+Steps with prefill chunks take the module path's attention for those layers'
+attention (views of the q/k/v rows into the backend); everything else stays
+here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, Optional
+
+import torch
+
+from workers.model import cpu_ops, gemm
+from workers.model.attention import cpu_decode
+
+
+class _Layer:
+    """One decoder layer's pointers and sizes."""
+
+    __slots__ = ("norm1", "norm2", "eps", "qkv", "o", "gate_up", "down", "num_heads", "num_kv_heads", "head_dim",
+                 "scale", "window", "attn")
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1 = layer.input_layernorm.weight.data_ptr()
+        self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+        self.eps = float(layer.input_layernorm.eps)
+        assert layer.post_attention_layernorm.eps == layer.input_layernorm.eps
+        self.qkv, self.o = _weight(attn.qkv_proj), _weight(attn.o_proj)
+        self.gate_up, self.down = _weight(mlp.gate_up_proj), _weight(mlp.down_proj)
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
+        self.attn = attn
+
+
+def _weight(linear: Any) -> tuple[int, int, int, int]:
+    """``(panels pointer, bias pointer or 0, out_features, in_features)`` of a packed linear layer."""
+    packed: gemm.PackedWeight = linear.packed
+    bias = packed.bias.data_ptr() if packed.bias is not None else 0
+    return packed.panels.data_ptr(), bias, packed.out_features, packed.in_features
+
+
+class NativeDecoder:
+    """Runs ``model.model`` (embedding, layers, final norm) on the native kernels.
+
+    Build it with :meth:`try_build`, which returns None where a kernel or a
+    condition is missing.
+    """
+
+    def __init__(self, model: Any, ops: ctypes.CDLL, gemm_lib: ctypes.CDLL, attn_lib: ctypes.CDLL) -> None:
+        self.model = model
+        self.ops, self.attn_lib = ops, attn_lib
+        self._gemm = gemm_lib.gemm_f32
+        self._norm = ops.add_rms_norm_f32
+        self._rotary = ops.rotary_f32
+        self._silu = ops.silu_and_mul_f32
+        self._decode = attn_lib.paged_decode_f32
+        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.final_norm = model.model.norm.weight.data_ptr()
+        self.final_eps = float(model.model.norm.eps)
+        self.hidden_size = model.arch.hidden_size
+        self._backend = model.model.layers[0].self_attn.attn_backend
+        self.timers: Optional[dict[str, float]] = None  # set by bench latency --profile
+        # The tensors the pointers point into stay alive with the model.
+        self._keep = [p for p in model.parameters()] + [m.packed for m in model.modules() if getattr(m, "packed", None)]
+
+    @classmethod
+    def try_build(cls, model: Any) -> Optional["NativeDecoder"]:
+        """The native decoder of a finalized model, or None if any piece is missing."""
+        from workers.model.attention.torch_backend import TorchAttentionBackend
+        from workers.model.linear import Linear
+
+        if getattr(model, "tp", None) is not None or getattr(model, "compiled", None) is not None:
+            return None
+        weight = model.model.norm.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        linears = [m for m in model.model.modules() if isinstance(m, Linear)]
+        if not linears or any(m.backend != "native" or m.packed is None for m in linears):
+            return None
+        backends = {id(layer.self_attn.attn_backend) for layer in model.model.layers}
+        backend = model.model.layers[0].self_attn.attn_backend
+        if len(backends) != 1 or not isinstance(backend, TorchAttentionBackend) or backend.batch_invariant:
+            return None
+        attn = model.model.layers[0].self_attn
+        if attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > cpu_decode.MAX_GROUP \
+                or attn.head_dim > cpu_decode.MAX_DIM:
+            return None
+        ops, gemm_lib, attn_lib = cpu_ops.load(), gemm.load(), cpu_decode.load()
+        if ops is None or gemm_lib is None or attn_lib is None:
+            return None
+        return cls(model, ops, gemm_lib, attn_lib)
+
+    # ------------------------------------------------------------------ kernels
+    def _linear(self, x: torch.Tensor, weight: tuple[int, int, int, int]) -> torch.Tensor:
+        panels, bias, n, k = weight
+        y = torch.empty(x.shape[0], n)
+        if self.timers is not None:
+            begin = time.perf_counter()
+        self._gemm(x.data_ptr(), x.shape[0], k, x.stride(0), panels, n, bias or None, y.data_ptr(), n)
+        if self.timers is not None:
+            self.timers["linear"] += time.perf_counter() - begin
+        return y
+
+    def _add_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, weight: int, eps: float) -> torch.Tensor:
+        out = torch.empty_like(residual)
+        self._norm(x.data_ptr() if x is not None else None, residual.data_ptr(), weight, out.data_ptr(),
+                   residual.shape[0], self.hidden_size, eps)
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any) -> torch.Tensor:
+        model = self.model.model
+        x = model.embed_tokens(input_ids).contiguous()
+        cos, sin = model.rotary_emb.lookup(positions)
+        tokens = x.shape[0]
+        decode_only = (meta.num_decodes == meta.num_requests and self._backend._native_decode
+                       and kv_caches[0].shape[2] <= cpu_decode.MAX_BLOCK)
+        if decode_only:
+            step = (meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
+                    meta.seq_lens.data_ptr(), meta.num_requests)
+        cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
+        residual = x
+        hidden = self._add_norm(None, residual, self.layers[0].norm1, self.layers[0].eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i:
+                hidden = self._add_norm(hidden, residual, layer.norm1, layer.eps)
+            qkv = self._linear(hidden, layer.qkv)
+            hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+            ld = qkv.stride(0)
+            self._rotary(qkv.data_ptr(), tokens, hq + hkv, d, ld, cos_p, sin_p)
+            if self.timers is not None:
+                begin = time.perf_counter()
+            if decode_only:
+                attn = torch.empty(tokens, hq * d)
+                base = qkv.data_ptr()
+                k_base = base + hq * d * 4
+                cache = kv_cache.data_ptr()
+                slots, tables, width, lens, num_reqs = step
+                self._decode(base, ld, k_base, ld, k_base + hkv * d * 4, ld, slots, cache,
+                             cache + kv_cache.stride(0) * 4, tables, width, lens, num_reqs, hq, hkv, d,
+                             kv_cache.shape[2], layer.scale, layer.window, attn.data_ptr(), hq * d)
+            else:
+                q = qkv[:, : hq * d].view(tokens, hq, d)
+                k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+                v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+                attn = layer.attn.attn_backend.forward(q, k, v, kv_cache, meta, layer.scale,
+                                                       layer.window or None).reshape(tokens, hq * d)
+            if self.timers is not None:
+                self.timers["attention"] += time.perf_counter() - begin
+            out = self._linear(attn, layer.o)
+            hidden = self._add_norm(out, residual, layer.norm2, layer.eps)
+            gate_up = self._linear(hidden, layer.gate_up)
+            act = torch.empty(tokens, gate_up.shape[1] // 2)
+            self._silu(gate_up.data_ptr(), act.data_ptr(), tokens, gate_up.shape[1] // 2)
+            hidden = self._linear(act, layer.down)
+        return self._add_norm(hidden, residual, self.final_norm, self.final_eps)
