@@ -113,3 +113,28 @@ def test_silu_and_mul_matches_torch():
     act.native = lib
     torch.testing.assert_close(act(x), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(act(x[2:3]), act(x)[2:3])
+
+
+def test_gemm_avx2_build_is_exact_and_invariant_too():
+    """The AVX2 + FMA code path (the CPUs without AVX-512), built explicitly here."""
+    import ctypes
+    import platform
+
+    from workers.model import native
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    flags = ("-O3", "-mavx2", "-mfma", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC")
+    lib = native.build("gemm_f32_avx2", gemm._SOURCE, flags, gemm._SIGNATURES)
+    if lib is None:
+        pytest.skip("no compiler for the AVX2 build")
+    lib.gemm_panel_width.restype = ctypes.c_int
+    assert lib.gemm_panel_width() == 16  # two 8-float vectors
+    gen = torch.Generator().manual_seed(11)
+    w, b = torch.randn(100, 72, generator=gen), torch.randn(100, generator=gen)
+    x = torch.randn(150, 72, generator=gen)
+    packed = gemm.PackedWeight(w, b, lib)
+    full = packed.matmul(x)
+    torch.testing.assert_close(full, (x.double() @ w.double().T + b.double()).float(), atol=1e-4, rtol=1e-5)
+    for size in (1, 5, 6, 7, 13, 127, 128, 129):
+        assert torch.equal(packed.matmul(x[3 : 3 + size]), full[3 : 3 + size]), size
