@@ -78,10 +78,10 @@ int gemm_rows_per_block(void) { return MR; }
 
 /* acc = (first ? 0 : the partial sums in y) + x[:, k0:k1] . W[k0:k1]; the sums pass
    through y between K blocks as float32, so the FMA chain of an element is the same
-   whatever the blocking. */
-#define UKR(R)                                                                              \
-static void ukr_##R(const float* x, long ldx, const float* wp, long K, float* y, long ldy,  \
-                    int nvalid, const float* bias, int first) {                             \
+   whatever the blocking. XVAL(r, k) reads row r's value at k: from x's rows
+   (ukr_R), or from a packed block where row r's value at k is xp[k * MR + r]
+   (ukrp_R: the MR broadcasts of a step then come from one cache line). */
+#define UKR_BODY(R, XVAL)                                                                   \
     vec acc[R][2];                                                                          \
     if (first || nvalid != NR) {                                                            \
         for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }           \
@@ -98,7 +98,7 @@ static void ukr_##R(const float* x, long ldx, const float* wp, long K, float* y,
         _mm_prefetch((const char*)(wp + (k + PF) * NR + 16), _MM_HINT_T0);                  \
         const vec w0 = VLOAD(wp + k * NR), w1 = VLOAD(wp + k * NR + VL);                    \
         for (int r = 0; r < R; ++r) {                                                       \
-            const vec xb = VSET1(x[r * ldx + k]);                                           \
+            const vec xb = VSET1(XVAL(r, k));                                               \
             acc[r][0] = VFMA(w0, xb, acc[r][0]);                                            \
             acc[r][1] = VFMA(w1, xb, acc[r][1]);                                            \
         }                                                                                   \
@@ -115,8 +115,15 @@ static void ukr_##R(const float* x, long ldx, const float* wp, long K, float* y,
             VSTORE(tmp, acc[r][0]); VSTORE(tmp + VL, acc[r][1]);                            \
             memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);                               \
         }                                                                                   \
-    }                                                                                       \
-}
+    }
+
+#define ROWS(r, k) x[(r) * ldx + (k)]
+#define PACKED(r, k) x[(k) * MR + (r)]
+#define UKR(R)                                                                              \
+static void ukr_##R(const float* x, long ldx, const float* wp, long K, float* y, long ldy,  \
+                    int nvalid, const float* bias, int first) { UKR_BODY(R, ROWS) }          \
+static void ukrp_##R(const float* x, long ldx, const float* wp, long K, float* y, long ldy, \
+                     int nvalid, const float* bias, int first) { (void)ldx; UKR_BODY(R, PACKED) }
 
 UKR(1) UKR(2) UKR(3) UKR(4) UKR(5) UKR(6)
 #if MR > 6
@@ -130,55 +137,7 @@ static const ukr_fn UKRS[MR + 1] = {
     ukr_7, ukr_8, ukr_9, ukr_10, ukr_11, ukr_12,
 #endif
 };
-
-/* The same microkernel over a packed block of x: row r's value at k is
-   xp[k * MR + r], so the MR broadcasts of a step come from one cache line
-   (instead of MR rows' lines). Same FMA chains, so the same bits. */
-#define UKRP(R)                                                                             \
-static void ukrp_##R(const float* xp, const float* wp, long K, float* y, long ldy,          \
-                     int nvalid, const float* bias, int first) {                            \
-    vec acc[R][2];                                                                          \
-    if (first || nvalid != NR) {                                                            \
-        for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }           \
-        if (!first) for (int r = 0; r < R; ++r) {                                           \
-            float tmp[NR] = {0};                                                            \
-            memcpy(tmp, y + r * ldy, sizeof(float) * nvalid);                               \
-            acc[r][0] = VLOAD(tmp); acc[r][1] = VLOAD(tmp + VL);                            \
-        }                                                                                   \
-    } else {                                                                                \
-        for (int r = 0; r < R; ++r) { acc[r][0] = VLOAD(y + r * ldy); acc[r][1] = VLOAD(y + r * ldy + VL); } \
-    }                                                                                       \
-    for (long k = 0; k < K; ++k) {                                                          \
-        const vec w0 = VLOAD(wp + k * NR), w1 = VLOAD(wp + k * NR + VL);                    \
-        const float* xk = xp + k * MR;                                                      \
-        for (int r = 0; r < R; ++r) {                                                       \
-            const vec xb = VSET1(xk[r]);                                                    \
-            acc[r][0] = VFMA(w0, xb, acc[r][0]);                                            \
-            acc[r][1] = VFMA(w1, xb, acc[r][1]);                                            \
-        }                                                                                   \
-    }                                                                                       \
-    if (bias) {                                                                             \
-        const vec b0 = VLOAD(bias), b1 = VLOAD(bias + VL);                                  \
-        for (int r = 0; r < R; ++r) { acc[r][0] = VADD(acc[r][0], b0); acc[r][1] = VADD(acc[r][1], b1); } \
-    }                                                                                       \
-    for (int r = 0; r < R; ++r) {                                                           \
-        if (nvalid == NR) {                                                                 \
-            VSTORE(y + r * ldy, acc[r][0]); VSTORE(y + r * ldy + VL, acc[r][1]);            \
-        } else {                                                                            \
-            float tmp[NR];                                                                  \
-            VSTORE(tmp, acc[r][0]); VSTORE(tmp + VL, acc[r][1]);                            \
-            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);                               \
-        }                                                                                   \
-    }                                                                                       \
-}
-
-UKRP(1) UKRP(2) UKRP(3) UKRP(4) UKRP(5) UKRP(6)
-#if MR > 6
-UKRP(7) UKRP(8) UKRP(9) UKRP(10) UKRP(11) UKRP(12)
-#endif
-
-typedef void (*ukrp_fn)(const float*, const float*, long, float*, long, int, const float*, int);
-static const ukrp_fn UKRPS[MR + 1] = {
+static const ukr_fn UKRPS[MR + 1] = {
     0, ukrp_1, ukrp_2, ukrp_3, ukrp_4, ukrp_5, ukrp_6,
 #if MR > 6
     ukrp_7, ukrp_8, ukrp_9, ukrp_10, ukrp_11, ukrp_12,
@@ -240,7 +199,7 @@ void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
                 const float* b = (bias && k0 + kc == K) ? bias + p * NR : 0;
                 for (long s = 0; s < strips; ++s) {
                     const int rows = (M - s * MR) < MR ? (int)(M - s * MR) : MR;
-                    UKRPS[rows](xp + s * KC * MR, w, kc, y + s * MR * ldy + p * NR, ldy, nvalid, b, k0 == 0);
+                    UKRPS[rows](xp + s * KC * MR, 0, w, kc, y + s * MR * ldy + p * NR, ldy, nvalid, b, k0 == 0);
                 }
             }
         }
