@@ -70,6 +70,16 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     return max_model_len
 
 
+def gguf_source(config: EngineConfig) -> Optional[Path]:
+    """The .gguf file the model comes from (the default model's when ``model`` is None), else None."""
+    if config.model is None:
+        from workers.model.loader import default_gguf_path
+
+        return default_gguf_path()
+    path = Path(config.model)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def load_model_for(
     config: EngineConfig, model_dir: Path, device: torch.device, tp: Optional[TPContext] = None
 ) -> tuple[LlamaForCausalLM, ModelArchConfig, torch.dtype]:
@@ -83,5 +93,6 @@ def load_model_for(
                                     batch_invariant=config.batch_invariant)
     model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
                              linear_backend="native" if config.batch_invariant else config.linear_backend,
-                             enforce_eager=config.enforce_eager)
+                             enforce_eager=config.enforce_eager, quantization=config.quantization,
+                             quantization_group_size=config.quantization_group_size, gguf_path=gguf_source(config))
     return model, arch, dtype

@@ -24,7 +24,7 @@ Backends (engine argument ``linear_backend``):
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ class Linear(nn.Linear):
         self.kernel_no_bias: Optional[Kernel] = None  # x -> x @ W.T
         self.backend = "torch"
         self.packed: Optional[gemm.PackedWeight] = None
+        self.quant: Any = None  # qgemm.QuantWeight when quantized (workers/model/quant/)
         self.use_gemm_op = False  # under torch.compile: the native GEMM as a custom op (compiled.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,8 +81,9 @@ class Embedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim)
         self.packed: Optional[gemm.PackedWeight] = None
 
-    def read_rows_from(self, packed: gemm.PackedWeight) -> None:
-        """Looks rows up in ``packed`` from now on; the plain weight is freed."""
+    def read_rows_from(self, packed: Any) -> None:
+        """Looks rows up in ``packed`` (anything with ``rows(ids)``: a packed or
+        quantized LM head) from now on; the plain weight is freed."""
         assert (packed.out_features, packed.in_features) == (self.num_embeddings, self.embedding_dim)
         self.packed = packed
         self.weight = nn.Parameter(torch.empty(0, self.embedding_dim), requires_grad=False)
@@ -131,18 +133,21 @@ def finalize_linears(model: nn.Module, backend: str, tied: Optional[tuple[Linear
         The number of layers that got the kernel.
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    if backend == "torch":
-        return len(layers)
-    for layer in layers:
-        _install(layer, backend)
-    if tied is not None and backend == "native":
+    if backend != "torch":
+        for layer in layers:
+            if layer.quant is None:  # quantized layers have their kernel already
+                _install(layer, backend)
+    rows_from = None
+    if tied is not None:
         head, embedding = tied
-        assert head.packed is not None
-        embedding.read_rows_from(head.packed)
-    shared = tied[0] if tied is not None and backend != "native" else None
-    for layer in layers:
-        if layer is not shared:
-            layer.weight = nn.Parameter(torch.empty(0, layer.in_features), requires_grad=False)
+        rows_from = head.quant if head.quant is not None else head.packed
+        if rows_from is not None:
+            embedding.read_rows_from(rows_from)
+    shared = tied[0] if tied is not None and rows_from is None else None
+    if backend != "torch":
+        for layer in layers:
+            if layer is not shared:
+                layer.weight = nn.Parameter(torch.empty(0, layer.in_features), requires_grad=False)
     return len(layers)
 
 
@@ -168,3 +173,17 @@ def _install(layer: Linear, backend: str) -> None:
     else:
         raise AssertionError(f"unknown linear backend {backend!r}")
     layer.backend = backend
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold: parameters and buffers, packed panels and
+    quantized weights (a tied embedding reading its head's rows counts once)."""
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            if layer.quant is not None:
+                total += layer.quant.nbytes
+            elif layer.packed is not None:
+                tensors = [layer.packed.panels] + ([layer.packed.bias] if layer.packed.bias is not None else [])
+                total += sum(t.numel() * t.element_size() for t in tensors)
+    return total

@@ -179,6 +179,9 @@ def load_model(
     tp: Optional[TPContext] = None,
     linear_backend: str = "auto",
     enforce_eager: bool = True,
+    quantization: Optional[str] = None,
+    quantization_group_size: Optional[int] = None,
+    gguf_path: Optional[Path] = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Builds the model of a folder (see ``resolve_model``) and loads its weights.
 
@@ -188,6 +191,8 @@ def load_model(
     linear layers get ``linear_backend``'s kernels (``linear.py``; weights
     packed once); without ``enforce_eager`` the decoder stack is compiled
     (``compiled.py``; not with tensor parallelism, whose collectives stay eager).
+    With ``quantization`` the linear layers run on quantized weights
+    (``quant/methods.py``; ``gguf`` reads them from ``gguf_path``).
 
     Raises:
         ValueError: If the folder's config or weights are not supported.
@@ -203,7 +208,16 @@ def load_model(
     model.load_weights(iter_weights(folder))
     model.eval()
     backend = resolve_linear_backend(linear_backend, device, torch_dtype)
-    compile = not enforce_eager and tp is None and backend == "native"
+    if quantization is not None:
+        if device.type != "cpu" or torch_dtype != torch.float32 or tp is not None:
+            raise ValueError(f"quantization={quantization!r} runs on CPU in float32 without tensor parallelism; "
+                             f"got {torch_dtype} on {device.type}" + (" with tensor parallelism" if tp else ""))
+        from workers.model.quant.methods import quantize_linears
+
+        summary = quantize_linears(model, quantization, quantization_group_size, gguf_path,
+                                   calibration_ids=_calibration_ids(folder) if quantization == "w8a8" else None)
+        model.quantization = summary.label
+    compile = not enforce_eager and tp is None and backend == "native" and quantization is None
     if not enforce_eager and not compile:
         logger.info("enforce_eager False: compiling needs the native linear backend and no tensor parallelism; "
                     "running eager")
@@ -211,3 +225,15 @@ def load_model(
     logger.info("loaded %s (%s, %s) in %.1f s; %d linear layers on the %s backend", folder, arch.family,
                 torch_dtype, time.monotonic() - start, num_linears, backend)
     return model, arch
+
+
+def _calibration_ids(folder: Path) -> Optional[list[int]]:
+    """The calibration text (``cluster/shared/text_corpus.py``) in the folder's tokens; None without a tokenizer."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    from cluster.shared.text_corpus import calibration_text
+
+    return Tokenizer.from_file(str(path)).encode(calibration_text()).ids

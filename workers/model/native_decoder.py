@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from workers.model import cpu_ops, gemm
+from workers.model import cpu_ops, gemm, qgemm
 from workers.model.attention import cpu_decode
 
 
@@ -47,11 +47,22 @@ class _Layer:
         self.attn = attn
 
 
-def _weight(linear: Any) -> tuple[int, int, int, int]:
-    """``(panels pointer, bias pointer or 0, out_features, in_features)`` of a packed linear layer."""
+def _weight(linear: Any) -> tuple:
+    """What ``NativeDecoder._linear`` calls a layer's kernel with: ``(None,
+    panels, bias or 0, out_features, in_features)`` for a packed float weight,
+    ``(quant, q, scales, mins or 0, bias or 0, out_features, in_features)``
+    for a quantized one (``qgemm.py``), ``(layer kernel, None, out_features,
+    in_features)`` for one that quantizes its input too (``w8a8``)."""
+    quant = linear.quant
+    if quant is not None and not isinstance(quant, qgemm.QuantWeight):
+        return (quant, None, quant.out_features, quant.in_features)
+    if quant is not None:
+        return (quant, quant.q.data_ptr(), quant.scales.data_ptr(),
+                quant.mins.data_ptr() if quant.mins is not None else 0,
+                quant.bias.data_ptr() if quant.bias is not None else 0, quant.out_features, quant.in_features)
     packed: gemm.PackedWeight = linear.packed
     bias = packed.bias.data_ptr() if packed.bias is not None else 0
-    return packed.panels.data_ptr(), bias, packed.out_features, packed.in_features
+    return None, packed.panels.data_ptr(), bias, packed.out_features, packed.in_features
 
 
 class NativeDecoder:
@@ -65,6 +76,8 @@ class NativeDecoder:
         self.model = model
         self.ops, self.attn_lib = ops, attn_lib
         self._gemm = gemm_lib.gemm_f32
+        qlib = qgemm.load()
+        self._qgemm = qlib.qgemm_f32 if qlib is not None else None
         self._norm = ops.add_rms_norm_f32
         self._rotary = ops.rotary_f32
         self._silu = ops.silu_and_mul_f32
@@ -76,7 +89,8 @@ class NativeDecoder:
         self._backend = model.model.layers[0].self_attn.attn_backend
         self.timers: Optional[dict[str, float]] = None  # set by bench latency --profile
         # The tensors the pointers point into stay alive with the model.
-        self._keep = [p for p in model.parameters()] + [m.packed for m in model.modules() if getattr(m, "packed", None)]
+        self._keep = [p for p in model.parameters()] + [
+            getattr(m, "packed", None) or getattr(m, "quant", None) for m in model.modules()]
 
     @classmethod
     def try_build(cls, model: Any) -> Optional["NativeDecoder"]:
@@ -90,7 +104,7 @@ class NativeDecoder:
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None
         linears = [m for m in model.model.modules() if isinstance(m, Linear)]
-        if not linears or any(m.backend != "native" or m.packed is None for m in linears):
+        if not linears or any(m.quant is None and (m.backend != "native" or m.packed is None) for m in linears):
             return None
         backends = {id(layer.self_attn.attn_backend) for layer in model.model.layers}
         backend = model.model.layers[0].self_attn.attn_backend
@@ -103,15 +117,25 @@ class NativeDecoder:
         ops, gemm_lib, attn_lib = cpu_ops.load(), gemm.load(), cpu_decode.load()
         if ops is None or gemm_lib is None or attn_lib is None:
             return None
+        if any(m.quant is not None for m in linears) and qgemm.load() is None:
+            return None
         return cls(model, ops, gemm_lib, attn_lib)
 
     # ------------------------------------------------------------------ kernels
-    def _linear(self, x: torch.Tensor, weight: tuple[int, int, int, int]) -> torch.Tensor:
-        panels, bias, n, k = weight
+    def _linear(self, x: torch.Tensor, weight: tuple) -> torch.Tensor:
+        n, k = weight[-2], weight[-1]
         y = torch.empty(x.shape[0], n)
         if self.timers is not None:
             begin = time.perf_counter()
-        self._gemm(x.data_ptr(), x.shape[0], k, x.stride(0), panels, n, bias or None, y.data_ptr(), n)
+        if weight[0] is None:
+            _, panels, bias, n, k = weight
+            self._gemm(x.data_ptr(), x.shape[0], k, x.stride(0), panels, n, bias or None, y.data_ptr(), n)
+        elif weight[1] is None:
+            y = weight[0].matmul(x)
+        else:
+            quant, q, scales, mins, bias, n, k = weight
+            self._qgemm(x.data_ptr(), x.shape[0], k, x.stride(0), q, scales, mins or None, quant.bits,
+                        quant.group_size, n, bias or None, y.data_ptr(), n)
         if self.timers is not None:
             self.timers["linear"] += time.perf_counter() - begin
         return y

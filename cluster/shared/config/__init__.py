@@ -20,6 +20,7 @@ from cluster.shared.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
     LINEAR_BACKENDS,
+    QUANTIZATION_METHODS,
     PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
@@ -28,7 +29,7 @@ from cluster.shared.config.engine import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "ROUTING_POLICIES",
+    "ATTENTION_BACKENDS", "DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS", "ROUTING_POLICIES",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig",
 ]

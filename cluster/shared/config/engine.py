@@ -16,6 +16,7 @@ from typing import Any, Optional
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
+QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -121,6 +122,13 @@ class EngineConfig:
         linear_backend: Kernel of the linear layers (``workers/model/linear.py``):
             ``auto`` (our batch-invariant native GEMM on CPU, cuBLAS on GPUs),
             ``native``, ``onednn`` or ``torch``.
+        quantization: Weight-only quantization of the linear layers
+            (``workers/model/quant/``): ``gguf`` (a .gguf model's own
+            quantized tensors), ``int8`` (per channel), ``int4`` (per group),
+            or ``w8a8`` (SmoothQuant, calibrated at load on text shipped with
+            Python); None keeps float weights. CPU, float32.
+        quantization_group_size: Inputs per group of ``int4`` (32, 64 or 128;
+            default 128).
         batch_invariant: Guarantee that a request's outputs (tokens and
             logprobs, bitwise) never depend on what else is in its steps,
             including how its prompt's prefill is chunked: every attention
@@ -145,6 +153,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     batch_invariant: bool = False
+    quantization: Optional[str] = None
+    quantization_group_size: Optional[int] = None
     enforce_eager: bool = True
     device: Optional[str] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -158,6 +168,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got "
+                             f"{self.quantization!r} (awq and gptq checkpoints are not supported yet)")
+        if self.quantization_group_size is not None and self.quantization != "int4":
+            raise ValueError("quantization_group_size applies to quantization='int4' only")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -1,0 +1,321 @@
+"""A native GEMM over group-quantized weights (CPU): ``y = x @ W.T (+ b)`` where
+each weight is ``scale * q + min`` with a small integer ``q`` and a float
+``scale`` / ``min`` per group of ``group_size`` consecutive inputs.
+
+One kernel serves every weight-only format (``workers/model/quant/``):
+
+    format          q                       group   min
+    GGUF Q4_0       4-bit, 0..15            32      -8 * d
+    GGUF Q4_1       4-bit, 0..15            32      m
+    GGUF Q8_0       8-bit, -128..127        32      none
+    GGUF Q4_K       4-bit, 0..15            32      -dmin * m   (scale d * sc)
+    GGUF Q5_K       5-bit in 8, 0..31       32      -dmin * m
+    GGUF Q6_K       6-bit in 8, -32..31     16      none        (scale d * sc)
+    int4 (ours)     4-bit, 0..15            32/64/128  asymmetric
+    int8 (ours)     8-bit, -127..127        the row  none
+
+Layout of a panel of NR output columns (as ``gemm.py``: 32 with AVX-512, 16
+with AVX2)::
+
+    4-bit  bytes [K / 2][NR]: byte (kk, c) holds q[2kk][c] (low nibble) and
+           q[2kk + 1][c] (high nibble), so one load gives two inputs' q of
+           every column, unpacked along the vector
+    8-bit  int8  [K][NR]
+    scales float [K / group][NR], mins float [K / group][NR] or none
+
+Arithmetic: per group the integer weights meet x in one FMA chain (exact
+small integers as floats), then the group's scale and min are applied::
+
+    y[r, c] = sum over groups g, in order:
+                  scale[g][c] * (sum over k in g, in order: x[r, k] * q[k][c])
+                + min[g][c]   * (sum over k in g, in order: x[r, k])
+
+Every element is computed the same way whatever the batch (the
+per-row group sums of x are computed once per row, in order): batch-invariant
+like the float GEMM. It is not the float GEMM on dequantized weights (that
+sums ``x * (scale * q + min)`` term by term): results agree to float rounding
+(``tests/unit/test_qgemm.py``). Per weight it costs one int-to-float
+conversion and one FMA per row, on 4 or 8 bits read from memory instead of 32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import numpy as np
+import torch
+
+from workers.model import native
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MRQ 6
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+/* 32 bytes of k-pairs -> q of input 2kk (lo) and 2kk+1 (hi) for columns 0..15 (0) and 16..31 (1) */
+#define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
+    const __m256i b_ = _mm256_loadu_si256((const __m256i*)(p));                          \
+    const __m256i m_ = _mm256_set1_epi8(0x0F);                                           \
+    const __m256i l_ = _mm256_and_si256(b_, m_);                                         \
+    const __m256i h_ = _mm256_and_si256(_mm256_srli_epi16(b_, 4), m_);                   \
+    lo0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(l_)));          \
+    lo1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(l_, 1)));     \
+    hi0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(h_)));          \
+    hi1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h_, 1)));     \
+} while (0)
+#define LOAD_S8(p, w0, w1) do {                                                          \
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))));        \
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((p) + 16))));  \
+} while (0)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+#define MRQ 3
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
+    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
+    const __m128i m_ = _mm_set1_epi8(0x0F);                                              \
+    const __m128i l_ = _mm_and_si128(b_, m_);                                            \
+    const __m128i h_ = _mm_and_si128(_mm_srli_epi16(b_, 4), m_);                         \
+    lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l_));                                  \
+    lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l_, 8)));               \
+    hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h_));                                  \
+    hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h_, 8)));               \
+} while (0)
+#define LOAD_S8(p, w0, w1) do {                                                          \
+    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b_));                                   \
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b_, 8)));                \
+} while (0)
+#else
+#error "the quantized GEMM needs AVX2 and FMA"
+#endif
+#define NR (2 * VL)
+
+int qgemm_panel_width(void) { return NR; }
+
+/* R rows of x against one panel; xs: the rows' group sums [R][G] (stride G). */
+#define QUKR(R)                                                                             \
+static void qukr_##R(const float* x, long ldx, const float* xs, long G,                     \
+                     const unsigned char* q, const float* sc, const float* mn, int bits,     \
+                     long K, long gs, float* y, long ldy, int nvalid, const float* bias) {  \
+    vec acc[R][2];                                                                          \
+    for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }               \
+    for (long g = 0; g < G; ++g) {                                                          \
+        vec ga[R][2];                                                                       \
+        for (int r = 0; r < R; ++r) { ga[r][0] = VZERO(); ga[r][1] = VZERO(); }             \
+        const long k0 = g * gs;                                                             \
+        const long len = k0 + gs <= K ? gs : K - k0;  /* the last group may be shorter */   \
+        if (bits == 4) {                                                             \
+            const unsigned char* qp = q + (k0 / 2) * NR;                                    \
+            for (long kk = 0; kk < len / 2; ++kk) {                                         \
+                vec l0, l1, h0, h1;                                                         \
+                LOAD_U4(qp + kk * NR, l0, l1, h0, h1);                                      \
+                for (int r = 0; r < R; ++r) {                                               \
+                    const vec xa = VSET1(x[r * ldx + k0 + 2 * kk]);                         \
+                    ga[r][0] = VFMA(l0, xa, ga[r][0]); ga[r][1] = VFMA(l1, xa, ga[r][1]);   \
+                    const vec xb = VSET1(x[r * ldx + k0 + 2 * kk + 1]);                     \
+                    ga[r][0] = VFMA(h0, xb, ga[r][0]); ga[r][1] = VFMA(h1, xb, ga[r][1]);   \
+                }                                                                           \
+            }                                                                               \
+        } else {                                                                            \
+            const signed char* qp = (const signed char*)q + k0 * NR;                        \
+            for (long k = 0; k < len; ++k) {                                                \
+                vec w0, w1;                                                                 \
+                LOAD_S8(qp + k * NR, w0, w1);                                               \
+                for (int r = 0; r < R; ++r) {                                               \
+                    const vec xa = VSET1(x[r * ldx + k0 + k]);                              \
+                    ga[r][0] = VFMA(w0, xa, ga[r][0]); ga[r][1] = VFMA(w1, xa, ga[r][1]);   \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        const vec s0 = VLOAD(sc + g * NR), s1 = VLOAD(sc + g * NR + VL);                    \
+        for (int r = 0; r < R; ++r) {                                                       \
+            acc[r][0] = VFMA(s0, ga[r][0], acc[r][0]); acc[r][1] = VFMA(s1, ga[r][1], acc[r][1]); \
+        }                                                                                   \
+        if (mn) {                                                                           \
+            const vec m0 = VLOAD(mn + g * NR), m1 = VLOAD(mn + g * NR + VL);                \
+            for (int r = 0; r < R; ++r) {                                                   \
+                const vec xsum = VSET1(xs[r * G + g]);                                      \
+                acc[r][0] = VFMA(m0, xsum, acc[r][0]); acc[r][1] = VFMA(m1, xsum, acc[r][1]); \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    if (bias) {                                                                             \
+        const vec b0 = VLOAD(bias), b1 = VLOAD(bias + VL);                                  \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VADD(acc[r][0], b0); acc[r][1] = VADD(acc[r][1], b1); } \
+    }                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                           \
+        if (nvalid == NR) {                                                                 \
+            VSTORE(y + r * ldy, acc[r][0]); VSTORE(y + r * ldy + VL, acc[r][1]);            \
+        } else {                                                                            \
+            float tmp[NR];                                                                  \
+            VSTORE(tmp, acc[r][0]); VSTORE(tmp + VL, acc[r][1]);                            \
+            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+QUKR(1) QUKR(2) QUKR(3)
+#if MRQ > 3
+QUKR(4) QUKR(5) QUKR(6)
+#endif
+
+typedef void (*qukr_fn)(const float*, long, const float*, long, const unsigned char*, const float*,
+                        const float*, int, long, long, float*, long, int, const float*);
+static const qukr_fn QUKRS[MRQ + 1] = {
+    0, qukr_1, qukr_2, qukr_3,
+#if MRQ > 3
+    qukr_4, qukr_5, qukr_6,
+#endif
+};
+
+/* y[M, ldy] = x[M, ldx] @ W.T (+ bias) for a quantized W (module doc).
+   q: panels, each K * bits / 8 * NR bytes; scales / mins: panels of ceil(K / gs) * NR
+   floats (mins NULL: none); bias: NULL or ceil(N / NR) * NR floats. */
+void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
+               const float* mins, int bits, long gs, long N, const float* bias, float* y, long ldy) {
+    const long P = (N + NR - 1) / NR;
+    const long G = (K + gs - 1) / gs;
+    const long qbytes = K * bits / 8 * NR;
+    float* xs = (float*)malloc(sizeof(float) * (M * G + 1));
+    for (long m = 0; m < M; ++m)
+        for (long g = 0; g < G; ++g) {
+            float s = 0.0f;
+            const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
+            for (long k = g * gs; k < end; ++k) s += x[m * ldx + k];
+            xs[m * G + g] = s;
+        }
+    const int parallel = (double)M * (double)N * (double)K > 262144.0;
+    #pragma omp parallel for schedule(static) if (parallel)
+    for (long p = 0; p < P; ++p) {
+        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+        const float* b = bias ? bias + p * NR : 0;
+        for (long m = 0; m < M; m += MRQ) {
+            const int rows = (M - m) < MRQ ? (int)(M - m) : MRQ;
+            QUKRS[rows](x + m * ldx, ldx, xs + m * G, G, q + p * qbytes, scales + p * G * NR,
+                        mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+        }
+    }
+    free(xs);
+}
+"""
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURES = {"qgemm_f32": [_P, _L, _L, _L, _P, _P, _P, _I, _L, _L, _P, _P, _L]}
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The built kernel, or None (no compiler, no AVX2 + FMA, or a failed build)."""
+    lib = native.build("qgemm_f32", _SOURCE, signatures=_SIGNATURES)
+    if lib is not None:
+        lib.qgemm_panel_width.restype = ctypes.c_int
+    return lib
+
+
+class QuantWeight:
+    """A group-quantized weight ``[N, K]`` packed for :func:`qgemm_f32`.
+
+    Args:
+        q: ``[N, K]`` integers (uint8 0..15 for ``bits`` 4; int8 for 8).
+        scales: ``[N, K / group_size]`` float32.
+        mins: ``[N, K / group_size]`` float32, or None.
+        bits: 4 or 8.
+        group_size: Inputs per group (even); the last group of a row may be
+            shorter (K = 576 with groups of 128: four of 128, one of 64).
+        bias: ``[N]`` float32 or None.
+        lib: The kernel (``load()``).
+        name: Format name, for logs and metrics (``q4_1``, ``int4-g32``, ...).
+    """
+
+    def __init__(self, q: np.ndarray, scales: np.ndarray, mins: Optional[np.ndarray], bits: int, group_size: int,
+                 bias: Optional[torch.Tensor], lib: ctypes.CDLL, name: str = "") -> None:
+        n, k = q.shape
+        if bits not in (4, 8) or group_size % 2 or k % 2:
+            raise ValueError(f"quantized weight of {n}x{k}: bits must be 4 or 8, the group size ({group_size}) "
+                             f"and the input size even")
+        if bits == 4 and (q.min() < 0 or q.max() > 15):
+            raise ValueError("4-bit weights must hold values 0..15")
+        self.lib, self.bits, self.group_size, self.name = lib, bits, group_size, name
+        self.out_features, self.in_features = n, k
+        nr = lib.qgemm_panel_width()
+        num_panels = -(-n // nr)
+        rows = num_panels * nr
+        groups = -(-k // group_size)  # the last group may be shorter
+        qpad = np.zeros((rows, k), dtype=np.uint8 if bits == 4 else np.int8)
+        qpad[:n] = q
+        panel_q = qpad.reshape(num_panels, nr, k).transpose(0, 2, 1)  # [P, K, NR]
+        if bits == 4:
+            panel_q = panel_q.astype(np.uint8)
+            panel_q = panel_q[:, 0::2, :] | (panel_q[:, 1::2, :] << 4)  # [P, K/2, NR]
+        self.q = torch.from_numpy(np.ascontiguousarray(panel_q).view(np.uint8))
+        self.scales = self._panels(scales, num_panels, nr, groups)
+        self.mins = self._panels(mins, num_panels, nr, groups) if mins is not None else None
+        self.bias: Optional[torch.Tensor] = None
+        if bias is not None:
+            self.bias = torch.zeros(rows, dtype=torch.float32)
+            self.bias[:n] = bias.detach()
+
+    @staticmethod
+    def _panels(values: np.ndarray, num_panels: int, nr: int, groups: int) -> torch.Tensor:
+        padded = np.zeros((num_panels * nr, groups), dtype=np.float32)
+        padded[: values.shape[0]] = values
+        return torch.from_numpy(np.ascontiguousarray(padded.reshape(num_panels, nr, groups).transpose(0, 2, 1)))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed weight holds (integers, scales, mins, bias)."""
+        tensors = [self.q, self.scales] + [t for t in (self.mins, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``scale * q + min`` of ``ids`` as float32 ``[len(ids), K]`` (an embedding's lookup)."""
+        nr, k, gs = self.lib.qgemm_panel_width(), self.in_features, self.group_size
+        panel, col = ids // nr, ids % nr
+        if self.bits == 4:
+            packed = self.q.view(-1, k // 2, nr)[panel, :, col]  # [T, K/2]
+            q = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(len(ids), k).float()
+        else:
+            q = self.q.view(torch.int8).view(-1, k, nr)[panel, :, col].float()
+        groups = -(-k // gs)
+        scales = self.scales.view(-1, groups, nr)[panel, :, col].repeat_interleave(gs, dim=1)[:, :k]
+        out = scales * q
+        if self.mins is not None:
+            out = out + self.mins.view(-1, groups, nr)[panel, :, col].repeat_interleave(gs, dim=1)[:, :k]
+        return out
+
+    rows = dequantized_rows  # the interface a tied embedding reads rows through
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, self.bias)
+
+    def matmul_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, None)
+
+    def _run(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32:
+            x = x.reshape(-1, self.in_features).contiguous().float()
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        if m:
+            self.lib.qgemm_f32(x.data_ptr(), m, self.in_features, x.stride(0), self.q.data_ptr(),
+                               self.scales.data_ptr(), self.mins.data_ptr() if self.mins is not None else None,
+                               self.bits, self.group_size, self.out_features,
+                               bias.data_ptr() if bias is not None else None, y.data_ptr(), self.out_features)
+        return y

@@ -1,0 +1,1 @@
+"""Quantized weights: formats, decoders and the methods that install them (``quantization=``)."""

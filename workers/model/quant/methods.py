@@ -1,0 +1,250 @@
+"""Quantization of a loaded model's linear layers (``quantization=``):
+
+    gguf   the GGUF file's own quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+           Q6_K), decoded exactly (``gguf_blocks.py``); the tied embedding and
+           LM head too, as the file has them
+    int8   symmetric per output channel: q = round(w / s), s = max|w| / 127
+    int4   asymmetric per group of ``quantization_group_size`` inputs (32, 64 or
+           128): s = (max - min) / 15, q = round((w - min) / s), w ~ s * q + min
+    w8a8   SmoothQuant: int8 weights per output channel, int8 activations per
+           token at run time, smoothed on calibration text (``smoothquant.py``)
+
+The LM head of ``int8`` / ``int4`` / ``w8a8`` (and a tied embedding, which
+reads its rows from it) is int8 per group of 32 inputs, weight-only, as
+llama.cpp keeps ``output.weight`` at 8 bits: at batch 1 a float head would be
+half of the weight bytes read per step. Every quantized layer runs on
+``qgemm.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from workers.model import qgemm
+from workers.model.quant.gguf_blocks import DecodedWeight, decode
+
+logger = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128)
+HEAD_GROUP = 32
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass
+class QuantSummary:
+    """What ``quantize_linears`` did."""
+
+    method: str
+    formats: dict[str, int]  # format name -> layers
+    weight_bytes: int  # of the quantized layers
+
+    @property
+    def label(self) -> str:
+        """What metrics and logs call it: ``int8``, ``int4-g32``, ``gguf:q4_1+q8_0``."""
+        if self.method == "gguf":
+            return "gguf:" + "+".join(sorted(self.formats))
+        return max(self.formats, key=self.formats.get) if self.formats else self.method  # the layers' format
+
+
+def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_path: Optional[Path],
+                     calibration_ids: Optional[list[int]] = None) -> QuantSummary:
+    """Replaces the kernels of ``model``'s linear layers by quantized ones
+    (mutates the model; call before ``model.finalize``).
+
+    Raises:
+        ValueError: No native kernel here, a shape the format cannot hold, or a
+            GGUF tensor in an unsupported format (names it).
+    """
+    lib = qgemm.load()
+    if lib is None:
+        raise ValueError(f"quantization={method!r} needs the native quantized kernel (a C compiler and a CPU "
+                         "with AVX2 + FMA); it did not build here, see the log")
+    if method == "w8a8":
+        return _w8a8(model, lib, calibration_ids)
+    if method == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization='gguf' runs a .gguf file's own tensors: pass model=<file.gguf> "
+                             "(or the default model)")
+        plan = _gguf_plan(model, gguf_path)
+    else:
+        plan = _float_plan(model, method, group_size)
+    formats: dict[str, int] = {}
+    total = 0
+    for linear, decoded in plan:
+        weight = qgemm.QuantWeight(decoded.q, decoded.scales, decoded.mins, decoded.bits, decoded.group_size,
+                                   linear.bias, lib, name=decoded.format)
+        install_quantized(linear, weight)
+        formats[decoded.format] = formats.get(decoded.format, 0) + 1
+        total += weight.nbytes
+    logger.info("quantization %s: %s, %.1f MiB of quantized weights", method,
+                ", ".join(f"{n} x {f}" for f, n in sorted(formats.items())), total / 2**20)
+    return QuantSummary(method, formats, total)
+
+
+def install_quantized(linear: Any, weight: qgemm.QuantWeight) -> None:
+    """Makes ``linear`` run on ``weight`` and frees its float weight."""
+    linear.quant = weight
+    linear.kernel, linear.kernel_no_bias = weight.matmul, weight.matmul_no_bias
+    linear.backend = weight.name
+    linear.weight = torch.nn.Parameter(torch.empty(0, linear.in_features), requires_grad=False)
+
+
+# ------------------------------------------------------------------ int8 / int4
+def quantize_int8(w: np.ndarray) -> DecodedWeight:
+    """Symmetric per output channel (one group of the whole row)."""
+    scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return DecodedWeight(q, scale.astype(np.float32), None, 8, w.shape[1], "int8")
+
+
+def quantize_head(w: np.ndarray) -> DecodedWeight:
+    """The LM head (and a tied embedding): symmetric int8 per group of 32 inputs, as GGUF's Q8_0."""
+    n, k = w.shape
+    groups = -(-k // HEAD_GROUP)
+    padded = np.zeros((n, groups * HEAD_GROUP), dtype=np.float32)
+    padded[:, :k] = w
+    scale = np.abs(padded.reshape(n, groups, HEAD_GROUP)).max(axis=2) / np.float32(127)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / np.repeat(scale, HEAD_GROUP, axis=1)[:, :k]), -127, 127).astype(np.int8)
+    return DecodedWeight(q, scale.astype(np.float32), None, 8, HEAD_GROUP, "int8-g32")
+
+
+def quantize_int4(w: np.ndarray, group_size: int) -> DecodedWeight:
+    """Asymmetric per group of ``group_size`` inputs (the last group of a row may be shorter)."""
+    n, k = w.shape
+    groups = -(-k // group_size)
+    lo = np.stack([w[:, i * group_size : (i + 1) * group_size].min(axis=1) for i in range(groups)], axis=1)
+    hi = np.stack([w[:, i * group_size : (i + 1) * group_size].max(axis=1) for i in range(groups)], axis=1)
+    scale = (hi - lo) / np.float32(15)
+    scale[scale == 0] = 1.0
+    lo_k = np.repeat(lo, group_size, axis=1)[:, :k]
+    scale_k = np.repeat(scale, group_size, axis=1)[:, :k]
+    q = np.clip(np.rint((w - lo_k) / scale_k), 0, 15).astype(np.uint8)
+    return DecodedWeight(q, scale.astype(np.float32), lo.astype(np.float32), 4, group_size, f"int4-g{group_size}")
+
+
+def _float_plan(model: Any, method: str, group_size: Optional[int]) -> list[tuple[Any, DecodedWeight]]:
+    from workers.model.linear import Linear
+
+    if method == "int4":
+        group_size = group_size or 128
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size}")
+    plan = []
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        w = module.weight.detach().float().numpy()
+        if module is model.lm_head:
+            plan.append((module, quantize_head(w)))
+        else:
+            plan.append((module, quantize_int8(w) if method == "int8" else quantize_int4(w, group_size)))
+    return plan
+
+
+# ------------------------------------------------------------------------ w8a8
+def _w8a8(model: Any, lib: Any, calibration_ids: Optional[list[int]]) -> QuantSummary:
+    from workers.model.linear import Linear
+    from workers.model.quant import smoothquant
+
+    from workers.model import i8gemm
+
+    if not calibration_ids:
+        raise ValueError("quantization='w8a8' calibrates on text: the model folder needs a tokenizer.json")
+    ilib = i8gemm.load()
+    if ilib is None:
+        raise ValueError("quantization='w8a8' needs the native int8 kernel (a C compiler and a CPU with AVX2); "
+                         "it did not build here, see the log")
+    smoothquant.smooth(model, smoothquant.calibrate(model, calibration_ids))
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    weights: list[Any] = []
+    for linear in layers:  # every weight is quantized before any layer changes
+        q, scales = smoothquant.quantize_per_channel(linear.weight.detach().float().numpy())
+        weights.append(i8gemm.Int8Weight(q, scales, linear.bias, ilib))
+    head = model.lm_head
+    d = quantize_head(head.weight.detach().float().numpy())
+    layers.append(head)
+    weights.append(qgemm.QuantWeight(d.q, d.scales, None, 8, d.group_size, head.bias, lib, name=d.format))
+    for linear, weight in zip(layers, weights):
+        install_quantized(linear, weight)
+    total = sum(w.nbytes for w in weights)
+    logger.info("quantization w8a8: %d layers, LM head int8 weight-only, %.1f MiB of int8 weights",
+                len(layers) - 1, total / 2**20)
+    return QuantSummary("w8a8", {"w8a8": len(layers) - 1, d.format: 1}, total)
+
+
+# ------------------------------------------------------------------------ gguf
+def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
+    from gguf import GGUFReader
+
+    from workers.model.gguf import _reverse_permute
+
+    reader = GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    arch = model.arch
+
+    def load(name: str) -> Optional[DecodedWeight]:
+        """The tensor's integers, scales and mins; None for a float tensor (its layer stays float)."""
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ValueError(f"{gguf_path.name} has no tensor {name!r}")
+        type_name = tensor.tensor_type.name
+        if type_name in FLOAT_TYPES:
+            return None
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dimensions innermost first
+        try:
+            return decode(tensor.data, type_name, shape)
+        except ValueError as e:
+            raise ValueError(f"{gguf_path.name}: tensor {name!r}: {e}") from None
+
+    def permuted(decoded: Optional[DecodedWeight], heads: int) -> Optional[DecodedWeight]:
+        if decoded is None:
+            return None
+        rows = _reverse_permute(np.arange(decoded.q.shape[0]), heads)
+        return decoded.take_rows(rows)
+
+    plan = []
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"blk.{i}."
+        qkv = [permuted(load(prefix + "attn_q.weight"), arch.num_attention_heads),
+               permuted(load(prefix + "attn_k.weight"), arch.num_key_value_heads),
+               load(prefix + "attn_v.weight")]
+        plan.append((layer.self_attn.qkv_proj, _stack(qkv)))
+        plan.append((layer.self_attn.o_proj, load(prefix + "attn_output.weight")))
+        plan.append((layer.mlp.gate_up_proj, _stack([load(prefix + "ffn_gate.weight"), load(prefix + "ffn_up.weight")])))
+        plan.append((layer.mlp.down_proj, load(prefix + "ffn_down.weight")))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    plan.append((model.lm_head, load(head)))
+    kept = sum(decoded is None for _, decoded in plan)
+    if kept:
+        logger.info("%s: %d linear layers have float tensors and stay float", gguf_path.name, kept)
+    return [(linear, decoded) for linear, decoded in plan if decoded is not None]
+
+
+def _stack(parts: list[Optional[DecodedWeight]]) -> Optional[DecodedWeight]:
+    """Stacks the rows of weights of one input size into one (a fused projection);
+    differing formats meet in the widest: 8-bit values, the smallest group, zero mins.
+    None (the fused layer stays float) when a part is float."""
+    if any(p is None for p in parts):
+        return None
+    bits = max(p.bits for p in parts)
+    group = min(p.group_size for p in parts)
+    with_mins = any(p.mins is not None for p in parts)
+    qs, scales, mins = [], [], []
+    for p in parts:
+        q = p.q if p.bits == bits else p.q.astype(np.int8)
+        repeat = p.group_size // group
+        qs.append(q)
+        scales.append(np.repeat(p.scales, repeat, axis=1))
+        if with_mins:
+            mins.append(np.repeat(p.mins, repeat, axis=1) if p.mins is not None else np.zeros_like(scales[-1]))
+    names = sorted({p.format for p in parts})
+    return DecodedWeight(np.concatenate(qs), np.concatenate(scales), np.concatenate(mins) if with_mins else None,
+                         bits, group, "+".join(names))
