@@ -34,6 +34,7 @@ class CompletionOutput:
     finish_reason: Optional[FinishReason] = None
     num_cached_tokens: int = 0
     logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # with SamplingParams.prompt_logprobs
     finish_message: Optional[str] = None  # set when the engine ended it (e.g. out of KV blocks)
 
 
@@ -139,6 +140,8 @@ def _accumulate(result: CompletionOutput, out: RequestOutput) -> None:
     result.num_cached_tokens = out.num_cached_tokens
     if out.new_logprobs:
         result.logprobs = (result.logprobs or []) + list(out.new_logprobs)
+    if out.prompt_logprobs is not None:
+        result.prompt_logprobs = list(out.prompt_logprobs)
     if out.finish_reason is not None:
         result.finish_reason = out.finish_reason
         result.finish_message = out.finish_message

@@ -21,9 +21,12 @@ import torch
 from cluster.shared.sizes import cdiv
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.model.attention.base import AttentionMetadata
-from workers.model.sampler import Sampler
+from workers.model.linear import weight_bytes
+from workers.model.sampler import Sampler, token_logprobs
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_ROWS = 64  # rows of logits computed at once for prompt logprobs
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -85,6 +88,8 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.kv_cache_bytes = num_kv_blocks * kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.description = f"{str(dtype).removeprefix('torch.')} on {device}"
+        self.quantization: Optional[str] = getattr(model, "quantization", None)
+        self.weight_bytes = weight_bytes(model) if isinstance(model, torch.nn.Module) else 0
         shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN
         # garbage there would poison masked softmax sums.
@@ -125,16 +130,45 @@ class ModelRunner:
                 owners.append(pos_in_batch)
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[Optional[list]] = [None for _ in reqs]
+        prompt_logprobs = self._prompt_logprobs(hidden, order, batch)
         if sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
                 return ModelOutput(sampled_token_ids=[], logprobs=[])
-            token_ids, token_logprobs = self.sampler(logits, sample_reqs)
-            for owner, tok, lp in zip(owners, token_ids, token_logprobs):
+            token_ids, sampled_logprobs = self.sampler(logits, sample_reqs)
+            for owner, tok, lp in zip(owners, token_ids, sampled_logprobs):
                 sampled[owner] = [tok]
                 logprobs[owner] = lp
-        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, order: list[int], batch: list[ScheduledRequest]
+                         ) -> Optional[list[Optional[tuple[int, list]]]]:
+        """For requests with ``prompt_logprobs``: the logprobs of the prompt tokens
+        their chunk's rows predict (row of position p -> prompt token p + 1), in
+        slices of rows so the logits stay small."""
+        out: Optional[list[Optional[tuple[int, list]]]] = None
+        end = 0
+        for pos_in_batch, req in zip(order, batch):
+            start_row, end = end, end + len(req.input_token_ids)
+            top = req.sampling_params.prompt_logprobs
+            prompt = req.prompt_token_ids
+            first, last = req.num_computed_tokens, min(req.seq_len, len(prompt) - 1)  # positions p predicting p + 1
+            if top is None or first >= last:
+                continue
+            entries: list = []
+            for lo in range(first, last, PROMPT_LOGPROB_ROWS):
+                hi = min(lo + PROMPT_LOGPROB_ROWS, last)
+                rows = torch.arange(start_row + lo - first, start_row + hi - first, device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                if logits is None:  # a tensor-parallel rank other than 0
+                    return None
+                targets = torch.tensor(prompt[lo + 1 : hi + 1], device=self.device)
+                entries.extend(token_logprobs(logits, targets, [top] * (hi - lo)))
+            if out is None:
+                out = [None] * len(batch)
+            out[pos_in_batch] = (first + 1, entries)
+        return out
 
     @property
     def num_compilations(self) -> int:

@@ -64,6 +64,9 @@ class SamplingParams:
         frequency_penalty: Subtracted per occurrence in the output.
         logprobs: Number of top log-probabilities to return per token
             (``None``: none; 0: only the sampled token's).
+        prompt_logprobs: The same for every prompt token after the first
+            (vLLM's knob: perplexity, scoring). Such a prompt is computed in
+            full, never read from the prefix cache.
     """
 
     max_tokens: int = 16
@@ -79,6 +82,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Accept lists from users; store tuples so the object stays hashable.
@@ -124,6 +128,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

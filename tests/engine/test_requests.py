@@ -189,3 +189,28 @@ def test_cli_chat_keeps_the_conversation():
     first, second = proc.stdout.strip().splitlines()[:2]
     assert "Paris" in first
     assert "Rome" in second
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_skip_the_prefix_cache(tiny_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_dir), block_size=4, max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=True)
+    prompt = [(7 * i) % 200 + 3 for i in range(45)]  # three chunks of at most 16
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # caches its blocks
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    out, plain = llm.generate([prompt, prompt[:20]], [params, SamplingParams(max_tokens=2)])
+    assert out.num_cached_tokens == 0  # computed in full, though its blocks were cached
+    assert plain.prompt_logprobs is None
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = out.prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    for i, entry in enumerate(got[1:], start=1):
+        assert entry.token_id == prompt[i]
+        assert abs(entry.logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        assert [t for t, _ in entry.top_logprobs] == ref[i - 1].topk(3).indices.tolist()
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=-1)
+    assert_all_blocks_free_or_cached(llm.engine.scheduler)

@@ -162,6 +162,7 @@ class LLMEngine:
                 num_output_tokens=len(seq.output_token_ids),
                 num_cached_tokens=seq.num_cached_tokens,
                 new_logprobs=new_logprobs,
+                prompt_logprobs=_take_prompt_logprobs(seq),
                 queue_time=_queue_time(seq),
             )
         out = self._finish_output(seq, new_ids, new_logprobs, reason)
@@ -180,6 +181,7 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=new_logprobs,
+            prompt_logprobs=_take_prompt_logprobs(seq),
             finish_message=seq.finish_message,
             queue_time=_queue_time(seq),
         )
@@ -195,6 +197,14 @@ class LLMEngine:
             kv_cache_usage=kv.usage,
             num_cached_blocks=kv.num_cached_blocks,
         )
+
+
+def _take_prompt_logprobs(seq: Sequence) -> Optional[list]:
+    """The prompt's logprobs, in the request's first output only (None without them)."""
+    if seq.sampling_params.prompt_logprobs is None or seq.prompt_logprobs_sent:
+        return None
+    seq.prompt_logprobs_sent = True
+    return seq.prompt_logprobs if seq.prompt_logprobs is not None else [None] * len(seq.prompt_token_ids)
 
 
 def _queue_time(seq: Sequence) -> Optional[float]:

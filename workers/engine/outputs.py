@@ -80,6 +80,9 @@ class ModelOutput:
 
     sampled_token_ids: list[list[int]]
     logprobs: list[Optional[list[TokenLogprob]]]
+    # Per scheduled request asking for them: (position of the first, logprobs of the prompt
+    # tokens at that position and on) for the prompt tokens this step's chunk predicts.
+    prompt_logprobs: Optional[list[Optional[tuple[int, list[TokenLogprob]]]]] = None
 
 
 @dataclass
@@ -94,6 +97,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     new_logprobs: Optional[list[TokenLogprob]] = None
+    # With SamplingParams.prompt_logprobs, in the request's first output: one per prompt
+    # token, None for the first (nothing predicts it).
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     finish_message: Optional[str] = None  # why the engine (not the user) ended it
     queue_time: Optional[float] = None  # seconds from add_request to first scheduled (engine clock)
 

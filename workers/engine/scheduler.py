@@ -254,7 +254,10 @@ class Scheduler:
             if self._never_fits(seq.num_tokens):
                 self._finish_for_capacity(seq)
                 continue
-            hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(seq)
+            if seq.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(seq)
+            else:  # every prompt token is computed for its logprob
+                hit_blocks, num_hit_tokens = [], 0
             num_new = self._chunk_size(seq, num_hit_tokens, plan.budget)
             if num_new == 0:
                 break
@@ -334,6 +337,11 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             assert seq.num_computed_tokens == req.num_computed_tokens, (seq, req)
             seq.num_computed_tokens += req.num_input_tokens
+            if model_out.prompt_logprobs is not None and model_out.prompt_logprobs[i] is not None:
+                first, entries = model_out.prompt_logprobs[i]
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = [None] * len(seq.prompt_token_ids)
+                seq.prompt_logprobs[first : first + len(entries)] = entries  # a recompute writes the same places
             self.kv_manager.cache_computed_blocks(seq)
             if self.sliding_window is not None:
                 self.kv_manager.release_outside_window(seq, self.sliding_window)

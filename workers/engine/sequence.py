@@ -87,6 +87,10 @@ class Sequence:
         # Set by the engine, on its clock: added, then first scheduled (queue time).
         self.queued_time: Optional[float] = None
         self.first_scheduled_time: Optional[float] = None
+        # With sampling_params.prompt_logprobs: one entry per prompt token (None for the
+        # first), filled as chunks are computed; handed out once, with the first output.
+        self.prompt_logprobs: Optional[list] = None
+        self.prompt_logprobs_sent = False
 
         # Owned by the KV manager.
         self.block_ids: list[int] = []  # device block table while RUNNING

@@ -288,15 +288,19 @@ class Sampler:
         if not wanted:
             return result
         index = torch.tensor(wanted, device=logits.device)
-        logprobs = logits[index].log_softmax(dim=-1)
-        sampled = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-        # One topk for all rows (sorted, descending); each row keeps its own N.
-        max_top = max(requests[i].sampling_params.logprobs for i in wanted)
-        top_values, top_ids = logprobs.topk(max_top, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        sampled_ids = token_ids[index].tolist()
-        for row, i in enumerate(wanted):
-            n = requests[i].sampling_params.logprobs
-            top = tuple(zip(top_ids[row][:n], top_values[row][:n]))
-            result[i] = [TokenLogprob(token_id=sampled_ids[row], logprob=sampled[row], top_logprobs=top)]
+        entries = token_logprobs(logits[index], token_ids[index], [requests[i].sampling_params.logprobs
+                                                                   for i in wanted])
+        for i, entry in zip(wanted, entries):
+            result[i] = [entry]
         return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:
+    """Per row of raw ``logits``: the logprob of ``token_ids[row]`` and the ``tops[row]`` best."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    # One topk for all rows (sorted, descending); each row keeps its own N.
+    top_values, top_ids = logprobs.topk(max(tops), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprob(token_id=t, logprob=lp, top_logprobs=tuple(zip(top_ids[r][:n], top_values[r][:n])))
+            for r, (t, lp, n) in enumerate(zip(token_ids.tolist(), chosen, tops))]
