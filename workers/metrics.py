@@ -10,6 +10,8 @@ Where the figures come from::
 
     gauges      num_requests_{running,waiting,swapped}, kv_cache_usage_perc
                 <- ReplicaStats of the last engine step   (set_load, before render)
+    gauges      model_info{quantization, kv_cache_dtype} (1), model_weight_bytes,
+                kv_cache_bytes <- the runner, once at start (set_model_info)
     counters    num_preemptions_total, prefix_cache_{queries,hits}_total (tokens),
                 model_compilations_total (torch.compile graphs, enforce_eager False)
                 <- the engine's cumulative counters       (record_engine_counters,
@@ -96,6 +98,11 @@ class ReplicaMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "From entering the engine to first being scheduled.",
             REQUEST_LATENCY_BUCKETS)
+        self.model_weight_bytes = gauge("model_weight_bytes", "Bytes of the model's weights (as packed or quantized).")
+        self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes of the device KV cache.")
+        self._info = Gauge(PREFIX + "model_info", "How the model runs: quantization and KV cache dtype (value 1).",
+                           (*LABELS, "quantization", "kv_cache_dtype"), registry=self.registry)
+        self._labels = labels
         self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                                "model_compilations": 0}
 
@@ -106,6 +113,14 @@ class ReplicaMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+
+    def set_model_info(self, quantization: Optional[str], kv_cache_dtype: str, weight_bytes: int,
+                       kv_cache_bytes: int) -> None:
+        """The model's quantization (``none`` without), KV cache dtype and sizes."""
+        self._info.clear()
+        self._info.labels(**self._labels, quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype).set(1)
+        self.model_weight_bytes.set(weight_bytes)
+        self.kv_cache_bytes.set(kv_cache_bytes)
 
     def record_engine_counters(self, *, num_preemptions: int, prefix_cache_queries: int,
                                prefix_cache_hits: int, model_compilations: int = 0) -> None:

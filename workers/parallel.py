@@ -54,6 +54,7 @@ from cluster.shared.config import EngineConfig
 from cluster.shared.ray_local import LOOPBACK, init_local_ray
 from workers.engine.outputs import ModelOutput, SchedulerOutput
 from workers.model.config import ModelArchConfig
+from workers.model.linear import weight_bytes
 from workers.model.loader import read_arch
 from workers.model.tp import TPContext, TPShard, plan_shards
 from workers.provision import load_model_for, num_cpu_blocks_for, num_kv_blocks_for
@@ -85,6 +86,8 @@ class RankInfo:
     device: str
     dtype: str
     pid: int
+    weight_bytes: int = 0
+    quantization: Optional[str] = None
 
 
 def rank_placements(
@@ -177,6 +180,8 @@ class RankWorker:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             pid=os.getpid(),
+            weight_bytes=weight_bytes(self.model),
+            quantization=getattr(self.model, "quantization", None),
         )
 
     def init_cache(self, num_kv_blocks: int, num_cpu_blocks: int) -> None:
@@ -228,6 +233,8 @@ class TensorParallelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.kv_cache_bytes = num_kv_blocks * sum(info.block_bytes for info in infos)
         self.description = f"{infos[0].dtype} on {len(infos)} x {infos[0].device} ranks"
+        self.weight_bytes = sum(info.weight_bytes for info in infos)
+        self.quantization = infos[0].quantization
         self.execute_seconds = 0.0  # wall time of execute(), for the breakdown in bench scripts
 
     @property

@@ -97,6 +97,9 @@ class ReplicaServer:
         self.engine = engine
         self.replica_id = replica_id or default_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id, model_name or served_model_name(config_model))
+        runner = getattr(engine, "runner", None)  # test engines may run without one
+        self.metrics.set_model_info(getattr(runner, "quantization", None), getattr(runner, "kv_cache_dtype", "auto"),
+                                    int(getattr(runner, "weight_bytes", 0)), int(getattr(runner, "kv_cache_bytes", 0)))
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
         self._front = AsyncEngine(engine, after_step=self._after_step,
                                   max_waiting_requests=_max_waiting_requests(engine_config))

@@ -77,6 +77,10 @@ COMMANDS = (
             "cluster.bench.latency", "add_latency_args", "run_latency"),
     Command(("bench", "kernels"), "every linear-layer backend on the model's shapes: time and batch invariance",
             "cluster.bench.kernels", "add_kernels_args", "run_kernels"),
+    Command(("bench", "quant"), "every quantization on one table: perplexity, agreement, weights, speed",
+            "cluster.bench.quant", "add_quant_args", "run_quant"),
+    Command(("eval", "perplexity"), "perplexity on held-out text (and greedy agreement with the float run)",
+            "cluster.bench.evaluate", "add_perplexity_args", "run_perplexity"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",
             "cluster.bench.routing", "add_routing_args", "run_routing"),
     Command(("bench", "router"), "the router's own cost: decision time, routed req/s",
@@ -87,7 +91,7 @@ COMMANDS = (
     Command(("status",), "table of the live replicas (ListReplicas, /metrics)",
             "cluster.client.status", "add_status_args", "run_status", engine_flags=False),
 )
-GROUPS = {"bench": "benchmarks"}
+GROUPS = {"bench": "benchmarks", "eval": "accuracy of the model as served"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,7 +39,9 @@ _SERIES = {
     "prompt_tokens": "prompt_tokens_total",
     "generation_tokens": "generation_tokens_total",
     "preemptions": "num_preemptions_total",
+    "weight_bytes": "model_weight_bytes",
 }
+_INFO = PREFIX + "model_info"  # its quantization label is shown
 
 
 @dataclass
@@ -53,7 +55,7 @@ class ReplicaRow:
     swapped: Optional[float] = None
     cached_blocks: Optional[int] = None
     hit_rate: Optional[float] = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def add_status_args(parser: argparse.ArgumentParser) -> None:
@@ -145,8 +147,9 @@ async def fetch_metrics(url: str, timeout: float, api_key: Optional[str] = None)
     return parse_metrics(text)
 
 
-def parse_metrics(text: str) -> dict[str, dict[str, float]]:
-    """Per-replica sums of the series ``status`` shows, from Prometheus text."""
+def parse_metrics(text: str) -> dict[str, dict[str, Any]]:
+    """Per-replica sums of the series ``status`` shows, from Prometheus text
+    (and ``quantization``: the label of ``model_info``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {PREFIX + series: name for name, series in _SERIES.items()}
@@ -155,6 +158,9 @@ def parse_metrics(text: str) -> dict[str, dict[str, float]]:
         for sample in family.samples:
             name = wanted.get(sample.name)
             replica = sample.labels.get("replica")
+            if sample.name == _INFO and replica:
+                out.setdefault(replica, {})["quantization"] = sample.labels.get("quantization", "none")
+                continue
             if name is None or not replica:
                 continue
             per = out.setdefault(replica, {})
@@ -201,7 +207,7 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
         return ["no live replicas"]
     header = ["replica", "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
     if show_metrics:
-        header += ["prompt tok/s", "gen tok/s"]
+        header += ["prompt tok/s", "gen tok/s", "quantization", "weights"]
     table: list[tuple[str, ...]] = [tuple(header)]
     for replica_id in sorted(rows):
         row = rows[replica_id]
@@ -212,6 +218,8 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
         if show_metrics:
             rate = rates.get(replica_id)
             line += [f"{rate[0]:.1f}", f"{rate[1]:.1f}"] if rate else ["-", "-"]
+            weights = row.metrics.get("weight_bytes")
+            line += [row.metrics.get("quantization", "-"), f"{weights / 2**20:.0f} MiB" if weights else "-"]
         table.append(tuple(line))
     lines = format_table(table)
     running = sum(r.running or 0 for r in rows.values())

@@ -94,6 +94,13 @@ def test_gauges_and_engine_counters():
     assert value(metrics, "prefixserve:prefix_cache_queries_total") == 40
     assert value(metrics, "prefixserve:prefix_cache_hits_total") == 24
     assert value(metrics, "prefixserve:model_compilations_total") == 2
+    metrics.set_model_info("int4-g32", "auto", weight_bytes=123, kv_cache_bytes=456)
+    metrics.set_model_info("gguf:q4_1+q8_0", "auto", weight_bytes=100, kv_cache_bytes=400)  # replaces, never adds
+    assert value(metrics, "prefixserve:model_weight_bytes") == 100
+    assert value(metrics, "prefixserve:kv_cache_bytes") == 400
+    info = [s for s in metrics.registry.collect() if s.name == "prefixserve:model_info"][0].samples
+    assert [(s.labels["quantization"], s.labels["kv_cache_dtype"], s.value) for s in info] == [
+        ("gguf:q4_1+q8_0", "auto", 1.0)]
 
 
 def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
@@ -104,7 +111,8 @@ def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
     expected = {"num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
                 "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "model_compilations", "prompt_tokens",
                 "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
-                "e2e_request_latency_seconds", "request_queue_time_seconds"}
+                "e2e_request_latency_seconds", "request_queue_time_seconds", "model_weight_bytes", "kv_cache_bytes",
+                "model_info"}
     assert set(families) == {"prefixserve:" + name for name in expected}
     for family in families.values():
         assert all(s.labels["replica"] == "r1" and s.labels["model"] == "tiny" for s in family.samples)

@@ -1,0 +1,179 @@
+"""``prefixserve bench quant``: every quantization of the default model on one
+table, measured in one run: perplexity on held-out text, greedy agreement with
+the float run, weight bytes, decode tokens/s at batch 1 and with 8 sequences,
+prefill tokens/s; and llama.cpp on the same model's Q8_0 and Q4_1 GGUF files
+when ``llama_cpp`` is importable (``--peers``; not a dependency).
+
+    prefixserve bench quant
+    prefixserve bench quant --methods none gguf int4-g32 --peers q4_1 --rounds 3
+
+Methods: ``none`` (float32), ``w8a8``, ``int8``, ``int4-g32`` / ``int4-g64`` /
+``int4-g128``, ``gguf`` (see ``workers/model/quant/``). Speed figures use the
+same steps as ``bench latency`` (fresh random prompts, nothing from the prefix
+cache); with ``--rounds`` N the speed part runs N times over all methods and
+peers in turn and reports medians, so drift of a shared machine hits every
+column alike. Ratios are against the float run of the same round.
+
+Prints a table and writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from cluster.client.table import format_table
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf")
+PEERS = ("q8_0", "q4_1")
+
+
+def add_quant_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", nargs="+", default=["none", "w8a8", "int8", "int4-g32", "int4-g128", "gguf"],
+                        choices=METHODS, help="what to measure (none = float32)")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                        help="llama.cpp GGUF types to measure too (skipped without llama_cpp)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=24, help="decode steps timed per batch size")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=1, help="speed rounds over every method (medians)")
+    parser.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens of the perplexity")
+    parser.add_argument("--num-prompts", type=int, default=20, help="prompts of the greedy agreement")
+    parser.add_argument("--agree-tokens", type=int, default=32)
+    parser.add_argument("--json", default="bench-quant.json")
+
+
+def method_args(method: str) -> dict[str, Any]:
+    """Engine arguments of a method name (``int4-g32`` -> int4 with groups of 32)."""
+    if method == "none":
+        return {}
+    if method.startswith("int4-g"):
+        return {"quantization": "int4", "quantization_group_size": int(method.removeprefix("int4-g"))}
+    return {"quantization": method}
+
+
+def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from cluster.bench.evaluate import agreement, agreement_prompts, greedy_tokens, perplexity
+    from cluster.bench.latency import engine_decode_steps, engine_prefill_seconds, make_prompts
+    from workers.llm import LLM
+
+    if engine_args.get("model") is not None or "quantization" in engine_args:
+        raise ValueError("bench quant runs the default model once per --methods entry: drop --model/--quantization")
+    base = {"max_num_seqs": max(8, *args.batch_sizes), "max_num_batched_tokens": max(2048, args.prefill_len),
+            **engine_args}
+    peers = _available_peers(args.peers)
+    rng = random.Random(0)
+    results: dict[str, dict[str, Any]] = {}
+    reference: Optional[list[list[int]]] = None
+    speed_rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in [*args.methods, *peers]}
+    workloads = []
+    for round_index in range(max(1, args.rounds)):
+        workloads.append(None)
+        for method in args.methods:
+            logger.info("round %d: %s", round_index + 1, method)
+            with LLM(**base, **method_args(method)) as llm:
+                if workloads[-1] is None:
+                    vocab, skip = llm.engine.vocab_size, set(llm.engine.scheduler.eos_token_ids) | {0, 1, 2}
+                    workloads[-1] = ({b: make_prompts(b, args.input_len, vocab, skip, rng) for b in args.batch_sizes},
+                                     make_prompts(1, args.prefill_len, vocab, skip, rng)[0])
+                decode_sets, prefill_prompt = workloads[-1]
+                if round_index == 0:
+                    row = results.setdefault(method, {})
+                    row["weight_bytes"] = int(llm.runner.weight_bytes)
+                    row["quantization"] = llm.runner.quantization or "none"
+                    row.update(perplexity(llm, 512, args.ppl_tokens))
+                    prompts = agreement_prompts(llm, args.num_prompts)
+                    tokens = greedy_tokens(llm, prompts, args.agree_tokens)
+                    reference = reference if reference is not None else (tokens if method == "none" else None)
+                    row["_tokens"] = tokens
+                engine_decode_steps(llm, decode_sets[args.batch_sizes[0]][:1], 4)  # warm
+                speed: dict[str, Any] = {}
+                for batch, prompts in decode_sets.items():
+                    speed[f"decode_b{batch}"] = batch / statistics.median(
+                        engine_decode_steps(llm, prompts, args.output_len))
+                speed["prefill"] = args.prefill_len / engine_prefill_seconds(llm, prefill_prompt)
+                speed_rounds[method].append(speed)
+                logger.info("%s: %s", method, {k: round(v, 1) for k, v in speed.items()})
+            gc.collect()
+        for peer in peers:
+            speed_rounds[peer].append(_peer_speed(peer, *workloads[-1], args.output_len))
+    for method in args.methods:
+        tokens = results[method].pop("_tokens")
+        if reference is not None:
+            results[method]["agreement"] = agreement(tokens, reference)
+    for name, rounds in speed_rounds.items():
+        row = results.setdefault(name, {"quantization": f"llama.cpp {name.upper()}"})
+        row.update({k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]})
+    report = {"rounds": max(1, args.rounds), "engine_args": {k: str(v) for k, v in base.items()},
+              "batch_sizes": args.batch_sizes, "results": results}
+    print("\n".join(format_report(report)))  # the table is the program's output, not a log
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    logger.info("wrote %s", path)
+    return 0
+
+
+def _available_peers(wanted: list[str]) -> list[str]:
+    if not wanted:
+        return []
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        logger.warning("llama_cpp is not importable: no llama.cpp columns (see the peers README)")
+        return []
+    return list(wanted)
+
+
+def _peer_speed(peer: str, decode_sets: dict[int, list[list[int]]], prefill_prompt: list[int],
+                output_len: int) -> dict[str, float]:
+    import torch
+
+    from cluster.bench import llama_cpp_peer, peer_weights
+    from cluster.shared.cache import cache_root
+
+    gguf = peer_weights.peer_gguf(peer, cache_root())
+    raw = llama_cpp_peer.measure(gguf, decode_sets, output_len, prefill_prompt, n_threads=torch.get_num_threads())
+    speed = {f"decode_b{d['batch_size']}": d["decode_tokens_per_s"] for d in raw["decode"]}
+    speed["prefill"] = raw["prefill"]["tokens_per_s"]
+    return speed
+
+
+def format_report(report: dict[str, Any]) -> list[str]:
+    batches = report["batch_sizes"]
+    results = report["results"]
+    base = results.get("none", {})
+    header = ["method", "perplexity", "greedy agreement", "weights MiB",
+              *[f"decode b{b} tok/s" for b in batches], "prefill tok/s"]
+    rows = [tuple(header)]
+
+    def with_ratio(row: dict[str, Any], key: str) -> str:
+        value = row.get(key)
+        if value is None:
+            return "-"
+        ref = base.get(key)
+        return f"{value:.1f} ({value / ref:.2f}x)" if ref else f"{value:.1f}"
+
+    for name, row in results.items():
+        agree = row.get("agreement")
+        rows.append((
+            row.get("quantization", name) if name != "none" else "float32",
+            f"{row['perplexity']:.3f}" if "perplexity" in row else "-",
+            f"{agree['mean_tokens_to_divergence']:.1f}/{agree['out_of']} ({agree['full_agreement']})" if agree else "-",
+            f"{row['weight_bytes'] / 2**20:.0f}" if "weight_bytes" in row else "-",
+            *[with_ratio(row, f"decode_b{b}") for b in batches],
+            with_ratio(row, "prefill"),
+        ))
+    lines = format_table(rows)
+    lines.append(f"speed: median of {report['rounds']} round(s); (x) = against float32 in the same run; "
+                 "agreement = mean greedy tokens before the first divergence from float32 (prompts in full)")
+    return lines
