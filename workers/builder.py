@@ -63,7 +63,7 @@ def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int
     device = pick_device(config)
     model, arch, dtype = load_model_for(config, model_dir, device)
     block_bytes = kv_block_bytes(arch.num_hidden_layers, config.cache.block_size, arch.num_key_value_heads,
-                                 arch.head_dim, dtype)
+                                 arch.head_dim, dtype, config.cache.kv_cache_dtype)
     num_blocks = num_kv_blocks_for(config, block_bytes, device, max_model_len)
     return ModelRunner(
         model,
@@ -76,6 +76,7 @@ def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int
         dtype=dtype,
         device=device,
         seed=config.seed,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
 
 

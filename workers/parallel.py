@@ -88,6 +88,7 @@ class RankInfo:
     pid: int
     weight_bytes: int = 0
     quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"
 
 
 def rank_placements(
@@ -172,7 +173,8 @@ class RankWorker:
         self.model, arch, self.dtype = load_model_for(self.config, self.model_dir, self.device, self.tp)
         self.arch = arch
         block_bytes = kv_block_bytes(
-            arch.num_hidden_layers, self.config.cache.block_size, self.shard.num_kv_heads, arch.head_dim, self.dtype
+            arch.num_hidden_layers, self.config.cache.block_size, self.shard.num_kv_heads, arch.head_dim, self.dtype,
+            self.config.cache.kv_cache_dtype,
         )
         return RankInfo(
             max_kv_blocks=num_kv_blocks_for(self.config, block_bytes, self.device, max_model_len),
@@ -182,6 +184,7 @@ class RankWorker:
             pid=os.getpid(),
             weight_bytes=weight_bytes(self.model),
             quantization=getattr(self.model, "quantization", None),
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
 
     def init_cache(self, num_kv_blocks: int, num_cpu_blocks: int) -> None:
@@ -198,6 +201,7 @@ class RankWorker:
             dtype=self.dtype,
             device=self.device,
             seed=self.config.seed,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
 
     def execute(self, sched: SchedulerOutput) -> Optional[ModelOutput]:
@@ -234,6 +238,7 @@ class TensorParallelRunner:
         self.kv_cache_bytes = num_kv_blocks * sum(info.block_bytes for info in infos)
         self.description = f"{infos[0].dtype} on {len(infos)} x {infos[0].device} ranks"
         self.weight_bytes = sum(info.weight_bytes for info in infos)
+        self.kv_cache_dtype = infos[0].kv_cache_dtype
         self.quantization = infos[0].quantization
         self.execute_seconds = 0.0  # wall time of execute(), for the breakdown in bench scripts
 

@@ -91,6 +91,9 @@ def load_model_for(
         raise ValueError(f"batch_invariant needs linear_backend native (or auto), got {config.linear_backend!r}")
     backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size,
                                     batch_invariant=config.batch_invariant)
+    if config.cache.kv_cache_dtype == "int8" and (device.type != "cpu" or backend.name != "torch"):
+        raise ValueError(f"kv_cache_dtype='int8' runs on CPU with the torch attention backend; got the "
+                         f"{backend.name!r} backend on {device.type}: use kv_cache_dtype='auto' there")
     model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
                              linear_backend="native" if config.batch_invariant else config.linear_backend,
                              enforce_eager=config.enforce_eager, quantization=config.quantization,

@@ -20,6 +20,7 @@ import torch
 
 from cluster.shared.sizes import cdiv
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from workers.model.attention import kv_int8
 from workers.model.attention.base import AttentionMetadata
 from workers.model.linear import weight_bytes
 from workers.model.sampler import Sampler, token_logprobs
@@ -37,18 +38,29 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     NumPy's ``zeros`` uses ``calloc``, which maps untouched pages to the
     shared zero page, so a replica's RSS grows with the blocks it uses.
     """
-    if device.type != "cpu" or dtype not in (torch.float32, torch.float16):
-        return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
-    np_dtype = np.float32 if dtype == torch.float32 else np.float16
-    return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+    np_dtypes = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8}
+    if device.type != "cpu" or dtype not in np_dtypes:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=np_dtypes[dtype]))
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_layout(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[torch.dtype, int]:
+    """``(element dtype, elements per (token, head) row)`` of the KV cache: the
+    model's dtype and ``head_dim``, or int8 rows of ``head_dim`` values and their
+    scale (``kv_cache_dtype="int8"``, ``attention/kv_int8.py``)."""
+    if kv_cache_dtype == "int8":
+        return torch.int8, kv_int8.row_width(head_dim)
+    return dtype, head_dim
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   kv_cache_dtype: str = "auto") -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    elem_dtype, row = kv_layout(head_dim, dtype, kv_cache_dtype)
+    elem = torch.tensor([], dtype=elem_dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * row * elem
 
 
 class ModelRunner:
@@ -80,24 +92,29 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self.kv_cache_bytes = num_kv_blocks * kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.kv_cache_bytes = num_kv_blocks * kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype,
+                                                             kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.description = f"{str(dtype).removeprefix('torch.')} on {device}"
         self.quantization: Optional[str] = getattr(model, "quantization", None)
         self.weight_bytes = weight_bytes(model) if isinstance(model, torch.nn.Module) else 0
-        shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
+        cache_dtype, row = kv_layout(head_dim, dtype, kv_cache_dtype)
+        shape = (2, num_kv_blocks, block_size, num_kv_heads, row)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN
         # garbage there would poison masked softmax sums.
-        self.kv_caches = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
-        cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [lazy_zeros(shape, cache_dtype, device) for _ in range(num_layers)]
+        cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, row)
         pin = device.type == "cuda"
         self.cpu_caches = [
-            torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if pin else lazy_zeros(cpu_shape, dtype, device)
+            torch.zeros(cpu_shape, dtype=cache_dtype, pin_memory=True) if pin
+            else lazy_zeros(cpu_shape, cache_dtype, device)
             for _ in range(num_layers)
         ] if num_cpu_blocks else []
         self.sampler = Sampler(seed)

@@ -4,13 +4,17 @@ agreement with a reference run.
     prefixserve eval perplexity                       # the default model, float32
     prefixserve eval perplexity --quantization gguf   # its GGUF tensors, natively
     prefixserve eval perplexity --quantization int8 --agreement
+    prefixserve eval perplexity --kv-cache-dtype int8 --prefill-chunk 64
 
 Text: the held-out part of ``cluster/shared/text_corpus.py`` (English shipped
 with Python; quantizers calibrate on the other part). It is tokenized once and
 cut into non-overlapping windows of ``--window`` tokens, at most
 ``--max-tokens`` in all; each window is one prompt whose prompt logprobs
 (``SamplingParams.prompt_logprobs``) give every token's negative log-likelihood
-but the window's first. Perplexity = exp(mean NLL over those tokens).
+but the window's first. Perplexity = exp(mean NLL over those tokens). A window
+prefilled in one step attends to its own fresh keys; ``--prefill-chunk`` makes
+later chunks read earlier tokens back from the KV cache (what an int8 cache
+changes).
 
 ``--agreement`` also runs the float model (no quantization) and reports, over
 ``--num-prompts`` prompts (held-out text), how many greedy tokens the two runs
@@ -39,6 +43,9 @@ logger = logging.getLogger(__name__)
 def add_perplexity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=512, help="tokens per evaluated window")
     parser.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens evaluated in all")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prefill windows in chunks of this many tokens, so tokens attend to cached keys "
+                             "(what kv_cache_dtype int8 changes); default: a window in one step")
     parser.add_argument("--agreement", action="store_true",
                         help="also compare greedy outputs with the float run (loads the model twice)")
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts of the agreement check")
@@ -94,6 +101,9 @@ def run_perplexity(args: argparse.Namespace, engine_args: dict[str, Any]) -> int
     from workers.llm import LLM
 
     engine_args = {"max_num_batched_tokens": max(2048, args.window), **engine_args}
+    if args.prefill_chunk:
+        engine_args.update(max_num_batched_tokens=args.prefill_chunk,
+                           max_num_seqs=min(args.prefill_chunk, engine_args.get("max_num_seqs", 64)))
     llm = LLM(**engine_args)
     report: dict[str, Any] = {"model": str(llm.model_dir), "quantization": engine_args.get("quantization"),
                               **perplexity(llm, args.window, args.max_tokens)}

@@ -8,7 +8,10 @@ when ``llama_cpp`` is importable (``--peers``; not a dependency).
     prefixserve bench quant --methods none gguf int4-g32 --peers q4_1 --rounds 3
 
 Methods: ``none`` (float32), ``w8a8``, ``int8``, ``int4-g32`` / ``int4-g64`` /
-``int4-g128``, ``gguf`` (see ``workers/model/quant/``). Speed figures use the
+``int4-g128``, ``gguf`` (see ``workers/model/quant/``), and ``kv-int8``
+(float weights, ``kv_cache_dtype="int8"``; its perplexity is computed in
+prefill chunks of 64 tokens so that tokens attend to the int8 cache; the KV
+block bytes column shows what each block costs). Speed figures use the
 same steps as ``bench latency`` (fresh random prompts, nothing from the prefix
 cache); with ``--rounds`` N the speed part runs N times over all methods and
 peers in turn and reports medians, so drift of a shared machine hits every
@@ -32,7 +35,8 @@ from cluster.client.table import format_table
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf")
+METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf", "kv-int8")
+KV_PPL_CHUNK = 64  # prefill chunk of kv-int8's perplexity: tokens attend to cached (quantized) keys
 PEERS = ("q8_0", "q4_1")
 
 
@@ -56,6 +60,8 @@ def method_args(method: str) -> dict[str, Any]:
     """Engine arguments of a method name (``int4-g32`` -> int4 with groups of 32)."""
     if method == "none":
         return {}
+    if method == "kv-int8":
+        return {"kv_cache_dtype": "int8"}
     if method.startswith("int4-g"):
         return {"quantization": "int4", "quantization_group_size": int(method.removeprefix("int4-g"))}
     return {"quantization": method}
@@ -90,7 +96,18 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     row = results.setdefault(method, {})
                     row["weight_bytes"] = int(llm.runner.weight_bytes)
                     row["quantization"] = llm.runner.quantization or "none"
-                    row.update(perplexity(llm, 512, args.ppl_tokens))
+                    row["kv_cache_blocks"] = int(llm.runner.num_kv_blocks)
+                    row["kv_block_bytes"] = int(llm.runner.kv_cache_bytes // llm.runner.num_kv_blocks)
+                    if method == "kv-int8":
+                        # A window prefilled in one step attends to its own float keys; in
+                        # chunks, each chunk attends to the cached (int8) keys before it.
+                        chunked = {**base, **method_args(method), "max_num_batched_tokens": KV_PPL_CHUNK,
+                                   "max_num_seqs": KV_PPL_CHUNK}
+                        with LLM(**chunked) as ppl_llm:
+                            row.update(perplexity(ppl_llm, 512, args.ppl_tokens))
+                        row["perplexity_prefill_chunk"] = KV_PPL_CHUNK
+                    else:
+                        row.update(perplexity(llm, 512, args.ppl_tokens))
                     prompts = agreement_prompts(llm, args.num_prompts)
                     tokens = greedy_tokens(llm, prompts, args.agree_tokens)
                     reference = reference if reference is not None else (tokens if method == "none" else None)
@@ -152,7 +169,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
     batches = report["batch_sizes"]
     results = report["results"]
     base = results.get("none", {})
-    header = ["method", "perplexity", "greedy agreement", "weights MiB",
+    header = ["method", "perplexity", "greedy agreement", "weights MiB", "KV block KiB",
               *[f"decode b{b} tok/s" for b in batches], "prefill tok/s"]
     rows = [tuple(header)]
 
@@ -165,11 +182,13 @@ def format_report(report: dict[str, Any]) -> list[str]:
 
     for name, row in results.items():
         agree = row.get("agreement")
+        label = {"none": "float32", "kv-int8": "float32, int8 KV"}.get(name, row.get("quantization", name))
         rows.append((
-            row.get("quantization", name) if name != "none" else "float32",
+            label,
             f"{row['perplexity']:.3f}" if "perplexity" in row else "-",
             f"{agree['mean_tokens_to_divergence']:.1f}/{agree['out_of']} ({agree['full_agreement']})" if agree else "-",
             f"{row['weight_bytes'] / 2**20:.0f}" if "weight_bytes" in row else "-",
+            f"{row['kv_block_bytes'] / 2**10:.0f}" if "kv_block_bytes" in row else "-",
             *[with_ratio(row, f"decode_b{b}") for b in batches],
             with_ratio(row, "prefill"),
         ))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cluster.bench import offline as bench
 from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams
@@ -214,3 +215,27 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_skip_the_prefix_ca
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=-1)
     assert_all_blocks_free_or_cached(llm.engine.scheduler)
+
+
+def test_int8_kv_cache_holds_more_blocks_and_survives_swapping(tiny_dir):
+    prompts = [list(range(5 + i, 40 + i)) for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    floats = LLM(str(tiny_dir), block_size=4, kv_cache_memory=0.002)
+    int8 = LLM(str(tiny_dir), block_size=4, kv_cache_memory=0.002, kv_cache_dtype="int8")
+    head_dim = int8.runner.kv_caches[0].shape[-1] - 4
+    assert int8.runner.kv_caches[0].dtype == torch.int8
+    # float32 rows of 4 * head_dim bytes against head_dim + 4 (values, then the scale).
+    assert int8.runner.num_kv_blocks >= floats.runner.num_kv_blocks * (4 * head_dim) // (head_dim + 4) - 1
+    roomy = int8.generate(prompts, params)
+    ref = floats.generate(prompts, params)
+    # Close to the float cache: the first tokens agree, logprobs within quantization error.
+    assert [o.token_ids[0] for o in roomy] == [r.token_ids[0] for r in ref]
+    assert max(abs(o.logprobs[0].logprob - r.logprobs[0].logprob) for o, r in zip(roomy, ref)) < 0.05
+    # Swapped out and back in, int8 rows (values and scales) come back intact: the same tokens.
+    tight = LLM(str(tiny_dir), block_size=4, num_kv_blocks=20, kv_cache_dtype="int8", preemption_mode="swap")
+    squeezed = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions_total > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
+    assert_all_blocks_free_or_cached(tight.engine.scheduler)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8'\)"):
+        LLM(str(tiny_dir), kv_cache_dtype="fp8")

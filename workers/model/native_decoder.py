@@ -82,6 +82,7 @@ class NativeDecoder:
         self._rotary = ops.rotary_f32
         self._silu = ops.silu_and_mul_f32
         self._decode = attn_lib.paged_decode_f32
+        self._decode_int8: Any = None  # built on the first step over an int8 cache
         self.layers = [_Layer(layer) for layer in model.model.layers]
         self.final_norm = model.model.norm.weight.data_ptr()
         self.final_eps = float(model.model.norm.eps)
@@ -155,6 +156,14 @@ class NativeDecoder:
         tokens = x.shape[0]
         decode_only = (meta.num_decodes == meta.num_requests and self._backend._native_decode
                        and kv_caches[0].shape[2] <= cpu_decode.MAX_BLOCK)
+        if decode_only and kv_caches[0].dtype == torch.int8:  # kv_cache_dtype int8 (attention/kv_int8.py)
+            if self._decode_int8 is None:
+                int8_lib = cpu_decode.load(torch.int8)
+                self._decode_int8 = int8_lib.paged_decode_f32 if int8_lib is not None else False
+            decode_only = self._decode_int8 is not False
+            decode_fn = self._decode_int8
+        else:
+            decode_fn = self._decode
         if decode_only:
             step = (meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
                     meta.seq_lens.data_ptr(), meta.num_requests)
@@ -176,8 +185,8 @@ class NativeDecoder:
                 k_base = base + hq * d * 4
                 cache = kv_cache.data_ptr()
                 slots, tables, width, lens, num_reqs = step
-                self._decode(base, ld, k_base, ld, k_base + hkv * d * 4, ld, slots, cache,
-                             cache + kv_cache.stride(0) * 4, tables, width, lens, num_reqs, hq, hkv, d,
+                decode_fn(base, ld, k_base, ld, k_base + hkv * d * 4, ld, slots, cache,
+                             cache + kv_cache.stride(0) * kv_cache.element_size(), tables, width, lens, num_reqs, hq, hkv, d,
                              kv_cache.shape[2], layer.scale, layer.window, attn.data_ptr(), hq * d)
             else:
                 q = qkv[:, : hq * d].view(tokens, hq, d)

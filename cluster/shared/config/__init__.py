@@ -20,6 +20,7 @@ from cluster.shared.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
     LINEAR_BACKENDS,
+    KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     PREEMPTION_MODES,
     CacheConfig,
@@ -29,7 +30,8 @@ from cluster.shared.config.engine import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS", "ROUTING_POLICIES",
+    "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
+    "ROUTING_POLICIES",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig",
 ]

@@ -17,6 +17,7 @@ PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8")
+KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -32,6 +33,9 @@ class CacheConfig:
         gpu_memory_utilization: Fraction of GPU memory for weights + KV.
         swap_space: GiB of CPU memory for blocks of preempted sequences.
         enable_prefix_caching: Reuse full blocks whose hash chain matches.
+        kv_cache_dtype: ``auto`` (the model's dtype) or ``int8`` (one scale
+            per token and head, ``workers/model/attention/kv_int8.py``; CPU,
+            the torch attention backend): about 3.8x the blocks of float32.
     """
 
     block_size: int = 16
@@ -40,8 +44,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 1.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+                             " (fp8 is not supported)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -107,8 +107,12 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores the new keys and values at their slots (in place)."""
+    """Stores the new keys and values at their slots (in place; quantized into an int8 cache)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    if kv_cache.dtype == torch.int8:
+        from workers.model.attention import kv_int8
+
+        k, v = kv_int8.quantize(k), kv_int8.quantize(v)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)

@@ -42,6 +42,19 @@ _SOURCE = r"""
 #define MAX_DIM 256
 #define MAX_BLOCK 256
 
+/* KV element type. Built twice: float32, and with -DKV_INT8 for the int8 cache
+   (kv_int8.py): each (token, head) row is head_dim int8 values followed by
+   their float32 scale, so a row is D + 4 bytes and x ~ scale * q. */
+#ifdef KV_INT8
+typedef signed char kv_t;
+#define HS(D) ((D) + 4)
+#define ROW_SCALE(p, D) (*(const float*)((const char*)(p) + (D)))
+#else
+typedef float kv_t;
+#define HS(D) (D)
+#define ROW_SCALE(p, D) 1.0f
+#endif
+
 /* One (request, KV head): the G query heads of KV head h over positions
    [lo, len) of the paged cache; q rows of G * head_dim floats at qh, output
    likewise at oh. Per block: scores of all G heads (each key loaded once),
@@ -61,10 +74,10 @@ _SOURCE = r"""
         const int blk = table[start / block_size];                                          \
         const int j0 = start < lo ? lo - start : 0;                                         \
         const int j1 = (len - start) < block_size ? (len - start) : block_size;             \
-        const float* kb = k_cache + ((long)blk * block_size) * row + (long)h * D;           \
-        const float* vb = v_cache + ((long)blk * block_size) * row + (long)h * D;           \
+        const kv_t* kb = k_cache + ((long)blk * block_size) * row + (long)h * HS(D);        \
+        const kv_t* vb = v_cache + ((long)blk * block_size) * row + (long)h * HS(D);        \
         if (start + block_size < len) { /* the next block's rows of this head, ahead */     \
-            const long nb = (long)table[start / block_size + 1] * block_size * row + (long)h * D; \
+            const long nb = (long)table[start / block_size + 1] * block_size * row + (long)h * HS(D); \
             for (int j = 0; j < block_size; ++j)                                            \
                 for (int d = 0; d < D; d += 16) {                                           \
                     __builtin_prefetch(k_cache + nb + (long)j * row + d);                   \
@@ -72,13 +85,14 @@ _SOURCE = r"""
                 }                                                                           \
         }                                                                                   \
         for (int j = j0; j < j1; ++j) {                                                     \
-            const float* kj = kb + (long)j * row;                                           \
+            const kv_t* kj = kb + (long)j * row;                                            \
+            const float ks = scale * ROW_SCALE(kj, D);  /* = scale for a float cache */     \
             for (int g = 0; g < G; ++g) {                                                   \
                 const float* qg = qh + (long)g * D;                                         \
                 float dot = 0.0f;                                                           \
                 _Pragma("omp simd reduction(+:dot)")                                        \
-                for (int d = 0; d < D; ++d) dot += qg[d] * kj[d];                           \
-                s[g][j] = dot * scale;                                                      \
+                for (int d = 0; d < D; ++d) dot += qg[d] * (float)kj[d];                    \
+                s[g][j] = dot * ks;                                                         \
             }                                                                               \
         }                                                                                   \
         for (int g = 0; g < G; ++g) {                                                       \
@@ -93,10 +107,11 @@ _SOURCE = r"""
             for (int d = 0; d < D; ++d) acc[g][d] *= corr;                                  \
         }                                                                                   \
         for (int j = j0; j < j1; ++j) {                                                     \
-            const float* vj = vb + (long)j * row;                                           \
+            const kv_t* vj = vb + (long)j * row;                                            \
+            const float vs = ROW_SCALE(vj, D);                                              \
             for (int g = 0; g < G; ++g) {                                                   \
-                const float p = s[g][j];                                                    \
-                for (int d = 0; d < D; ++d) acc[g][d] += p * vj[d];                         \
+                const float p = s[g][j] * vs;                                               \
+                for (int d = 0; d < D; ++d) acc[g][d] += p * (float)vj[d];                  \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
@@ -105,7 +120,7 @@ _SOURCE = r"""
         for (int d = 0; d < D; ++d) oh[(long)g * D + d] = acc[g][d] * inv;                  \
     }
 
-#define ATTEND_ARGS const float* qh, float* oh, const float* k_cache, const float* v_cache, \
+#define ATTEND_ARGS const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache, \
     const int* table, int len, int lo, int h, int block_size, long row, float scale
 
 #define ATTEND(G, D) static void attend_##G##_##D(ATTEND_ARGS) { ATTEND_BODY(G, D) }
@@ -120,7 +135,7 @@ static const attend_fn ATTEND_64[9] = {0, attend_1_64, attend_2_64, attend_3_64,
 static const attend_fn ATTEND_128[9] = {0, attend_1_128, attend_2_128, attend_3_128, attend_4_128,
                                         attend_5_128, attend_6_128, attend_7_128, attend_8_128};
 
-static void attend(const float* qh, float* oh, const float* k_cache, const float* v_cache,
+static void attend(const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache,
                    const int* table, int len, int lo, int h, int G, int D, int block_size,
                    long row, float scale) {
     attend_fn fn = 0;
@@ -134,18 +149,39 @@ static void attend(const float* qh, float* oh, const float* k_cache, const float
    q + r * ldq) over its positions [0, seq_lens[r]) of the paged cache; out
    rows at out + r * ldo. With k and v (rows at k + r * ldk, v + r * ldv),
    each request's new key and value are first written to slot_mapping[r]. */
+/* One token's K (or V) of every head into its cache row (quantized per head for int8). */
+static void store_row(kv_t* dst, const float* src, int num_kv_heads, int D) {
+#ifdef KV_INT8
+    for (int h = 0; h < num_kv_heads; ++h) {
+        const float* x = src + (long)h * D;
+        kv_t* o = dst + (long)h * HS(D);
+        float amax = 0.0f;
+        for (int d = 0; d < D; ++d) { const float a = fabsf(x[d]); amax = a > amax ? a : amax; }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float sc = amax / 127.0f;
+        for (int d = 0; d < D; ++d) {
+            int qv = (int)nearbyintf(x[d] * inv);
+            o[d] = (kv_t)(qv > 127 ? 127 : (qv < -127 ? -127 : qv));
+        }
+        memcpy(o + D, &sc, sizeof(float));
+    }
+#else
+    memcpy(dst, src, sizeof(float) * (long)num_kv_heads * D);
+#endif
+}
+
 void paged_decode_f32(
     const float* q, long ldq, const float* k, long ldk, const float* v, long ldv, const long* slot_mapping,
-    float* k_cache, float* v_cache, const int* block_tables, int table_width, const int* seq_lens,
+    kv_t* k_cache, kv_t* v_cache, const int* block_tables, int table_width, const int* seq_lens,
     int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int window, float* out, long ldo)
 {
     const int G = num_heads / num_kv_heads;
-    const long row = (long)num_kv_heads * head_dim;          /* one token's K (or V) */
+    const long row = (long)num_kv_heads * HS(head_dim);      /* one token's K (or V), in kv_t */
     if (k) {
         for (int r = 0; r < num_reqs; ++r) {
-            memcpy(k_cache + slot_mapping[r] * row, k + (long)r * ldk, sizeof(float) * row);
-            memcpy(v_cache + slot_mapping[r] * row, v + (long)r * ldv, sizeof(float) * row);
+            store_row(k_cache + slot_mapping[r] * row, k + (long)r * ldk, num_kv_heads, head_dim);
+            store_row(v_cache + slot_mapping[r] * row, v + (long)r * ldv, num_kv_heads, head_dim);
         }
     }
     long work = 0;
@@ -171,26 +207,32 @@ _SIGNATURES = {"paged_decode_f32": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _I, 
                                     ctypes.c_float, _I, _P, _L]}
 
 
-def load() -> Optional[ctypes.CDLL]:
-    """Builds (once per source version and machine, ``workers/model/native.py``) and loads the kernel.
+def load(kv_dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
+    """Builds (once per source version and machine, ``workers/model/native.py``) and loads the kernel
+    for a float32 cache, or with ``kv_dtype`` int8 for the int8 cache (``kv_int8.py``).
 
     Returns:
         The library, or None when no C compiler is found or the build fails
         (logged once; callers fall back to torch).
     """
+    if kv_dtype == torch.int8:
+        return native.build("paged_decode_i8", _SOURCE, (*_FLAGS, "-DKV_INT8"), _SIGNATURES)
     return native.build("paged_decode", _SOURCE, _FLAGS, _SIGNATURES)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel can serve this call (CPU, float32, sizes in range)."""
+    """Whether the kernel can serve this call (CPU, float32 queries, a float32
+    or int8 cache, sizes in range)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    row = head_dim + 4 if kv_cache.dtype == torch.int8 else head_dim  # int8 rows end in their scale
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
         and q.stride(2) == 1
         and q.stride(1) == head_dim
-        and kv_cache.dtype == torch.float32
+        and kv_cache.dtype in (torch.float32, torch.int8)
+        and kv_cache.shape[4] == row
         and kv_cache.is_contiguous()
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.shared.sizes import cdiv
-from workers.model.attention import cpu_decode
+from workers.model.attention import cpu_decode, kv_int8
 from workers.model.attention.base import AttentionMetadata, write_kv
 
 # Gathered K/V bytes per decode group (one SDPA call each); fits in L2/L3.
@@ -47,7 +47,8 @@ class TorchAttentionBackend:
     def __init__(self, native_decode: bool = True, batch_invariant: bool = False) -> None:
         self._native_decode = native_decode or batch_invariant
         self.batch_invariant = batch_invariant
-        self._native_lib = None
+        self._native_lib = None  # the kernel for the cache dtype last seen (one per model)
+        self._native_libs: dict[torch.dtype, object] = {}
         self._native_layouts: dict[tuple, bool] = {}
 
     def forward(
@@ -116,11 +117,12 @@ class TorchAttentionBackend:
             if k is not None:
                 ready = ready and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.dtype == torch.float32
                                       for t in (k, v))
-            if ready and self._native_lib is None:
-                self._native_lib = cpu_decode.load()
-                self._native_decode = self._native_lib is not None
-            ready = ready and self._native_lib is not None
+            if ready and kv_cache.dtype not in self._native_libs:
+                self._native_libs[kv_cache.dtype] = cpu_decode.load(kv_cache.dtype)
+            ready = ready and self._native_libs.get(kv_cache.dtype) is not None
             self._native_layouts[key] = ready
+        if ready:
+            self._native_lib = self._native_libs[kv_cache.dtype]
         return ready
 
     def _decode(
@@ -140,7 +142,7 @@ class TorchAttentionBackend:
             return cpu_decode.paged_decode(
                 self._native_lib, q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window
             )
-        row_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.element_size()
+        row_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * 4  # gathered as float32
         out = torch.empty_like(q)
         start = 0
         while start < nd:
@@ -167,9 +169,10 @@ class TorchAttentionBackend:
         ids = meta.block_tables[start:end, :num_blocks].flatten()
         # [n*nb, bs, Hkv, hd] -> [n, Hkv, L, hd]; index_select is ~2.5x
         # faster than advanced indexing here.
-        shape = (n, num_blocks * block_size) + tuple(kv_cache.shape[3:])
-        keys = kv_cache[0].index_select(0, ids).view(shape).transpose(1, 2)
-        values = kv_cache[1].index_select(0, ids).view(shape).transpose(1, 2)
+        keys = _gather(kv_cache, 0, ids)
+        shape = (n, num_blocks * block_size) + tuple(keys.shape[2:])
+        keys = keys.view(shape).transpose(1, 2)
+        values = _gather(kv_cache, 1, ids).view(shape).transpose(1, 2)
         pos = torch.arange(num_blocks * block_size, device=q.device)
         lens = meta.seq_lens[start:end].to(pos.dtype).unsqueeze(1)
         mask = pos.unsqueeze(0) < lens
@@ -211,8 +214,8 @@ class TorchAttentionBackend:
         block_size = kv_cache.shape[2]
         num_blocks = cdiv(seq_len, block_size)
         ids = block_table[:num_blocks]
-        keys = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-        values = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        keys = _gather(kv_cache, 0, ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        values = _gather(kv_cache, 1, ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         mask = k_pos <= q_pos
@@ -222,3 +225,10 @@ class TorchAttentionBackend:
             qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _gather(kv_cache: torch.Tensor, which: int, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``ids`` of the keys (0) or values (1): ``[len(ids), block_size, Hkv, hd]``, dequantized
+    from an int8 cache."""
+    blocks = kv_cache[which].index_select(0, ids)
+    return kv_int8.dequantize(blocks) if kv_cache.dtype == torch.int8 else blocks
