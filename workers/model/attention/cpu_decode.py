@@ -49,7 +49,13 @@ _SOURCE = r"""
 typedef signed char kv_t;
 #define HS(D) ((D) + 4)
 #define ROW_SCALE(p, D) (*(const float*)((const char*)(p) + (D)))
+/* A row converted to floats once, then read by all G query heads. */
+#define ROW_AS_FLOAT(name, src, D)                                                          \
+    float name##_buf[D];                                                                    \
+    for (int d_ = 0; d_ < (D); ++d_) name##_buf[d_] = (float)(src)[d_];                     \
+    const float* name = name##_buf;
 #else
+#define ROW_AS_FLOAT(name, src, D) const float* name = (src);
 typedef float kv_t;
 #define HS(D) (D)
 #define ROW_SCALE(p, D) 1.0f
@@ -87,11 +93,12 @@ typedef float kv_t;
         for (int j = j0; j < j1; ++j) {                                                     \
             const kv_t* kj = kb + (long)j * row;                                            \
             const float ks = scale * ROW_SCALE(kj, D);  /* = scale for a float cache */     \
+            ROW_AS_FLOAT(kf, kj, D)                                                         \
             for (int g = 0; g < G; ++g) {                                                   \
                 const float* qg = qh + (long)g * D;                                         \
                 float dot = 0.0f;                                                           \
                 _Pragma("omp simd reduction(+:dot)")                                        \
-                for (int d = 0; d < D; ++d) dot += qg[d] * (float)kj[d];                    \
+                for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];                           \
                 s[g][j] = dot * ks;                                                         \
             }                                                                               \
         }                                                                                   \
@@ -109,9 +116,10 @@ typedef float kv_t;
         for (int j = j0; j < j1; ++j) {                                                     \
             const kv_t* vj = vb + (long)j * row;                                            \
             const float vs = ROW_SCALE(vj, D);                                              \
+            ROW_AS_FLOAT(vf, vj, D)                                                         \
             for (int g = 0; g < G; ++g) {                                                   \
                 const float p = s[g][j] * vs;                                               \
-                for (int d = 0; d < D; ++d) acc[g][d] += p * (float)vj[d];                  \
+                for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];                         \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
