@@ -8,7 +8,9 @@ when ``llama_cpp`` is importable (``--peers``; not a dependency).
     prefixserve bench quant --methods none gguf int4-g32 --peers q4_1 --rounds 3
 
 Methods: ``none`` (float32), ``w8a8``, ``int8``, ``int4-g32`` / ``int4-g64`` /
-``int4-g128``, ``gguf`` (see ``workers/model/quant/``), and ``kv-int8``
+``int4-g128``, ``gguf``, ``gptq`` / ``awq`` (the default model written as a
+group-128 checkpoint by ``prefixserve quantize``, once, into the cache; see
+``workers/model/quant/``), and ``kv-int8``
 (float weights, ``kv_cache_dtype="int8"``; its perplexity is computed in
 prefill chunks of 64 tokens so that tokens attend to the int8 cache; the KV
 block bytes column shows what each block costs). Speed figures use the
@@ -35,7 +37,8 @@ from cluster.client.table import format_table
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf", "kv-int8")
+METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf", "gptq", "awq", "kv-int8")
+CHECKPOINT_GROUP = 128  # gptq / awq checkpoints written for the table (their usual group size)
 KV_PPL_CHUNK = 64  # prefill chunk of kv-int8's perplexity: tokens attend to cached (quantized) keys
 PEERS = ("q8_0", "q4_1")
 
@@ -62,6 +65,8 @@ def method_args(method: str) -> dict[str, Any]:
         return {}
     if method == "kv-int8":
         return {"kv_cache_dtype": "int8"}
+    if method in ("gptq", "awq"):
+        return {"model": str(_checkpoint(method))}
     if method.startswith("int4-g"):
         return {"quantization": "int4", "quantization_group_size": int(method.removeprefix("int4-g"))}
     return {"quantization": method}
@@ -138,6 +143,25 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     path.write_text(json.dumps(report, indent=2))
     logger.info("wrote %s", path)
     return 0
+
+
+def _checkpoint(method: str) -> Path:
+    """The default model as a ``method`` checkpoint (``prefixserve quantize``), written once into the cache."""
+    from cluster.shared.cache import cache_root
+    from workers.model.loader import iter_weights, resolve_model
+    from workers.model.quant.checkpoints import write_checkpoint
+
+    folder = cache_root() / "quantized" / f"default-{method}-g{CHECKPOINT_GROUP}"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + ".tmp")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        src = resolve_model(None)
+        write_checkpoint(iter_weights(src), src, tmp, method, CHECKPOINT_GROUP)
+        tmp.rename(folder)
+    return folder
 
 
 def _available_peers(wanted: list[str]) -> list[str]:

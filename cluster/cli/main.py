@@ -79,6 +79,8 @@ COMMANDS = (
             "cluster.bench.kernels", "add_kernels_args", "run_kernels"),
     Command(("bench", "quant"), "every quantization on one table: perplexity, agreement, weights, speed",
             "cluster.bench.quant", "add_quant_args", "run_quant"),
+    Command(("quantize",), "write a 4-bit GPTQ or AWQ checkpoint from a float model",
+            "cluster.cli.quantize", "add_quantize_args", "run_quantize", engine_flags=False),
     Command(("eval", "perplexity"), "perplexity on held-out text (and greedy agreement with the float run)",
             "cluster.bench.evaluate", "add_perplexity_args", "run_perplexity"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",

@@ -203,12 +203,14 @@ def test_status_with_metrics_shows_swapped_and_hit_rate(cluster, capsys):
                 break
             time.sleep(1.0)
     assert lines[0].split() == ["replica", "KV", "use", "running", "waiting", "swapped", "cached", "blocks",
-                                "hit", "rate", "prompt", "tok/s", "gen", "tok/s"]
+                                "hit", "rate", "prompt", "tok/s", "gen", "tok/s", "quantization", "weights"]
     row = lines[1].split()
     assert len(lines) == 3, lines  # one replica: /metrics and ListReplicas name it alike
     assert row[4] == "0"  # nothing swapped
     assert 0.0 < float(row[6].rstrip("%")) <= 100.0  # the shared-prefix runs above hit the cache
-    assert row[7:] == ["-", "-"]  # token rates need two scrapes (--watch)
+    assert row[7:9] == ["-", "-"]  # token rates need two scrapes (--watch)
+    assert row[9] == "none"  # model_info's quantization label: this replica runs float weights
+    assert row[10].isdigit() and row[11] == "MiB", row  # model_weight_bytes, shown in MiB
 
 
 def test_status_and_bench_say_what_is_wrong(tmp_path, caplog):

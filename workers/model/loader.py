@@ -205,7 +205,21 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, attn_backend, tp)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
-    model.load_weights(iter_weights(folder))
+    from workers.model.quant.checkpoints import QuantSpec, read_checkpoint
+
+    spec = QuantSpec.from_config(folder)  # a GPTQ / AWQ checkpoint: its packed layers
+    checkpoint_layers: dict = {}
+    if spec is not None:
+        if quantization not in (None, spec.method):
+            raise ValueError(f"{folder} is a {spec.method} checkpoint: quantization must be {spec.method!r} or "
+                             f"None, got {quantization!r}")
+        quantization = spec.method
+        model.load_weights(read_checkpoint(iter_weights(folder), spec, checkpoint_layers))
+    elif quantization in ("gptq", "awq"):
+        raise ValueError(f"quantization={quantization!r} loads a {quantization} checkpoint, and {folder}/config.json "
+                         "has no such quantization_config (prefixserve quantize writes one)")
+    else:
+        model.load_weights(iter_weights(folder))
     model.eval()
     backend = resolve_linear_backend(linear_backend, device, torch_dtype)
     if quantization is not None:
@@ -215,7 +229,8 @@ def load_model(
         from workers.model.quant.methods import quantize_linears
 
         summary = quantize_linears(model, quantization, quantization_group_size, gguf_path,
-                                   calibration_ids=_calibration_ids(folder) if quantization == "w8a8" else None)
+                                   calibration_ids=_calibration_ids(folder) if quantization == "w8a8" else None,
+                                   checkpoint_layers=checkpoint_layers)
         model.quantization = summary.label
     compile = not enforce_eager and tp is None and backend == "native" and quantization is None
     if not enforce_eager and not compile:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
-QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8")
+QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -133,8 +133,10 @@ class EngineConfig:
         quantization: Weight-only quantization of the linear layers
             (``workers/model/quant/``): ``gguf`` (a .gguf model's own
             quantized tensors), ``int8`` (per channel), ``int4`` (per group),
-            or ``w8a8`` (SmoothQuant, calibrated at load on text shipped with
-            Python); None keeps float weights. CPU, float32.
+            ``w8a8`` (SmoothQuant, calibrated at load on text shipped with
+            Python), ``gptq`` / ``awq`` (a 4-bit checkpoint's packed layers;
+            found in its config.json when None); None keeps float weights.
+            CPU, float32.
         quantization_group_size: Inputs per group of ``int4`` (32, 64 or 128;
             default 128).
         batch_invariant: Guarantee that a request's outputs (tokens and
@@ -178,7 +180,7 @@ class EngineConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got "
-                             f"{self.quantization!r} (awq and gptq checkpoints are not supported yet)")
+                             f"{self.quantization!r}")
         if self.quantization_group_size is not None and self.quantization != "int4":
             raise ValueError("quantization_group_size applies to quantization='int4' only")
         if self.linear_backend not in LINEAR_BACKENDS:

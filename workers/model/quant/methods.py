@@ -53,7 +53,8 @@ class QuantSummary:
 
 
 def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_path: Optional[Path],
-                     calibration_ids: Optional[list[int]] = None) -> QuantSummary:
+                     calibration_ids: Optional[list[int]] = None,
+                     checkpoint_layers: Optional[dict[str, Any]] = None) -> QuantSummary:
     """Replaces the kernels of ``model``'s linear layers by quantized ones
     (mutates the model; call before ``model.finalize``).
 
@@ -67,6 +68,8 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
                          "with AVX2 + FMA); it did not build here, see the log")
     if method == "w8a8":
         return _w8a8(model, lib, calibration_ids)
+    if method in ("gptq", "awq"):
+        return _install_plan(method, _checkpoint_plan(model, checkpoint_layers or {}), lib)
     if method == "gguf":
         if gguf_path is None:
             raise ValueError("quantization='gguf' runs a .gguf file's own tensors: pass model=<file.gguf> "
@@ -74,11 +77,19 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
         plan = _gguf_plan(model, gguf_path)
     else:
         plan = _float_plan(model, method, group_size)
+    return _install_plan(method, [(linear, decoded, None) for linear, decoded in plan], lib)
+
+
+def _install_plan(method: str, plan: list[tuple[Any, DecodedWeight, Optional[np.ndarray]]], lib: Any) -> QuantSummary:
+    """Packs every planned weight, then installs them all (nothing half-installed on an error)."""
+    weights: list[Any] = []
+    for linear, decoded, perm in plan:
+        weight: Any = qgemm.QuantWeight(decoded.q, decoded.scales, decoded.mins, decoded.bits, decoded.group_size,
+                                        linear.bias, lib, name=decoded.format)
+        weights.append(PermutedInputs(weight, perm) if perm is not None else weight)
     formats: dict[str, int] = {}
     total = 0
-    for linear, decoded in plan:
-        weight = qgemm.QuantWeight(decoded.q, decoded.scales, decoded.mins, decoded.bits, decoded.group_size,
-                                   linear.bias, lib, name=decoded.format)
+    for (linear, decoded, _), weight in zip(plan, weights):
         install_quantized(linear, weight)
         formats[decoded.format] = formats.get(decoded.format, 0) + 1
         total += weight.nbytes
@@ -146,6 +157,60 @@ def _float_plan(model: Any, method: str, group_size: Optional[int]) -> list[tupl
             plan.append((module, quantize_head(w)))
         else:
             plan.append((module, quantize_int8(w) if method == "int8" else quantize_int4(w, group_size)))
+    return plan
+
+
+# ------------------------------------------------------------------ gptq / awq
+class PermutedInputs:
+    """A quantized weight whose inputs are stored in group order (GPTQ act order):
+    ``x`` is permuted the same way before the GEMM."""
+
+    def __init__(self, weight: qgemm.QuantWeight, perm: np.ndarray) -> None:
+        self.weight, self.name = weight, weight.name
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.perm = torch.from_numpy(np.ascontiguousarray(perm)).long()
+        self.inverse = torch.argsort(self.perm)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.perm.numel() * 8
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantized_rows(ids).index_select(1, self.inverse)
+
+    rows = dequantized_rows
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.matmul(x.reshape(-1, self.in_features).index_select(1, self.perm))
+
+    def matmul_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.matmul_no_bias(x.reshape(-1, self.in_features).index_select(1, self.perm))
+
+
+def _checkpoint_plan(model: Any, layers: dict[str, Any]) -> list[tuple[Any, DecodedWeight, Optional[np.ndarray]]]:
+    """The decoder's linear layers from a GPTQ / AWQ checkpoint's layers (HF names;
+    q/k/v and gate/up stacked into the fused projections). The LM head stays float,
+    as the checkpoint has it."""
+    plan = []
+
+    def fused(module: Any, names: list[str]) -> None:
+        parts = [layers.get(n) for n in names]
+        if any(p is None for p in parts):
+            missing = [n for n, p in zip(names, parts) if p is None]
+            raise ValueError(f"the checkpoint has no quantized tensors for {', '.join(missing)}")
+        perms = [p.perm for p in parts]
+        if any((a is None) != (b is None) or (a is not None and not np.array_equal(a, b))
+               for a, b in zip(perms, perms[1:])):
+            raise ValueError(f"{', '.join(names)} share an input but not an act-order permutation (g_idx): "
+                             "fused projections need one")
+        plan.append((module, _stack([p.decoded for p in parts]), perms[0]))
+
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        fused(layer.self_attn.qkv_proj, [prefix + f"self_attn.{p}_proj" for p in "qkv"])
+        fused(layer.self_attn.o_proj, [prefix + "self_attn.o_proj"])
+        fused(layer.mlp.gate_up_proj, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
+        fused(layer.mlp.down_proj, [prefix + "mlp.down_proj"])
     return plan
 
 
