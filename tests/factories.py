@@ -176,3 +176,26 @@ def make_test_certs(folder: Path) -> dict[str, str]:
     save("server", server, server_key)
     save("client", client, client_key)
     return {stem: str(folder / stem) for stem in ("ca", "server", "client")}
+
+
+class OracleProposer:
+    """Proposes the tokens a plain run produced after this prompt, every third
+    proposed position changed to another token (so it is rejected)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.calls = 0
+
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        for prompt, continuation in self.continuations.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = list(continuation[done : done + k])
+                self.calls += 1
+                if drafts and self.calls % 3 == 0:
+                    drafts[-1] = (drafts[-1] + 1) % 500 + 3
+                return drafts
+        return []
+
+    def drop(self, request_id: str) -> None:
+        pass

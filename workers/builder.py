@@ -18,6 +18,7 @@ from workers.engine.block_pool import BlockPool
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.scheduler import Scheduler
+from workers.engine.spec_decode import Speculator
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
 from workers.provision import (
     load_model_for,
@@ -109,8 +110,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eos = list(arch.eos_token_ids)
     windows = {arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)}
     window = windows.pop() if len(windows) == 1 else None  # released only when every layer slides
+    speculator = Speculator(config.speculative) if config.speculative is not None else None
     scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
-                          sliding_window=window)
+                          sliding_window=window, speculator=speculator)
     engine = LLMEngine(
         scheduler,
         runner,

@@ -16,6 +16,9 @@ Where the figures come from::
                 model_compilations_total (torch.compile graphs, enforce_eager False)
                 <- the engine's cumulative counters       (record_engine_counters,
                    after every step on the engine thread)
+    counters    spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total,
+                spec_decode_num_accepted_tokens_per_pos_total{position}
+                <- the speculator's stats                 (record_spec_decode, ditto)
     counters    prompt_tokens_total, generation_tokens_total
     histograms  time_to_first_token_seconds, inter_token_latency_seconds,
                 e2e_request_latency_seconds, request_queue_time_seconds
@@ -85,6 +88,16 @@ class ReplicaMetrics:
         self.num_preemptions = counter("num_preemptions_total", "Sequences preempted (swapped or recomputed).")
         self.model_compilations = counter(
             "model_compilations_total", "Graphs torch.compile built for the model (enforce_eager False).")
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts_total", "Steps of a sequence that verified speculated tokens.")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens_total", "Speculated tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens_total", "Speculated tokens accepted.")
+        self._accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Speculated tokens accepted, by position in the draft.",
+            (*LABELS, "position"), registry=self.registry)
+        self._spec_counts: dict[str, int] = {}
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.time_to_first_token = histogram(
@@ -136,6 +149,22 @@ class ReplicaMetrics:
             if delta > 0:
                 counter.inc(delta)
                 self._engine_counts[name] = value
+
+    def record_spec_decode(self, *, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                           accepted_per_position: list[int]) -> None:
+        """Advances the speculative-decoding counters to the engine's cumulative values."""
+        targets = {
+            "drafts": (num_drafts, self.spec_decode_num_drafts),
+            "draft_tokens": (num_draft_tokens, self.spec_decode_num_draft_tokens),
+            "accepted_tokens": (num_accepted_tokens, self.spec_decode_num_accepted_tokens),
+        }
+        for position, value in enumerate(accepted_per_position):
+            targets[f"pos{position}"] = (value, self._accepted_per_pos.labels(**self._labels, position=str(position)))
+        for name, (value, counter) in targets.items():
+            delta = value - self._spec_counts.get(name, 0)
+            if delta > 0:
+                counter.inc(delta)
+                self._spec_counts[name] = value
 
     def start_request(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
         """A timer for one request, started now."""

@@ -232,6 +232,11 @@ class ReplicaServer:
             prefix_cache_hits=scheduler.kv_manager.prefix_cache_hits,
             model_compilations=getattr(self._parts.runner, "num_compilations", 0) if self._parts else 0,
         )
+        if scheduler.speculator is not None:
+            stats = scheduler.speculator.stats
+            self.metrics.record_spec_decode(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+                                            num_accepted_tokens=stats.num_accepted_tokens,
+                                            accepted_per_position=stats.accepted_per_position)
 
     def _collect_events(self) -> None:
         """Engine thread: drain this step's KV events for the publisher."""

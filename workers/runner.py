@@ -13,6 +13,7 @@ Outputs are mapped back to the scheduler's order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -129,6 +130,56 @@ class ModelRunner:
         reqs = sched.scheduled
         if not reqs:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
+        if any(r.spec_token_ids for r in reqs):
+            return self._execute_speculative(reqs)
+        return self._execute(reqs)
+
+    def _execute_speculative(self, reqs: list[ScheduledRequest]) -> ModelOutput:
+        """A step with speculated tokens: each such request runs as 1 + k decodes,
+        one per position (the kernels of an ordinary decode, so each row's
+        logits are those the position would get without speculation), sampled
+        as if the drafts before it were already output; then each request keeps
+        the drafts its own samples agree with and the first sample that does
+        not (``workers/engine/spec_decode.py``)."""
+        rows: list[ScheduledRequest] = []
+        owner: list[int] = []
+        for i, req in enumerate(reqs):
+            if not req.spec_token_ids:
+                rows.append(req)
+                owner.append(i)
+                continue
+            drafts = list(req.spec_token_ids)
+            assert req.num_input_tokens == 1 + len(drafts) and req.num_sample_tokens == 1 + len(drafts), req
+            for j, token in enumerate(req.input_token_ids):
+                rows.append(dataclasses.replace(
+                    req, input_token_ids=[token], num_computed_tokens=req.num_computed_tokens + j,
+                    num_sample_tokens=1, output_token_ids=[*req.output_token_ids, *drafts[:j]], spec_token_ids=()))
+                owner.append(i)
+        out = self._execute(rows)
+        if not out.sampled_token_ids:  # a tensor-parallel rank other than 0
+            return out
+        sampled: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[Optional[list]] = [None for _ in reqs]
+        done = [False] * len(reqs)
+        for i, tokens, lps in zip(owner, out.sampled_token_ids, out.logprobs):
+            if done[i]:
+                continue
+            drafts = reqs[i].spec_token_ids
+            sampled[i].extend(tokens)
+            if lps is not None:
+                logprobs[i] = (logprobs[i] or []) + lps
+            j = len(sampled[i]) - 1  # this row verified draft j (when there is one)
+            if not tokens or j >= len(drafts) or tokens[0] != drafts[j]:
+                done[i] = True
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:  # rows of prompt chunks are never expanded
+            prompt_logprobs = [None] * len(reqs)
+            for row, entry in zip(owner, out.prompt_logprobs):
+                if entry is not None:
+                    prompt_logprobs[row] = entry
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _execute(self, reqs: list[ScheduledRequest]) -> ModelOutput:
         # Decodes first, longest context first (attention pads per group of
         # similar lengths), then prefill chunks.
         order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i].input_token_ids) != 1, -reqs[i].seq_len))

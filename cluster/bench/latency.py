@@ -101,6 +101,9 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     from workers.llm import LLM
 
+    if engine_args.get("speculative_config") is not None:
+        raise ValueError("bench latency times one-token decode steps: measure speculative decoding with "
+                         "prefixserve bench spec --speculative-config ...")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()
             kind = _base_type(hints[f.name])
             if kind is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            elif kind is dict:  # a mapping, given as JSON (e.g. --speculative-config '{"method": "ngram"}')
+                group.add_argument(flag, dest=f.name, type=str, default=None, metavar="JSON",
+                                   help=f"a JSON mapping; default: {f.default!r}")
             else:
                 group.add_argument(flag, dest=f.name, type=kind, default=None, help=f"default: {f.default!r}")
 

@@ -75,6 +75,8 @@ COMMANDS = (
             "cluster.bench.offline", "add_offline_args", "run_offline"),
     Command(("bench", "latency"), "step times at fixed batch sizes and lengths (--compare llama.cpp)",
             "cluster.bench.latency", "add_latency_args", "run_latency"),
+    Command(("bench", "spec"), "speculative decoding on and off, same model, one run: tokens/s, acceptance",
+            "cluster.bench.spec", "add_spec_args", "run_spec"),
     Command(("bench", "kernels"), "every linear-layer backend on the model's shapes: time and batch invariance",
             "cluster.bench.kernels", "add_kernels_args", "run_kernels"),
     Command(("bench", "quant"), "every quantization on one table: perplexity, agreement, weights, speed",

@@ -40,6 +40,8 @@ _SERIES = {
     "generation_tokens": "generation_tokens_total",
     "preemptions": "num_preemptions_total",
     "weight_bytes": "model_weight_bytes",
+    "spec_draft_tokens": "spec_decode_num_draft_tokens_total",
+    "spec_accepted_tokens": "spec_decode_num_accepted_tokens_total",
 }
 _INFO = PREFIX + "model_info"  # its quantization label is shown
 
@@ -206,8 +208,11 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
     if not rows:
         return ["no live replicas"]
     header = ["replica", "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
+    speculating = show_metrics and any(r.metrics.get("spec_draft_tokens") for r in rows.values())
     if show_metrics:
         header += ["prompt tok/s", "gen tok/s", "quantization", "weights"]
+    if speculating:
+        header += ["spec accept"]  # accepted / proposed tokens since the replica started
     table: list[tuple[str, ...]] = [tuple(header)]
     for replica_id in sorted(rows):
         row = rows[replica_id]
@@ -220,6 +225,9 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
             line += [f"{rate[0]:.1f}", f"{rate[1]:.1f}"] if rate else ["-", "-"]
             weights = row.metrics.get("weight_bytes")
             line += [row.metrics.get("quantization", "-"), f"{weights / 2**20:.0f} MiB" if weights else "-"]
+        if speculating:
+            drafted = row.metrics.get("spec_draft_tokens")
+            line.append(_pct(row.metrics.get("spec_accepted_tokens", 0.0) / drafted) if drafted else "-")
         table.append(tuple(line))
     lines = format_table(table)
     running = sum(r.running or 0 for r in rows.values())

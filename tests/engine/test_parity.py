@@ -1,8 +1,9 @@
 """End to end: the engine's greedy outputs are token-identical to Hugging Face
 transformers (float32, same weights) whatever the batching: one mixed batch,
 forced chunked prefill, prefix-cache hits, preemption by swap and by
-recompute, and requests arriving while others decode. The block pool is
-intact and empty after every run."""
+recompute, and requests arriving while others decode; each of those with
+n-gram speculative decoding too. The block pool is intact and empty after
+every run."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 
 from cluster.shared.chat_template import ChatTemplate
 from cluster.shared.types import SamplingParams
-from tests.factories import hf_greedy, make_tiny_model_dir
+from cluster.shared.config import SpeculativeConfig
+from tests.factories import OracleProposer, hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
+from workers.engine.spec_decode import Speculator
 from workers.llm import LLM
 from workers.model.loader import resolve_model
 
@@ -111,6 +114,32 @@ def test_greedy_matches_hf(case, scenario):
         # fit the tight pool without preemption; tests/unit/test_sliding_window_blocks.py
         # preempts windowed sequences on purpose.
         assert scheduler.num_preemptions_total > 0
+    check_pool(llm)
+
+
+# Always propose when any n-gram (down to one token) repeats: the most drafts to verify and roll back.
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+               "adaptive": False}
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "oracle"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_matches_hf_with_speculation(case, scenario, proposer):
+    """Speculation changes how many tokens a step computes and which slots
+    are rolled back, never the tokens. ``ngram`` is the real proposer (random
+    prompts rarely repeat, the default model's texts do); ``oracle`` proposes
+    the expected continuation with every third proposal wrong, so every
+    scenario verifies accepted and rejected drafts."""
+    llm = LLM(str(case.model_dir), speculative_config=SPECULATIVE, **case.scenario(scenario))
+    if proposer == "oracle":
+        continuations = {tuple(p): e for p, e in zip(case.prompts, case.expected)}
+        llm.engine.scheduler.speculator = Speculator(SpeculativeConfig(**SPECULATIVE),
+                                                     proposer=OracleProposer(continuations))
+    outs = llm.generate(case.prompts, [greedy(n) for n in case.max_tokens])
+    assert [o.token_ids for o in outs] == case.expected
+    stats = llm.engine.scheduler.speculator.stats
+    if proposer == "oracle" or case.model_dir == resolve_model(None):
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # accepted and rejected drafts
     check_pool(llm)
 
 

@@ -21,6 +21,7 @@ from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
+from workers.engine.spec_decode import Speculator
 
 BLOCK_SIZE = 4
 FINGERPRINT = "test-model"
@@ -51,6 +52,7 @@ def make_scheduler(
     max_model_len: int = 256,
     eos_token_ids: Seq[int] = (),
     sliding_window: Optional[int] = None,
+    speculator: Optional[Speculator] = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -60,7 +62,7 @@ def make_scheduler(
     )
     kv = make_kv_manager(num_blocks, num_cpu_blocks, block_size, enable_caching)
     return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
-                     sliding_window=sliding_window)
+                     sliding_window=sliding_window, speculator=speculator)
 
 
 def make_request(
@@ -94,6 +96,21 @@ def next_token(token_ids: Seq[int]) -> int:
     for i, t in enumerate(token_ids):
         acc = (acc * 31 + t * (i + 7)) % 1_000_003
     return acc % VOCAB
+
+
+def echo_token(token_ids: Seq[int]) -> int:
+    """A fake model that mostly repeats itself (the token 4 back, two times in
+    three), so n-gram proposals are often right and often wrong."""
+    h = next_token(token_ids)
+    return token_ids[-4] if len(token_ids) >= 4 and h % 3 else h
+
+
+def fixed_speculator(k: int = 3) -> Speculator:
+    """Proposes up to ``k`` tokens whenever a 1- to 3-gram repeats (not adaptive)."""
+    from cluster.shared.config import SpeculativeConfig
+
+    return Speculator(SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
+                                        adaptive=False))
 
 
 class FakeRunner:
@@ -133,7 +150,10 @@ class FakeRunner:
         contexts = []
         for req in sched.scheduled:
             truth = list(req.prompt_token_ids) + list(req.output_token_ids)
-            assert req.input_token_ids == truth[req.num_computed_tokens : req.seq_len], req.request_id
+            drafts = list(req.spec_token_ids)
+            known = req.input_token_ids[: len(req.input_token_ids) - len(drafts)]
+            assert req.input_token_ids == known + drafts, req.request_id
+            assert known == truth[req.num_computed_tokens : req.seq_len - len(drafts)], req.request_id
             first = 0 if self.window is None else max(0, req.num_computed_tokens - self.window + 1)
             cached = [self._slot(req.block_ids, p) for p in range(first, req.num_computed_tokens)]
             expected = [(t, p) for p, t in enumerate(truth[: req.num_computed_tokens])][first:]
@@ -141,14 +161,27 @@ class FakeRunner:
             context = [t for t, _ in cached] + req.input_token_ids
             contexts.append(context if self.window is None else context[-self.window :])
             if req.num_sample_tokens:
-                assert req.seq_len == len(truth), req.request_id
+                assert req.seq_len - len(drafts) == len(truth), req.request_id
+                assert req.num_sample_tokens == 1 + len(drafts), req.request_id
         sampled = []
         for req, context in zip(sched.scheduled, contexts):
             for j, token in enumerate(req.input_token_ids):
                 pos = req.num_computed_tokens + j
                 self.device[req.block_ids[pos // self.block_size]][pos % self.block_size] = (token, pos)
-            sampled.append([self.model(context)] if req.num_sample_tokens else [])
+            sampled.append(self._verify(context, list(req.spec_token_ids)) if req.num_sample_tokens else [])
         return ModelOutput(sampled_token_ids=sampled, logprobs=[None] * len(sampled))
+
+    def _verify(self, context: list[int], drafts: list[int]) -> list[int]:
+        """The model's token after the context, then after each draft it agrees
+        with (the context ends with the drafts): greedy verification."""
+        base = context[: len(context) - len(drafts)]
+        out = []
+        for j in range(len(drafts) + 1):
+            token = self.model(base + drafts[:j])
+            out.append(token)
+            if j == len(drafts) or token != drafts[j]:
+                break
+        return out
 
 
 def step(scheduler: Scheduler, runner: FakeRunner):

@@ -243,13 +243,18 @@ prefixserve:router_requests_total{outcome="ok",policy="cache_aware"} 7.0
 prefixserve:model_info{kv_cache_dtype="auto",model="m",quantization="gguf:q4_1+q8_0",replica="a"} 1.0
 # TYPE prefixserve:model_weight_bytes gauge
 prefixserve:model_weight_bytes{model="m",replica="a"} 1.2582912e+08
+# TYPE prefixserve:spec_decode_num_draft_tokens counter
+prefixserve:spec_decode_num_draft_tokens_total{model="m",replica="a"} 80.0
+# TYPE prefixserve:spec_decode_num_accepted_tokens counter
+prefixserve:spec_decode_num_accepted_tokens_total{model="m",replica="a"} 60.0
 """
 
 
 def test_status_reads_metrics_per_replica_and_rates_between_scrapes():
     metrics = parse_metrics(EXPOSITION)
     assert metrics == {"a": {"swapped": 2.0, "queries": 400.0, "hits": 100.0, "generation_tokens": 50.0,
-                             "quantization": "gguf:q4_1+q8_0", "weight_bytes": 125829120.0},
+                             "quantization": "gguf:q4_1+q8_0", "weight_bytes": 125829120.0,
+                             "spec_draft_tokens": 80.0, "spec_accepted_tokens": 60.0},
                        "b": {"swapped": 0.0, "queries": 0.0}}
     rows = {"a": ReplicaRow("a", kv_use=0.5, running=3, waiting=1, cached_blocks=12)}
     merge_metrics(rows, metrics)
@@ -260,5 +265,6 @@ def test_status_reads_metrics_per_replica_and_rates_between_scrapes():
     text = "\n".join(format_status(rows, {"a": (10.0, 15.0)}, show_metrics=True))
     assert "50.0%" in text and "25.0%" in text and "15.0" in text  # KV use, hit rate, gen tok/s
     assert "gguf:q4_1+q8_0" in text and "120 MiB" in text  # quantization, weights
+    assert text.splitlines()[0].split()[-2:] == ["spec", "accept"] and "75.0%" in text  # 60 of 80 accepted
     assert text.splitlines()[-1].startswith("2 replica(s), 3 running, 1 waiting")
     assert format_status({}, {}, show_metrics=False) == ["no live replicas"]

@@ -103,6 +103,20 @@ def test_gauges_and_engine_counters():
         ("gguf:q4_1+q8_0", "auto", 1.0)]
 
 
+def test_spec_decode_counters_follow_the_speculator():
+    metrics = ReplicaMetrics("r1", "tiny")
+    metrics.record_spec_decode(num_drafts=2, num_draft_tokens=7, num_accepted_tokens=5,
+                               accepted_per_position=[2, 2, 1, 0])
+    metrics.record_spec_decode(num_drafts=3, num_draft_tokens=11, num_accepted_tokens=6,
+                               accepted_per_position=[3, 2, 1, 0])
+    assert value(metrics, "prefixserve:spec_decode_num_drafts_total") == 3
+    assert value(metrics, "prefixserve:spec_decode_num_draft_tokens_total") == 11
+    assert value(metrics, "prefixserve:spec_decode_num_accepted_tokens_total") == 6
+    per_pos = [value(metrics, "prefixserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+               for i in range(4)]
+    assert per_pos == [3, 2, 1, 0]
+
+
 def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
     metrics = ReplicaMetrics("r1", "tiny")
     text = metrics.render().decode()
@@ -112,7 +126,8 @@ def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
                 "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "model_compilations", "prompt_tokens",
                 "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
                 "e2e_request_latency_seconds", "request_queue_time_seconds", "model_weight_bytes", "kv_cache_bytes",
-                "model_info"}
+                "model_info", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
     assert set(families) == {"prefixserve:" + name for name in expected}
     for family in families.values():
         assert all(s.labels["replica"] == "r1" and s.labels["model"] == "tiny" for s in family.samples)

@@ -18,10 +18,13 @@ import pytest
 from cluster.shared.types import FinishReason
 from workers.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.unit.engine_fakes import (
+    next_token,
     VOCAB,
     FakeRunner,
     assert_all_blocks_free_or_cached,
+    echo_token,
     expected_output,
+    fixed_speculator,
     make_request,
     make_scheduler,
     step,
@@ -75,14 +78,20 @@ def check_step_limits(sched_out) -> None:
 CONFIGS = list(itertools.product(["swap", "recompute"], [True, False], [True, False]))
 
 
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("preemption_mode, chunked, caching", CONFIGS)
-def test_random_traffic_keeps_every_invariant(preemption_mode, chunked, caching):
+def test_random_traffic_keeps_every_invariant(preemption_mode, chunked, caching, speculate):
+    """With ``speculate``, a model that often repeats itself and n-gram
+    proposals: rejected slots, rollbacks and stops inside accepted drafts
+    under the same traffic."""
     rng = random.Random(CONFIGS.index((preemption_mode, chunked, caching)))
+    model = echo_token if speculate else next_token
     sched = make_scheduler(
         12, 6, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, enable_chunked_prefill=chunked,
         preemption_mode=preemption_mode, enable_caching=caching, max_model_len=32, eos_token_ids=[EOS],
+        speculator=fixed_speculator() if speculate else None,
     )
-    runner = FakeRunner.for_scheduler(sched)
+    runner = FakeRunner.for_scheduler(sched, model)
     kv = sched.kv_manager
     mirror = EventMirror()
     prefixes = [[rng.randrange(VOCAB) for _ in range(8)] for _ in range(3)]
@@ -124,12 +133,15 @@ def test_random_traffic_keeps_every_invariant(preemption_mode, chunked, caching)
     assert set(ended) == set(prompts)
     for rid, seq in ended.items():
         assert seq.finish_message is None, seq.finish_message
-        assert seq.output_token_ids == expected_output(prompts[rid], seq.num_output_tokens)
+        assert seq.output_token_ids == expected_output(prompts[rid], seq.num_output_tokens, model)
         if seq.finish_reason is FinishReason.LENGTH:
             assert seq.num_output_tokens == seq.sampling_params.max_tokens or seq.num_tokens == 32
     stopped_by_eos = [s for s in ended.values() if s.output_token_ids[-1:] == [EOS]]
     assert all(s.finish_reason is FinishReason.STOP for s in stopped_by_eos)
     assert sched.num_preemptions_total > 0
+    if speculate:  # proposals were made, some accepted and some rejected
+        stats = sched.speculator.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert_all_blocks_free_or_cached(sched)
     mirror.apply(kv)
     assert mirror.hashes == set(kv.device_pool.cached_block_hashes())

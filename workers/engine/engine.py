@@ -129,8 +129,15 @@ class LLMEngine:
             # are reported through update_from_output like any other.
             model_out = ModelOutput(sampled_token_ids=[], logprobs=[])
         else:
+            started = time.perf_counter()
             model_out = self.runner.execute(sched)
             self.num_steps += 1
+            speculator = self.scheduler.speculator
+            if speculator is not None:  # what a step of this size costs, for sizing proposals
+                num_sampling = sum(1 for r in sched.scheduled if r.num_sample_tokens)
+                num_drafts = sum(len(r.spec_token_ids) for r in sched.scheduled)
+                speculator.observe_step(sched.num_batched_tokens - num_drafts, num_drafts, num_sampling,
+                                        time.perf_counter() - started)
         outputs = []
         for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
             outputs.append(self._make_output(seq, new_ids, new_logprobs))

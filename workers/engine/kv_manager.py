@@ -225,6 +225,18 @@ class KVCacheManager:
         seq.num_released_blocks = first_needed
         return first_needed - start
 
+    def trim(self, seq: Sequence) -> int:
+        """Frees the blocks past those ``seq``'s tokens need (mutates): after a
+        step whose speculated tokens were rejected. Returns how many."""
+        keep = max(self.num_blocks_for(seq.num_tokens), seq.num_released_blocks + 1)
+        extra = seq.block_ids[keep:]
+        if not extra:
+            return 0
+        assert seq.num_registered_blocks <= keep, seq
+        self.device_pool.free(reversed(extra))
+        del seq.block_ids[keep:]
+        return len(extra)
+
     def free(self, seq: Sequence) -> None:
         """Returns all of ``seq``'s device and CPU blocks (mutates). Its full
         cached blocks stay hittable until evicted, tail blocks first."""

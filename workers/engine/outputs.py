@@ -11,10 +11,14 @@ One step, as the runner sees it (B scheduled requests, T tokens)::
                                    positions are num_computed_tokens ... +len-1
     scheduled[i].block_ids         the whole block table after allocation
     scheduled[i].num_sample_tokens 0 for a prompt chunk that does not reach the
-                                   end of the prompt, 1 otherwise (room for
-                                   several tokens per step: speculative decoding)
+                                   end of the prompt, 1 otherwise, 1 + k for a
+                                   decode with k speculated tokens
+    scheduled[i].spec_token_ids    those k tokens (the tail of input_token_ids)
 
-    ModelOutput.sampled_token_ids[i]  exactly num_sample_tokens tokens
+    ModelOutput.sampled_token_ids[i]  exactly num_sample_tokens tokens, or with
+                                      speculated tokens 1 to 1 + k: the accepted
+                                      ones and one sampled by the target
+                                      (``workers/engine/spec_decode.py``)
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]  # read-only: for penalties
     output_token_ids: Sequence[int]  # read-only: for penalties and seeded sampling
+    spec_token_ids: Sequence[int] = ()  # speculated tokens: the last len() input tokens
 
     @property
     def num_input_tokens(self) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
+from typing import Sequence as Sequence_
 
 from cluster.shared.config import SchedulerConfig
 from cluster.shared.types import FinishReason, TokenLogprob
@@ -45,6 +46,7 @@ from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.request_queue import RequestQueue
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.spec_decode import Speculator
 from workers.engine.validation import Capacity, fit_problem
 
 StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
@@ -59,6 +61,7 @@ class _StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculated tokens of decodes
 
 
 class Scheduler:
@@ -71,6 +74,8 @@ class Scheduler:
         eos_token_ids: Tokens that end a sequence unless ``ignore_eos``.
         sliding_window: When every layer attends only to this many last
             positions, blocks outside the window are released after each step.
+        speculator: Proposes tokens for decoding sequences, verified by the
+            runner in the same step (``spec_decode.py``); None: one token per step.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         sliding_window: Optional[int] = None,
+        speculator: Optional[Speculator] = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token, one output), got {max_model_len}")
@@ -91,6 +97,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.sliding_window = sliding_window
+        self.speculator = speculator
 
         self.queue = RequestQueue()
         self._finished_ids: set[str] = set()  # since the last schedule()
@@ -158,6 +165,8 @@ class Scheduler:
         return self.finish_request(request_id, FinishReason.ABORT)
 
     def _finish(self, seq: Sequence, reason: FinishReason, message: Optional[str] = None) -> None:
+        if self.speculator is not None:
+            self.speculator.drop(seq.request_id)
         self.kv_manager.free(seq)
         self.queue.remove(seq, reason, message)
         self._finished_ids.add(seq.request_id)
@@ -176,7 +185,7 @@ class Scheduler:
             self._schedule_swapped(plan)
             self._schedule_waiting(plan)
         out = SchedulerOutput(
-            scheduled=[self._make_scheduled(seq, n) for seq, n in plan.scheduled.items()],
+            scheduled=[self._make_scheduled(seq, n, plan.drafts.get(seq, ())) for seq, n in plan.scheduled.items()],
             swap_out=plan.swap_out,
             swap_in=plan.swap_in,
             finished_request_ids=self._finished_ids,
@@ -193,9 +202,26 @@ class Scheduler:
                 break
             num_new = min(seq.num_uncomputed_tokens, plan.budget)
             assert num_new > 0, seq
-            if self._allocate_or_preempt(seq, num_new, plan):
-                plan.scheduled[seq] = num_new
-                plan.budget -= num_new
+            drafts = self._propose(seq, plan) if num_new == seq.num_uncomputed_tokens == 1 else []
+            if drafts and self.kv_manager.allocate_slots(seq, 1 + len(drafts)) is not None:
+                plan.drafts[seq] = drafts
+                num_new += len(drafts)
+            elif not self._allocate_or_preempt(seq, num_new, plan):
+                continue
+            plan.scheduled[seq] = num_new
+            plan.budget -= num_new
+
+    def _propose(self, seq: Sequence, plan: _StepPlan) -> list[int]:
+        """Speculated tokens for a decoding ``seq``: none without a speculator,
+        and never past its max_tokens, max_model_len or the step's budget (the
+        target's own token is always one more)."""
+        if self.speculator is None:
+            return []
+        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1, plan.budget - 1)
+        if room <= 0:
+            return []
+        return self.speculator.propose(seq.request_id, seq.all_token_ids, room)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, plan: _StepPlan) -> bool:
         """Allocates ``num_new`` slots for a running ``seq``, preempting the
@@ -208,6 +234,7 @@ class Scheduler:
             victim = max(self.queue.running, key=self.queue.key)
             if victim in plan.scheduled:
                 plan.budget += plan.scheduled.pop(victim)
+                plan.drafts.pop(victim, None)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
@@ -301,17 +328,19 @@ class Scheduler:
         self._finish(seq, reason, message)
         self._finished_in_schedule.append(seq)
 
-    def _make_scheduled(self, seq: Sequence, num_new: int) -> ScheduledRequest:
+    def _make_scheduled(self, seq: Sequence, num_new: int, drafts: Sequence_[int] = ()) -> ScheduledRequest:
         start = seq.num_computed_tokens
+        num_known = num_new - len(drafts)  # tokens of the sequence; the drafts follow
         return ScheduledRequest(
             request_id=seq.request_id,
-            input_token_ids=seq.all_token_ids[start : start + num_new],
+            input_token_ids=seq.all_token_ids[start : start + num_known] + list(drafts),
             num_computed_tokens=start,
             block_ids=list(seq.block_ids),
-            num_sample_tokens=1 if start + num_new == seq.num_tokens else 0,
+            num_sample_tokens=1 + len(drafts) if start + num_known == seq.num_tokens else 0,
             sampling_params=seq.sampling_params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
+            spec_token_ids=list(drafts),
         )
 
     # ------------------------------------------------------------------ update
@@ -336,6 +365,9 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             assert seq.num_computed_tokens == req.num_computed_tokens, (seq, req)
+            if req.spec_token_ids:
+                results.append(self._apply_verified(seq, req, model_out, i))
+                continue
             seq.num_computed_tokens += req.num_input_tokens
             if model_out.prompt_logprobs is not None and model_out.prompt_logprobs[i] is not None:
                 first, entries = model_out.prompt_logprobs[i]
@@ -353,6 +385,34 @@ class Scheduler:
             logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
             results.append((seq, new_ids, logprobs[: len(new_ids)] if logprobs is not None else None))
         return results
+
+    def _apply_verified(self, seq: Sequence, req: ScheduledRequest, model_out: ModelOutput, i: int) -> StepResult:
+        """A decode with speculated tokens: the runner returned the accepted ones
+        and the target's next token. Their KV (the fed token's and the accepted
+        drafts') is kept, the rejected slots' blocks are freed."""
+        sampled = model_out.sampled_token_ids[i]
+        num_drafts = len(req.spec_token_ids)
+        assert 1 <= len(sampled) <= 1 + num_drafts, (req.request_id, sampled)
+        if self.speculator is not None:
+            self.speculator.observe_result(seq.request_id, num_drafts, len(sampled) - 1)
+        kept, reason = [], None
+        for token_id in sampled:
+            seq.append_token(token_id)
+            kept.append(token_id)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                break
+        # KV is valid for the fed token and every kept token but the last.
+        seq.num_computed_tokens += len(kept)
+        self.kv_manager.cache_computed_blocks(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self.kv_manager.trim(seq)
+            if self.sliding_window is not None:
+                self.kv_manager.release_outside_window(seq, self.sliding_window)
+        logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
+        return seq, kept, logprobs[: len(kept)] if logprobs is not None else None
 
     def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         kept = []

@@ -27,11 +27,13 @@ from cluster.shared.config.engine import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
+    SPECULATIVE_METHODS,
 )
 
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
-    "ROUTING_POLICIES",
+    "ROUTING_POLICIES", "SPECULATIVE_METHODS",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
-    "RouterConfig", "SchedulerConfig",
+    "RouterConfig", "SchedulerConfig", "SpeculativeConfig",
 ]

@@ -19,6 +19,70 @@ LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+SPECULATIVE_METHODS = ("ngram",)
+_SPEC_PLANNED = ("draft_model", "medusa", "eagle", "mlp_speculator")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's ``speculative_config`` (a mapping).
+
+    Attributes:
+        method: ``ngram`` (prompt lookup: no extra model).
+        num_speculative_tokens: Most tokens proposed per sequence and step.
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes matched, longest
+            first.
+        adaptive: Size each proposal from the request's measured acceptance
+            and the measured cost of a step (``workers/engine/spec_decode.py``),
+            proposing nothing where it does not pay; False always proposes up
+            to ``num_speculative_tokens`` when the proposer has that many.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            planned = " (not supported yet)" if self.method in _SPEC_PLANNED else ""
+            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, got "
+                             f"{self.method!r}{planned}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in 1..16, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Any) -> "SpeculativeConfig":
+        """From ``speculative_config`` as users give it (a dict, or its JSON).
+
+        Raises:
+            ValueError: Not a mapping, an unknown key (named), or a bad value.
+        """
+        if isinstance(mapping, str):
+            import json
+
+            try:
+                mapping = json.loads(mapping)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(mapping, dict):
+            raise ValueError(f"speculative_config must be a mapping such as "
+                             f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {mapping!r}')
+        if mapping.get("method", cls.method) in _SPEC_PLANNED:  # before its keys, which we do not know yet
+            raise ValueError(f"speculative_config method {mapping['method']!r} is not supported yet: use one of "
+                             f"{SPECULATIVE_METHODS}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in mapping:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+                raise ValueError(f"unknown speculative_config key {key!r}{hint}")
+        return cls(**mapping)
 
 
 @dataclass(frozen=True)
@@ -153,6 +217,9 @@ class EngineConfig:
             fuse, and measured steps are no faster compiled while the first
             steps pay ~30 s of compilation (``bench latency``).
         device: ``cpu`` or ``cuda``; ``None`` picks cuda when available.
+        speculative_config: Speculative decoding (``SpeculativeConfig``: a
+            mapping or its JSON, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4}``); None turns it off.
     """
 
     model: Optional[str] = None
@@ -167,6 +234,7 @@ class EngineConfig:
     quantization_group_size: Optional[int] = None
     enforce_eager: bool = True
     device: Optional[str] = None
+    speculative_config: Optional[dict] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -187,6 +255,14 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.from_mapping(self.speculative_config)
+            object.__setattr__(self, "speculative_config", dataclasses.asdict(spec))  # JSON given: a dict from now
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The parsed ``speculative_config`` (None: off)."""
+        return None if self.speculative_config is None else SpeculativeConfig(**self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

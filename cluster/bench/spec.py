@@ -1,0 +1,193 @@
+"""``prefixserve bench spec``: decode speed with speculative decoding against
+without it, on the same loaded model, in one run.
+
+Workloads (per batch size B, B distinct prompts):
+
+* ``grounded``: repeat a given passage of English text (the language
+  reference shipped with Python, ``cluster/shared/text_corpus.py``): the
+  output quotes the prompt, what n-gram lookup is for;
+* ``random``: random-token prompts, greedy (the default model soon repeats
+  itself there, and lookup finds it);
+* ``sampled``: random-token prompts sampled at temperature 1 (seeded per
+  request), where proposals fail: speculation must then cost nothing.
+
+Each case runs with speculation off, with the given ``--speculative-config``
+(adaptive unless it says ``"adaptive": false``) and, with ``--fixed``, the same
+config forced to always propose. Prefill is untimed; decode tokens/s is the
+tokens generated after every sequence's first token over the time they took.
+Outputs with speculation (greedy, or seeded) are checked token for token
+against the run without it. With ``--rounds`` N every case runs N times in turn and medians are
+kept, so a machine's drift hits all modes alike.
+
+Prints a table and writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from cluster.client.table import format_table
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+WORKLOADS = ("grounded", "random", "sampled")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--input-len", type=int, default=192, help="prompt tokens (about)")
+    parser.add_argument("--output-len", type=int, default=96, help="tokens generated per sequence")
+    parser.add_argument("--fixed", action="store_true",
+                        help="also run the config with adaptive off (always propose)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every case; medians are kept")
+    parser.add_argument("--json", default="bench-results/spec.json", help="where to write the results")
+
+
+def grounded_prompts(llm: Any, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts asking to repeat a passage, each ending inside the passage's
+    repetition (so the continuation is in the prompt)."""
+    from cluster.shared.text_corpus import held_out_text
+
+    paragraphs = [p for p in held_out_text().split("\n\n") if len(p) > 400]
+    prompts = []
+    for i in range(n):
+        passage = llm.encode(paragraphs[i % len(paragraphs)], add_special_tokens=False)[: max(32, length - 48)]
+        head = llm.encode("Repeat the following text exactly.\n\nText:\n")
+        tail = llm.encode("\n\nThe same text, repeated:\n", add_special_tokens=False)
+        prompts.append(head + passage + tail + passage[:8])
+    return prompts
+
+
+def random_prompts(llm: Any, n: int, length: int, rng: random.Random) -> list[list[int]]:
+    from cluster.bench.latency import make_prompts
+
+    skip = set(llm.engine.scheduler.eos_token_ids) | {0, 1, 2}
+    return make_prompts(n, length, llm.engine.vocab_size, skip, rng)
+
+
+def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: bool = False) -> dict[str, Any]:
+    """``output_len`` tokens each, greedy (or ``sampled``: temperature 1, a seed
+    per request): decode tokens/s after every first token, the outputs, and
+    what speculation did meanwhile."""
+    from cluster.shared.types import SamplingParams
+
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=output_len, temperature=1.0 if sampled else 0.0,
+                             seed=i if sampled else None, ignore_eos=True) for i in range(len(prompts))]
+    requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params)]
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for req in requests:
+        engine.add_request(req)
+    while any(not out for out in outputs.values()):  # prefill, untimed
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    speculator = engine.scheduler.speculator
+    before = speculator.stats.as_dict() if speculator is not None else None
+    first = sum(len(o) for o in outputs.values())
+    steps0 = engine.num_steps
+    begin = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    seconds = time.perf_counter() - begin
+    generated = sum(len(o) for o in outputs.values()) - first
+    result: dict[str, Any] = {
+        "decode_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        "seconds": seconds, "steps": engine.num_steps - steps0,
+        "outputs": [outputs[r.request_id] for r in requests],
+    }
+    if speculator is not None and before is not None:
+        after = speculator.stats.as_dict()
+        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        drafts = after["num_drafts"] - before["num_drafts"]
+        result.update(draft_tokens=drafted, accepted_tokens=accepted,
+                      acceptance_rate=accepted / drafted if drafted else 0.0,
+                      mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
+    return result
+
+
+def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from cluster.shared.config import SpeculativeConfig
+    from workers.engine.spec_decode import Speculator
+    from workers.llm import LLM
+
+    spec = SpeculativeConfig.from_mapping(engine_args.pop("speculative_config", None) or DEFAULT_SPEC)
+    max_batch = max(args.batch_sizes)
+    base = {"max_num_seqs": max(8, max_batch), "max_num_batched_tokens": max(2048, max_batch * (args.input_len + 64)),
+            **engine_args}
+    load_start = time.perf_counter()
+    llm = LLM(**base)
+    load_s = time.perf_counter() - load_start
+    modes: dict[str, Optional[SpeculativeConfig]] = {"off": None, "adaptive" if spec.adaptive else "fixed": spec}
+    if args.fixed and spec.adaptive:
+        modes["fixed"] = SpeculativeConfig(**{**spec.__dict__, "adaptive": False})
+    rng = random.Random(0)
+    decode_run(llm, random_prompts(llm, max_batch, 16, rng), 8)  # warm-up: kernels built, caches warm
+    cases = [(w, b) for w in args.workloads for b in args.batch_sizes]
+    prompts = {(w, b): grounded_prompts(llm, b, args.input_len) if w == "grounded"
+               else random_prompts(llm, b, args.input_len, rng) for w, b in cases}
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for round_index in range(max(1, args.rounds)):
+        for case in cases:
+            for mode, config in modes.items():
+                logger.info("round %d: %s batch %d, speculation %s", round_index + 1, case[0], case[1], mode)
+                llm.engine.scheduler.speculator = Speculator(config) if config is not None else None
+                llm.engine.scheduler.kv_manager.reset_prefix_cache()  # every mode prefills alike
+                runs.setdefault((*case, mode), []).append(
+                    decode_run(llm, prompts[case], args.output_len, sampled=case[0] == "sampled"))
+    llm.engine.scheduler.speculator = None
+    report = {"model": str(llm.model_dir), "speculative_config": spec.__dict__, "rounds": max(1, args.rounds),
+              "load_seconds": round(load_s, 2), "output_len": args.output_len, "cases": []}
+    for workload, batch in cases:
+        row: dict[str, Any] = {"workload": workload, "batch_size": batch,
+                               "prompt_tokens": statistics.mean(len(p) for p in prompts[(workload, batch)])}
+        reference = runs[(workload, batch, "off")][0]["outputs"]
+        for mode in modes:
+            results = runs[(workload, batch, mode)]
+            entry = {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in results),
+                     "steps": statistics.median(r["steps"] for r in results)}
+            if mode != "off":
+                entry["identical_to_off"] = all(r["outputs"] == reference for r in results)
+                for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens"):
+                    entry[key] = statistics.median(r[key] for r in results)
+            row[mode] = entry
+        report["cases"].append(row)
+    print("\n".join(format_report(report, list(modes))))  # the table is the program's output
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    logger.info("wrote %s", path)
+    llm.shutdown()
+    return 0
+
+
+def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
+    header: tuple[str, ...] = ("workload", "batch", "off tok/s")
+    for mode in modes[1:]:
+        header += (f"{mode} tok/s", "ratio", "accept", "tokens/step", "same tokens")
+    rows = [header]
+    for case in report["cases"]:
+        off = case["off"]["decode_tokens_per_s"]
+        cells = [case["workload"], str(case["batch_size"]), f"{off:.1f}"]
+        for mode in modes[1:]:
+            fig = case[mode]
+            cells += [f"{fig['decode_tokens_per_s']:.1f}", f"{fig['decode_tokens_per_s'] / off:.2f}x" if off else "-",
+                      f"{fig['acceptance_rate']:.0%}" if fig["draft_tokens"] else "-",
+                      f"{fig['mean_acceptance_length']:.2f}" if fig["draft_tokens"] else "-",
+                      "yes" if fig["identical_to_off"] else "NO"]
+        rows.append(tuple(cells))
+    lines = format_table(rows)
+    lines.append(f"speculative_config {json.dumps(report['speculative_config'])}; {report['output_len']} tokens per "
+                 f"sequence; median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
+                 "drafting step")
+    return lines

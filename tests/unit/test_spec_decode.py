@@ -1,0 +1,198 @@
+"""Speculative decoding's engine-side parts: n-gram lookup, the step-cost fit,
+how many tokens are proposed, the config, and the scheduler's bookkeeping of
+proposed, accepted and rejected tokens (with the fake runner)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.cli.flags import engine_kwargs
+from cluster.cli.main import build_parser
+from cluster.shared.config import EngineConfig, SpeculativeConfig
+from tests.unit.engine_fakes import (
+    FakeRunner,
+    assert_all_blocks_free_or_cached,
+    echo_token,
+    expected_output,
+    fixed_speculator,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
+from workers.engine.spec_decode import NgramProposer, Speculator, StepCostModel
+
+
+def brute_force_lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_prefers_the_longest_match_and_the_latest_occurrence():
+    p = NgramProposer(1, 3)
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 6, 7, 1, 2, 6, 7]
+    # "6 7" occurs at 1 and 5; the trigram "2 6 7" nowhere: the bigram's latest occurrence wins.
+    assert p.propose("a", tokens, 2) == [1, 2]
+    tokens += [8]  # now "6 7 8" (trigram) occurs at 1..3: it beats the bigram "7 8"
+    assert p.propose("a", tokens, 3) == [9, 6, 7]
+    assert p.propose("b", [1, 2, 3], 4) == []  # nothing repeats
+    assert p.propose("c", [4, 4], 0) == []
+
+
+def test_ngram_incremental_index_equals_a_full_search():
+    rng = random.Random(0)
+    p = NgramProposer(2, 4)
+    tokens = [rng.randrange(6) for _ in range(10)]
+    for _ in range(300):
+        assert p.propose("r", tokens, 3) == brute_force_lookup(tokens, 3, 2, 4)
+        tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+    p.drop("r")
+    assert "r" not in p._index
+
+
+def test_cost_model_separates_draft_tokens_and_keeps_priors_where_steps_did_not_vary():
+    cost = StepCostModel()
+    assert cost.fit() is None
+    for _ in range(5):
+        cost.observe(8, 0, 0.1)
+    base, a, b = cost.fit()  # one size, no drafts: the step is the base, a draft costs 2% of it
+    assert base + 8 * a == pytest.approx(0.1, rel=1e-3) and b == pytest.approx(0.002, rel=1e-3)
+    measured = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(60):  # prefills and decodes of any size, with and without drafts
+        x1, x2 = rng.choice([1, 8, 32, 200]), rng.choice([0, 0, 4, 16, 32])
+        measured.observe(x1, x2, 0.02 + 0.0015 * x1 + 0.0025 * x2)
+    assert measured.fit() == pytest.approx((0.02, 0.0015, 0.0025), rel=0.02)
+    # A window: old steps leave the sums (the machine got twice as slow).
+    windowed, fresh = StepCostModel(window=32), StepCostModel(window=32)
+    for i in range(100):
+        x1, x2 = rng.choice([1, 8, 32, 200]), rng.choice([0, 4, 16])
+        y = (0.02 + 0.0015 * x1 + 0.0025 * x2) * (2 if i >= 68 else 1)
+        windowed.observe(x1, x2, y)
+        if i >= 68:
+            fresh.observe(x1, x2, y)
+    assert windowed.num_steps == 32 and windowed.fit() == pytest.approx(fresh.fit(), rel=1e-6)
+    assert windowed.fit() == pytest.approx((0.04, 0.003, 0.005), rel=0.02)
+
+
+def speculator(adaptive: bool = True) -> Speculator:
+    return Speculator(SpeculativeConfig(num_speculative_tokens=4, adaptive=adaptive))
+
+
+def test_depth_follows_acceptance_and_step_cost():
+    s = speculator()
+    assert s.depth_limit("r") == 4  # nothing measured yet: try
+    for _ in range(20):  # memory-bound steps: a draft token costs 3% of a step
+        s.observe_step(1, 0, 1, 0.030)
+        s.observe_step(1, 4, 1, 0.0336)
+    s.observe_step(1, 0, 1, 0.030)
+    for _ in range(20):
+        s.observe_result("good", 4, 4)
+        s.observe_result("bad", 4, 0)
+    assert s.depth_limit("good") == 4
+    assert s.depth_limit("bad") == 0  # its drafts are always rejected: propose none
+    assert 0.9 < s.acceptance("good") <= 1.0 and s.acceptance("bad") < 0.03
+    # Compute-bound steps (a draft costs what a sequence's token does): 75% acceptance does not pay.
+    t = speculator()
+    for drafts in (0, 8, 16, 24, 32, 0):
+        t.observe_step(8, drafts, 8, 0.004 * (8 + drafts))
+    for _ in range(10):
+        t.observe_result("r", 4, 3)
+    assert t.depth_limit("r") == 0
+    assert speculator(adaptive=False).depth_limit("bad") == 4
+    s.drop("good")
+    assert s.acceptance("good") == pytest.approx(0.5)  # back to the prior
+
+
+def test_stats_count_per_position():
+    s = speculator()
+    s.observe_result("r", 4, 2)
+    s.observe_result("r", 3, 3)
+    s.observe_result("r", 0, 0)  # proposed nothing: not a draft
+    assert s.stats.num_drafts == 2 and s.stats.num_draft_tokens == 7 and s.stats.num_accepted_tokens == 5
+    assert s.stats.proposed_per_position == [2, 2, 2, 1]
+    assert s.stats.accepted_per_position == [2, 2, 1, 0]
+    assert s.stats.mean_acceptance_length == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"method": "draft_model", "model": "x"}, "not supported yet"),
+    ({"method": "lookahead"}, "must be one of"),
+    ({"method": "ngram", "num_speculative_token": 3}, "did you mean 'num_speculative_tokens'"),
+    ({"num_speculative_tokens": 0}, "1..16"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+    ("{not json", "not valid JSON"),
+    ([1, 2], "must be a mapping"),
+])
+def test_bad_speculative_config_says_what_to_change(value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(speculative_config=value)
+
+
+def test_speculative_config_from_the_cli_and_as_json():
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 2}'])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=2)
+    assert config.speculative_config["prompt_lookup_max"] == 4  # stored whole
+    assert EngineConfig.from_kwargs(**config.flat()) == config
+    assert EngineConfig().speculative is None
+
+
+def test_drafts_respect_max_tokens_max_model_len_and_budget():
+    sched = make_scheduler(32, 0, max_num_batched_tokens=16, max_model_len=40, speculator=fixed_speculator(8))
+    runner = FakeRunner.for_scheduler(sched, echo_token)
+    sched.add_request(make_request("a", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=5))
+    seen = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        for req in out.scheduled:  # (output_token_ids is a live view: read it before the update)
+            seen.append(len(req.spec_token_ids))
+            assert len(req.output_token_ids) + 1 + len(req.spec_token_ids) <= 5  # never past max_tokens
+        sched.update_from_output(out, runner.execute(out))
+        sched.check_integrity()
+    assert max(seen) > 0
+    sched2 = make_scheduler(32, 0, max_num_batched_tokens=16, max_model_len=12, speculator=fixed_speculator(8))
+    runner2 = FakeRunner.for_scheduler(sched2, echo_token)
+    sched2.add_request(make_request("b", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=20))
+    done = run_to_completion(sched2, runner2)
+    assert done["b"].num_tokens == 12  # stopped at max_model_len, drafts never past it
+    assert done["b"].output_token_ids == expected_output([1, 2, 3, 1, 2, 3, 1, 2], 4, echo_token)
+
+
+def test_rejected_drafts_give_their_blocks_back():
+    sched = make_scheduler(16, 0, speculator=fixed_speculator(6))
+    runner = FakeRunner.for_scheduler(sched, echo_token)
+    prompt = [9, 8, 7, 6, 5, 9, 8, 7, 6, 5, 9]
+    sched.add_request(make_request("a", prompt, max_tokens=12))
+    trimmed = False
+    while sched.has_unfinished_requests():
+        out, results = step(sched, runner)
+        for seq, new_ids, _ in results:
+            if not seq.is_finished:  # blocks held: no more than its tokens need
+                kv = sched.kv_manager
+                assert kv.num_blocks_for(seq.num_computed_tokens) <= len(seq.block_ids) <= kv.num_blocks_for(
+                    seq.num_tokens)
+                drafted = out.scheduled[0].spec_token_ids
+                trimmed |= bool(drafted) and len(new_ids) < len(drafted) + 1
+    assert trimmed  # some step rejected a draft
+    stats = sched.speculator.stats
+    assert stats.num_accepted_tokens > 0
+    assert_all_blocks_free_or_cached(sched)
+
+
+def test_cluster_config_carries_speculative_config():
+    from cluster.shared.config import ClusterConfig
+    from cluster.shared.config.loading import build_strict
+
+    config = build_strict(ClusterConfig, {"engine": {"speculative_config": {"num_speculative_tokens": 2}}})
+    assert config.engine.speculative == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="engine: speculative_config method 'medusa' is not supported yet"):
+        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "medusa"}}})

@@ -1,0 +1,291 @@
+"""Speculative decoding on the engine side: who proposes tokens, how many, and
+what came of them.
+
+Pure Python, like the scheduler. One step of a decoding sequence with
+speculation (k = 3 proposed tokens ``d1 d2 d3``)::
+
+    scheduler   input [last, d1, d2, d3]       one slot each in the KV cache
+    runner      4 rows, each a decode of its own position (same kernels as
+                without speculation), sampled as if d1.. were already output:
+                t0 t1 t2 t3
+                accept d1 if t0 == d1, then d2 if t1 == d2, ...; the sequence
+                gets the accepted drafts and the first token that disagrees
+                (or t3, the bonus token, when all three were accepted)
+    scheduler   num_computed_tokens += tokens kept; blocks past the sequence
+                freed (the rejected slots' KV is never read: attention stops at
+                the sequence's length, and the next step overwrites it)
+
+Why this is exact: row j is sampled from the target's distribution given the
+prompt, the output and ``d1..dj`` (every sampling parameter applied as without
+speculation, a seeded request drawing row j's noise for output position
+``len(output) + j``). Accepting ``d`` when the target's own draw equals it is
+rejection sampling for a proposer that puts all its mass on ``d``: accepted
+with probability ``p(d) = min(1, p(d) / 1)``, and on rejection the draw is
+distributed as ``norm(max(0, p - onehot(d)))``. Greedy and seeded requests get
+the very tokens they would get without speculation.
+
+How many to propose (``Speculator.depth_limit``): a draft at depth i is
+accepted with probability ``alpha ** i`` (``alpha``: the request's measured
+acceptance rate) and costs ``b`` seconds, the measured price of a verified
+draft token (``StepCostModel``: step time against the step's own tokens and
+its draft tokens). A draft is proposed while its expected tokens per second
+beat the plain step's: ``alpha ** i / b > sequences / plain step time``.
+Where proposals fail (random text) acceptance falls and nothing is proposed;
+where the step is compute-bound (large batches) the slope rises and nothing
+is proposed either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from cluster.shared.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Proposer(Protocol):
+    """Proposes up to ``k`` tokens to follow ``token_ids`` (maybe none)."""
+
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]: ...
+
+    def drop(self, request_id: str) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of
+    the sequence's last n tokens (n from ``prompt_lookup_max`` down to
+    ``prompt_lookup_min``), in the prompt or the output.
+
+    Each request keeps an index, per n, from n-gram to the position after its
+    latest occurrence, grown by the tokens added since the last call, so a
+    step costs O(new tokens), not O(sequence).
+    """
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+        self._index: dict[str, tuple[list[dict[tuple[int, ...], int]], list[int]]] = {}
+
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        tables, done = self._index.setdefault(
+            request_id, ([{} for _ in range(self.max_n - self.min_n + 1)], [0]))
+        end = len(token_ids)
+        # n-grams ending at e (exclusive) with a token after them: e <= end - 1.
+        for e in range(max(done[0], self.min_n), end):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                tables[n - self.min_n][tuple(token_ids[e - n : e])] = e
+        done[0] = end
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            after = tables[n - self.min_n].get(tuple(token_ids[end - n :]))
+            if after is not None:
+                return token_ids[after : after + k]
+        return []
+
+    def drop(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+class StepCostModel:
+    """Step time as ``base + a * tokens + b * draft_tokens``: ``tokens`` the
+    step's own (prefill chunks, one per decode), ``draft_tokens`` the
+    speculated ones it verifies. Least squares over the last ``window`` steps,
+    each coefficient pulled towards a prior by a ridge of ``RIDGE`` (tokens²),
+    so a direction the steps have not varied in stays at its prior: ``a`` at
+    0 (every step the same size: ``base`` is the step), ``b`` at
+    ``prior_draft_fraction`` of the mean step (cheap drafts, as on a
+    memory-bound decode) until drafts have been tried and measured.
+    """
+
+    RIDGE = 1.0
+
+    def __init__(self, window: int = 256, prior_draft_fraction: float = 0.02) -> None:
+        self._steps: deque[tuple[int, int, float]] = deque()
+        self.window = window
+        self.prior_draft_fraction = prior_draft_fraction
+        # Running sums of the normal equations of [1, x1, x2] -> y over the window.
+        self._s = [[0.0] * 3 for _ in range(3)]
+        self._r = [0.0] * 3
+        self._fit: Optional[tuple[float, float, float]] = None  # solved lazily, once per new step
+
+    def observe(self, num_tokens: int, num_draft_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        self._steps.append((num_tokens, num_draft_tokens, seconds))
+        self._add(num_tokens, num_draft_tokens, seconds, 1.0)
+        if len(self._steps) > self.window:
+            self._add(*self._steps.popleft(), -1.0)
+        self._fit = None
+
+    def _add(self, x1: float, x2: float, y: float, sign: float) -> None:
+        row = (1.0, float(x1), float(x2))
+        for i in range(3):
+            self._r[i] += sign * row[i] * y
+            for j in range(3):
+                self._s[i][j] += sign * row[i] * row[j]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
+
+    def fit(self) -> Optional[tuple[float, float, float]]:
+        """``(base, a, b)`` in seconds (per step, per token, per draft token);
+        None before any step."""
+        if not self._steps:
+            return None
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float, float]:
+        n = len(self._steps)
+        mean_y = self._r[0] / n
+        prior = (0.0, 0.0, self.prior_draft_fraction * mean_y)
+        s = [row[:] for row in self._s]
+        r = self._r[:]
+        for i in (1, 2):  # the ridge on a and b, towards their priors
+            s[i][i] += self.RIDGE
+            r[i] += self.RIDGE * prior[i]
+        solved = _solve3(s, r)
+        if solved is None:
+            return mean_y, 0.0, prior[2]
+        base, a, b = solved
+        return max(base, 0.0), max(a, 0.0), max(b, 0.0)
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> Optional[tuple[float, float, float]]:
+    """Solves the 3x3 system ``m x = v`` (Cramer's rule); None if singular."""
+    def det(a: list[list[float]]) -> float:
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+
+    d = det(m)
+    if abs(d) < 1e-12 * max(1.0, abs(m[0][0] * m[1][1] * m[2][2])):
+        return None
+    out = []
+    for col in range(3):
+        swapped = [[v[i] if j == col else m[i][j] for j in range(3)] for i in range(3)]
+        out.append(det(swapped) / d)
+    return out[0], out[1], out[2]
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counts (vLLM's spec-decode metrics)."""
+
+    num_drafts: int = 0  # steps of a sequence that proposed at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafting step produced, on average (accepted drafts + 1)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+
+class Speculator:
+    """Proposals per sequence and step, sized to what pays (see the module doc).
+
+    Args:
+        config: ``method``, ``num_speculative_tokens``, the proposer's knobs,
+            ``adaptive`` (False: always propose up to ``num_speculative_tokens``).
+        proposer: Overrides the one ``config.method`` names (tests).
+    """
+
+    PRIOR_ACCEPTANCE = 0.5  # a new request's acceptance rate, worth PRIOR_WEIGHT trials
+    PRIOR_WEIGHT = 2.0
+    DECAY = 0.9  # weight of a request's past (prior included) per step that proposed
+
+    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
+        self.config = config
+        self.k_max = config.num_speculative_tokens
+        self.adaptive = config.adaptive
+        self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.cost = StepCostModel()
+        self.stats = SpecStats(accepted_per_position=[0] * self.k_max, proposed_per_position=[0] * self.k_max)
+        self._trials: dict[str, tuple[float, float]] = {}  # request -> (accepted, trials), decayed
+        self._last_step: tuple[int, int] = (1, 1)  # (tokens, sequences that sampled) of the last step
+
+    # ---------------------------------------------------------------- proposing
+    def acceptance(self, request_id: str) -> float:
+        """The request's acceptance rate: accepted / reached draft positions,
+        past steps decayed, starting from a prior that decays with them."""
+        accepted, trials = self._trials.get(request_id, self._prior())
+        return accepted / trials
+
+    def _prior(self) -> tuple[float, float]:
+        return self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+
+    def depth_limit(self, request_id: str) -> int:
+        """How many drafts pay for this request now (0 to ``num_speculative_tokens``)."""
+        if not self.adaptive:
+            return self.k_max
+        fit = self.cost.fit()
+        if fit is None:
+            return self.k_max
+        base, a, b = fit
+        tokens, seqs = self._last_step
+        plain_step = base + a * tokens  # the step without drafts
+        if b <= 0.0 or plain_step <= 0.0:
+            return self.k_max
+        # Draft i pays when alpha**i tokens per b seconds beat the plain step's seqs tokens per plain_step.
+        threshold = b * seqs / plain_step
+        alpha = self.acceptance(request_id)
+        depth, gain = 0, 1.0
+        while depth < self.k_max:
+            gain *= alpha
+            if gain <= threshold:
+                break
+            depth += 1
+        return depth
+
+    def propose(self, request_id: str, token_ids: list[int], room: int) -> list[int]:
+        """Drafts for a decoding sequence, at most ``room`` (what its max_tokens,
+        max_model_len and the step's budget leave)."""
+        k = min(self.depth_limit(request_id), room)
+        return self.proposer.propose(request_id, token_ids, k) if k > 0 else []
+
+    # ---------------------------------------------------------------- learning
+    def observe_step(self, num_tokens: int, num_draft_tokens: int, num_sampling_seqs: int, seconds: float) -> None:
+        """One executed step: its own tokens, the drafts it verified, the
+        sequences that sampled, and its duration."""
+        self.cost.observe(num_tokens, num_draft_tokens, seconds)
+        self._last_step = (max(1, num_tokens), max(1, num_sampling_seqs))
+
+    def observe_result(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """How a step's drafts fared for one sequence."""
+        if num_proposed <= 0:
+            return
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        for i in range(num_proposed):
+            stats.proposed_per_position[i] += 1
+            if i < num_accepted:
+                stats.accepted_per_position[i] += 1
+        trials = num_accepted + (1 if num_accepted < num_proposed else 0)
+        accepted, seen = self._trials.get(request_id, self._prior())
+        self._trials[request_id] = (accepted * self.DECAY + num_accepted, seen * self.DECAY + trials)
+
+    def drop(self, request_id: str) -> None:
+        """Forgets a finished request."""
+        self._trials.pop(request_id, None)
+        self.proposer.drop(request_id)
