@@ -110,7 +110,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eos = list(arch.eos_token_ids)
     windows = {arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)}
     window = windows.pop() if len(windows) == 1 else None  # released only when every layer slides
-    speculator = Speculator(config.speculative) if config.speculative is not None else None
+    speculator = None
+    if config.speculative is not None:
+        proposer = None
+        if config.speculative.method == "draft_model":
+            from workers.spec_draft import build_draft_proposer
+
+            proposer = build_draft_proposer(config, model_dir, arch.vocab_size, num_blocks)
+        speculator = Speculator(config.speculative, proposer=proposer)
     scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
                           sliding_window=window, speculator=speculator)
     engine = LLMEngine(

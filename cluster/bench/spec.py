@@ -17,7 +17,8 @@ config forced to always propose. Prefill is untimed; decode tokens/s is the
 tokens generated after every sequence's first token over the time they took.
 Outputs with speculation (greedy, or seeded) are checked token for token
 against the run without it. With ``--rounds`` N every case runs N times in turn and medians are
-kept, so a machine's drift hits all modes alike.
+kept (odd rounds run the modes in reverse order), so a machine's drift hits
+all modes alike.
 
 Prints a table and writes JSON (``--json``).
 """
@@ -126,8 +127,9 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     base = {"max_num_seqs": max(8, max_batch), "max_num_batched_tokens": max(2048, max_batch * (args.input_len + 64)),
             **engine_args}
     load_start = time.perf_counter()
-    llm = LLM(**base)
+    llm = LLM(**base, speculative_config=spec.__dict__)  # builds the proposer (a draft model's runner too)
     load_s = time.perf_counter() - load_start
+    proposer = llm.engine.scheduler.speculator.proposer
     modes: dict[str, Optional[SpeculativeConfig]] = {"off": None, "adaptive" if spec.adaptive else "fixed": spec}
     if args.fixed and spec.adaptive:
         modes["fixed"] = SpeculativeConfig(**{**spec.__dict__, "adaptive": False})
@@ -139,9 +141,10 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for round_index in range(max(1, args.rounds)):
         for case in cases:
-            for mode, config in modes.items():
+            # Odd rounds run the modes in reverse: a machine drifting during a case favours none.
+            for mode, config in list(modes.items())[:: -1 if round_index % 2 else 1]:
                 logger.info("round %d: %s batch %d, speculation %s", round_index + 1, case[0], case[1], mode)
-                llm.engine.scheduler.speculator = Speculator(config) if config is not None else None
+                llm.engine.scheduler.speculator = Speculator(config, proposer) if config is not None else None
                 llm.engine.scheduler.kv_manager.reset_prefix_cache()  # every mode prefills alike
                 runs.setdefault((*case, mode), []).append(
                     decode_run(llm, prompts[case], args.output_len, sampled=case[0] == "sampled"))

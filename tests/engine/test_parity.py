@@ -122,15 +122,23 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
                "adaptive": False}
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "oracle"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "oracle"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_greedy_matches_hf_with_speculation(case, scenario, proposer):
+def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, monkeypatch):
     """Speculation changes how many tokens a step computes and which slots
     are rolled back, never the tokens. ``ngram`` is the real proposer (random
-    prompts rarely repeat, the default model's texts do); ``oracle`` proposes
-    the expected continuation with every third proposal wrong, so every
-    scenario verifies accepted and rejected drafts."""
-    llm = LLM(str(case.model_dir), speculative_config=SPECULATIVE, **case.scenario(scenario))
+    prompts rarely repeat, the default model's texts do); ``draft`` a
+    layer-truncated copy of the model (its first layer; the default model's
+    first 6); ``oracle`` proposes the expected continuation with every third
+    proposal wrong, so every scenario verifies accepted and rejected drafts."""
+    config = SPECULATIVE
+    if proposer == "draft":
+        default = case.model_dir == resolve_model(None)
+        if not default:  # tiny copies go to a temporary cache; the default model's stays cached
+            monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+        config = {"method": "draft_model", "draft_num_layers": 6 if default else 1, "num_speculative_tokens": 3,
+                  "adaptive": False}
+    llm = LLM(str(case.model_dir), speculative_config=config, **case.scenario(scenario))
     if proposer == "oracle":
         continuations = {tuple(p): e for p, e in zip(case.prompts, case.expected)}
         llm.engine.scheduler.speculator = Speculator(SpeculativeConfig(**SPECULATIVE),
@@ -138,8 +146,12 @@ def test_greedy_matches_hf_with_speculation(case, scenario, proposer):
     outs = llm.generate(case.prompts, [greedy(n) for n in case.max_tokens])
     assert [o.token_ids for o in outs] == case.expected
     stats = llm.engine.scheduler.speculator.stats
-    if proposer == "oracle" or case.model_dir == resolve_model(None):
+    if proposer == "oracle" or (proposer == "ngram" and case.model_dir == resolve_model(None)):
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # accepted and rejected drafts
+    assert stats.num_draft_tokens > 0
+    if proposer == "draft":
+        draft = llm.engine.scheduler.speculator.proposer
+        assert draft.num_free_blocks == draft.pool.num_blocks
     check_pool(llm)
 
 

@@ -162,3 +162,46 @@ def test_default_model_quotes_a_text_in_fewer_steps():
     assert stats.acceptance_rate > 0.5, stats
     assert spec_steps < 0.6 * plain_steps, (spec_steps, plain_steps)
     assert_all_blocks_free_or_cached(llm.engine.scheduler)
+
+
+@pytest.mark.parametrize("draft", ["itself", "one_layer", "other_model"])
+def test_draft_model_proposals_keep_tokens_and_free_their_cache(tiny_dir, tmp_path, monkeypatch, draft):
+    """The target as its own draft (all accepted), its first layer (some),
+    another random model (almost none): tokens never change, greedy or seeded,
+    and the draft's own KV pool is empty once the requests end."""
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))  # the truncated copy goes there
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
+    if draft == "itself":
+        config["model"] = str(tiny_dir)
+    elif draft == "one_layer":
+        config["draft_num_layers"] = 1
+    else:
+        config["model"] = str(make_tiny_model_dir("llama", tmp_path / "other", seed=5, num_hidden_layers=1))
+    prompts = repetitive_prompts(5) + [[7, 99, 3, 250, 41, 77]]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(3)]
+    plain = LLM(str(tiny_dir), block_size=4).generate(prompts, params)
+    spec = LLM(str(tiny_dir), block_size=4, num_kv_blocks=64, speculative_config=config)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    speculator = spec.engine.scheduler.speculator
+    stats = speculator.stats
+    assert stats.num_draft_tokens > 0
+    proposer = speculator.proposer
+    if draft == "itself":  # greedy requests accept every guess of the model itself
+        spec.engine.scheduler.speculator = Speculator(SpeculativeConfig(**config), proposer=proposer)
+        again = spec.generate(prompts[:3], params[:3])
+        assert [o.token_ids for o in again] == [o.token_ids for o in plain[:3]]
+        stats = spec.engine.scheduler.speculator.stats
+        assert 0 < stats.num_accepted_tokens == stats.num_draft_tokens
+    assert proposer.num_free_blocks == proposer.pool.num_blocks  # every request's draft blocks returned
+    assert_all_blocks_free_or_cached(spec.engine.scheduler)
+
+
+def test_draft_model_config_errors_name_the_fix(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    other = make_tiny_model_dir("llama", tmp_path / "wide", vocab_size=600)
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        LLM(str(tiny_dir), speculative_config={"method": "draft_model", "model": str(other)})
+    with pytest.raises(ValueError, match="draft_num_layers must be below the model's 2 layers"):
+        LLM(str(tiny_dir), speculative_config={"method": "draft_model", "draft_num_layers": 2})

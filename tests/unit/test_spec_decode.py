@@ -123,7 +123,10 @@ def test_stats_count_per_position():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "draft_model", "model": "x"}, "not supported yet"),
+    ({"method": "medusa", "model": "x"}, "not supported yet"),
+    ({"method": "draft_model"}, "needs model .* or draft_num_layers"),
+    ({"method": "ngram", "draft_num_layers": 4}, "are for method 'draft_model'"),
+    ({"method": "draft_model", "draft_num_layers": 0}, "draft_num_layers must be >= 1"),
     ({"method": "lookahead"}, "must be one of"),
     ({"method": "ngram", "num_speculative_token": 3}, "did you mean 'num_speculative_tokens'"),
     ({"num_speculative_tokens": 0}, "1..16"),
@@ -196,3 +199,23 @@ def test_cluster_config_carries_speculative_config():
     assert config.engine.speculative == SpeculativeConfig(num_speculative_tokens=2)
     with pytest.raises(ValueError, match="engine: speculative_config method 'medusa' is not supported yet"):
         build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "medusa"}}})
+
+
+def test_drafts_never_take_a_later_decode_s_token():
+    """A budget of 8 and four decoding sequences: every one decodes each step,
+    drafts take only what is left."""
+    sched = make_scheduler(64, 0, max_num_batched_tokens=8, max_num_seqs=4, speculator=fixed_speculator(6))
+    runner = FakeRunner.for_scheduler(sched, echo_token)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", [5 + i, 6], max_tokens=16))  # all admitted at once
+    drafted = 0
+    while sched.has_unfinished_requests():
+        decoding = {s.request_id for s in sched.queue.running if s.num_uncomputed_tokens == 1}
+        out = sched.schedule()
+        assert decoding <= {r.request_id for r in out.scheduled}  # no decode crowded out by another's drafts
+        assert out.num_batched_tokens <= 8
+        drafted += sum(len(r.spec_token_ids) for r in out.scheduled)
+        sched.update_from_output(out, runner.execute(out))
+        sched.check_integrity()
+    assert drafted > 0
+    assert_all_blocks_free_or_cached(sched)

@@ -195,6 +195,8 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         order = sorted(self.queue.running, key=lambda s: (s.num_uncomputed_tokens > 1, self.queue.key(s)))
+        proposals = self._propose(order, plan.budget)
+        decodes_left = sum(1 for s in order if s.num_uncomputed_tokens == 1)
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -202,7 +204,10 @@ class Scheduler:
                 break
             num_new = min(seq.num_uncomputed_tokens, plan.budget)
             assert num_new > 0, seq
-            drafts = self._propose(seq, plan) if num_new == seq.num_uncomputed_tokens == 1 else []
+            drafts: list[int] = []
+            if num_new == seq.num_uncomputed_tokens == 1:
+                decodes_left -= 1  # drafts never take the token of a decode still to come
+                drafts = proposals.get(seq, [])[: max(0, plan.budget - 1 - decodes_left)]
             if drafts and self.kv_manager.allocate_slots(seq, 1 + len(drafts)) is not None:
                 plan.drafts[seq] = drafts
                 num_new += len(drafts)
@@ -211,17 +216,25 @@ class Scheduler:
             plan.scheduled[seq] = num_new
             plan.budget -= num_new
 
-    def _propose(self, seq: Sequence, plan: _StepPlan) -> list[int]:
-        """Speculated tokens for a decoding ``seq``: none without a speculator,
-        and never past its max_tokens, max_model_len or the step's budget (the
-        target's own token is always one more)."""
+    def _propose(self, order: list[Sequence], budget: int) -> dict[Sequence, list[int]]:
+        """Speculated tokens for the decoding sequences (in one batch): none
+        without a speculator, and never past a sequence's max_tokens or
+        max_model_len, or the step's budget (the target's own token is always
+        one more)."""
         if self.speculator is None:
-            return []
-        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - seq.num_tokens - 1, plan.budget - 1)
-        if room <= 0:
-            return []
-        return self.speculator.propose(seq.request_id, seq.all_token_ids, room)
+            return {}
+        asks = []
+        for seq in order:
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            room = min(seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1, budget - 1)
+            if room > 0:
+                asks.append((seq, room))
+        if not asks:
+            return {}
+        drafts = self.speculator.propose_batch([(seq.request_id, seq.all_token_ids, room) for seq, room in asks])
+        return {seq: d for (seq, _), d in zip(asks, drafts) if d}
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, plan: _StepPlan) -> bool:
         """Allocates ``num_new`` slots for a running ``seq``, preempting the

@@ -49,7 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
-    """Proposes up to ``k`` tokens to follow ``token_ids`` (maybe none)."""
+    """Proposes up to ``k`` tokens to follow ``token_ids`` (maybe none). A
+    proposer that batches its work (a draft model) also has ``propose_many``,
+    taking ``[(request_id, token_ids, k)]`` and returning the drafts in order."""
 
     def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]: ...
 
@@ -259,8 +261,24 @@ class Speculator:
     def propose(self, request_id: str, token_ids: list[int], room: int) -> list[int]:
         """Drafts for a decoding sequence, at most ``room`` (what its max_tokens,
         max_model_len and the step's budget leave)."""
-        k = min(self.depth_limit(request_id), room)
-        return self.proposer.propose(request_id, token_ids, k) if k > 0 else []
+        return self.propose_batch([(request_id, token_ids, room)])[0]
+
+    def propose_batch(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """``propose`` for several sequences at once (a draft model runs them
+        as one batch)."""
+        asks = [(rid, tokens, min(self.depth_limit(rid), room)) for rid, tokens, room in requests]
+        wanted = [i for i, (_, _, k) in enumerate(asks) if k > 0]
+        out: list[list[int]] = [[] for _ in requests]
+        if not wanted:
+            return out
+        many = getattr(self.proposer, "propose_many", None)
+        if many is not None:
+            drafts = many([asks[i] for i in wanted])
+        else:
+            drafts = [self.proposer.propose(*asks[i]) for i in wanted]
+        for i, draft in zip(wanted, drafts):
+            out[i] = list(draft[: asks[i][2]])
+        return out
 
     # ---------------------------------------------------------------- learning
     def observe_step(self, num_tokens: int, num_draft_tokens: int, num_sampling_seqs: int, seconds: float) -> None:

@@ -19,8 +19,8 @@ LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-SPECULATIVE_METHODS = ("ngram",)
-_SPEC_PLANNED = ("draft_model", "medusa", "eagle", "mlp_speculator")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPEC_PLANNED = ("medusa", "eagle", "mlp_speculator")
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,16 @@ class SpeculativeConfig:
     """Speculative decoding, vLLM's ``speculative_config`` (a mapping).
 
     Attributes:
-        method: ``ngram`` (prompt lookup: no extra model).
+        method: ``ngram`` (prompt lookup: no extra model) or ``draft_model``
+            (a smaller model with the target's vocabulary proposes greedily,
+            with its own paged KV cache in the same replica).
         num_speculative_tokens: Most tokens proposed per sequence and step.
         prompt_lookup_min / prompt_lookup_max: n-gram sizes matched, longest
-            first.
+            first (``ngram``).
+        model: The draft model (folder or ``.gguf``; ``draft_model``); None
+            is the target's own model, cut to ``draft_num_layers``.
+        draft_num_layers: Keep only the first N decoder layers of the draft
+            (self-speculation with a layer-truncated copy).
         adaptive: Size each proposal from the request's measured acceptance
             and the measured cost of a step (``workers/engine/spec_decode.py``),
             proposing nothing where it does not pay; False always proposes up
@@ -43,6 +49,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True
+    model: Optional[str] = None
+    draft_num_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -55,6 +63,13 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "ngram" and (self.model is not None or self.draft_num_layers is not None):
+            raise ValueError("speculative_config model / draft_num_layers are for method 'draft_model'")
+        if self.method == "draft_model" and self.model is None and self.draft_num_layers is None:
+            raise ValueError("speculative_config method 'draft_model' needs model (a smaller model with the "
+                             "target's tokenizer) or draft_num_layers (a layer-truncated copy of the target)")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"speculative_config draft_num_layers must be >= 1, got {self.draft_num_layers}")
 
     @classmethod
     def from_mapping(cls, mapping: Any) -> "SpeculativeConfig":
