@@ -108,7 +108,13 @@ def test_depth_follows_acceptance_and_step_cost():
     assert t.depth_limit("r") == 0
     assert speculator(adaptive=False).depth_limit("bad") == 4
     s.drop("good")
-    assert s.acceptance("good") == pytest.approx(0.5)  # back to the prior
+    # Forgotten: back to the prior, the rate over all requests' draft positions (good: 80 of 80,
+    # bad: 0 of 20).
+    assert s.acceptance("good") == pytest.approx(s.acceptance("new")) and 0.7 < s.acceptance("new") < 0.85
+    u = speculator()
+    for _ in range(40):
+        u.observe_result("old", 4, 0)  # this proposer fails on this traffic
+    assert u.acceptance("new") < 0.1
 
 
 def test_stats_count_per_position():

@@ -122,6 +122,7 @@ class LLMEngine:
     # --------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling + model step; returns the outputs of this step."""
+        started = time.perf_counter()  # schedule() included: a draft model proposes there
         sched = self.scheduler.schedule()
         self._note_first_scheduled(sched)
         if sched.is_empty:
@@ -129,11 +130,10 @@ class LLMEngine:
             # are reported through update_from_output like any other.
             model_out = ModelOutput(sampled_token_ids=[], logprobs=[])
         else:
-            started = time.perf_counter()
             model_out = self.runner.execute(sched)
             self.num_steps += 1
             speculator = self.scheduler.speculator
-            if speculator is not None:  # what a step of this size costs, for sizing proposals
+            if speculator is not None:  # what a step of this size (and its proposals) costs
                 num_sampling = sum(1 for r in sched.scheduled if r.num_sample_tokens)
                 num_drafts = sum(len(r.spec_token_ids) for r in sched.scheduled)
                 speculator.observe_step(sched.num_batched_tokens - num_drafts, num_drafts, num_sampling,

@@ -211,9 +211,10 @@ class Speculator:
         proposer: Overrides the one ``config.method`` names (tests).
     """
 
-    PRIOR_ACCEPTANCE = 0.5  # a new request's acceptance rate, worth PRIOR_WEIGHT trials
+    PRIOR_ACCEPTANCE = 0.5  # the first requests' acceptance rate, worth PRIOR_WEIGHT trials
     PRIOR_WEIGHT = 2.0
     DECAY = 0.9  # weight of a request's past (prior included) per step that proposed
+    GLOBAL_DECAY = 0.995  # the same for the rate over all requests, a new request's prior
 
     def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
         self.config = config
@@ -223,6 +224,7 @@ class Speculator:
         self.cost = StepCostModel()
         self.stats = SpecStats(accepted_per_position=[0] * self.k_max, proposed_per_position=[0] * self.k_max)
         self._trials: dict[str, tuple[float, float]] = {}  # request -> (accepted, trials), decayed
+        self._global = (self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT)  # all requests, decayed
         self._last_step: tuple[int, int] = (1, 1)  # (tokens, sequences that sampled) of the last step
 
     # ---------------------------------------------------------------- proposing
@@ -233,7 +235,10 @@ class Speculator:
         return accepted / trials
 
     def _prior(self) -> tuple[float, float]:
-        return self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+        """A new request starts from the recent rate over all requests (what
+        this proposer achieves on this traffic), worth PRIOR_WEIGHT trials."""
+        accepted, trials = self._global
+        return accepted / trials * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
 
     def depth_limit(self, request_id: str) -> int:
         """How many drafts pay for this request now (0 to ``num_speculative_tokens``)."""
@@ -302,6 +307,8 @@ class Speculator:
         trials = num_accepted + (1 if num_accepted < num_proposed else 0)
         accepted, seen = self._trials.get(request_id, self._prior())
         self._trials[request_id] = (accepted * self.DECAY + num_accepted, seen * self.DECAY + trials)
+        accepted, seen = self._global
+        self._global = (accepted * self.GLOBAL_DECAY + num_accepted, seen * self.GLOBAL_DECAY + trials)
 
     def drop(self, request_id: str) -> None:
         """Forgets a finished request."""
