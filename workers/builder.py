@@ -18,7 +18,8 @@ from workers.engine.block_pool import BlockPool
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.scheduler import Scheduler
-from workers.engine.spec_decode import Speculator
+from workers.engine.spec_decode import RunnerProposer, Speculator
+from workers.model.config import ModelArchConfig
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
 from workers.provision import (
     load_model_for,
@@ -81,6 +82,21 @@ def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int
     )
 
 
+def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], folder: Optional[str],
+                        arch: ModelArchConfig) -> RunnerProposer:
+    """Loads Medusa heads onto the runner, which then guesses each step's next
+    tokens; returns the proposer that hands them to the scheduler."""
+    from workers.model.medusa import MedusaHeads
+
+    if not isinstance(runner, ModelRunner):
+        raise ValueError("speculative_config method 'medusa' runs with tensor_parallel_size 1: use 'ngram' or "
+                         "'draft_model' with tensor parallelism")
+    heads = MedusaHeads.load(Path(folder or ""), arch.hidden_size, arch.vocab_size)
+    runner.medusa = heads.to(device=runner.device, dtype=next(runner.model.parameters()).dtype)
+    logger.info("Medusa heads from %s: %d heads of %d block(s)", folder, heads.num_heads, heads.num_layers)
+    return RunnerProposer()
+
+
 def build_engine(config: EngineConfig) -> EngineParts:
     """Loads the model and builds a ready engine (logs progress).
 
@@ -117,6 +133,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             from workers.spec_draft import build_draft_proposer
 
             proposer = build_draft_proposer(config, model_dir, arch.vocab_size, num_blocks)
+        elif config.speculative.method == "medusa":
+            proposer = attach_medusa_heads(runner, config.speculative.model, arch)
         speculator = Speculator(config.speculative, proposer=proposer)
     scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
                           sliding_window=window, speculator=speculator)

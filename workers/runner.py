@@ -119,6 +119,8 @@ class ModelRunner:
             for _ in range(num_layers)
         ] if num_cpu_blocks else []
         self.sampler = Sampler(seed)
+        self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
+        self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -155,7 +157,7 @@ class ModelRunner:
                     req, input_token_ids=[token], num_computed_tokens=req.num_computed_tokens + j,
                     num_sample_tokens=1, output_token_ids=[*req.output_token_ids, *drafts[:j]], spec_token_ids=()))
                 owner.append(i)
-        out = self._execute(rows)
+        out = self._execute(rows, with_proposals=False)
         if not out.sampled_token_ids:  # a tensor-parallel rank other than 0
             return out
         sampled: list[list[int]] = [[] for _ in reqs]
@@ -177,9 +179,16 @@ class ModelRunner:
             for row, entry in zip(owner, out.prompt_logprobs):
                 if entry is not None:
                     prompt_logprobs[row] = entry
-        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        result = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        # Heads read the row that sampled each request's last kept token.
+        first_row: dict[int, int] = {}
+        for row, i in enumerate(owner):
+            first_row.setdefault(i, row)
+        last_rows = [first_row[i] + len(sampled[i]) - 1 if sampled[i] else -1 for i in range(len(reqs))]
+        result.spec_proposals = self._head_proposals(reqs, last_rows)
+        return result
 
-    def _execute(self, reqs: list[ScheduledRequest]) -> ModelOutput:
+    def _execute(self, reqs: list[ScheduledRequest], with_proposals: bool = True) -> ModelOutput:
         # Decodes first, longest context first (attention pads per group of
         # similar lengths), then prefill chunks.
         order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i].input_token_ids) != 1, -reqs[i].seq_len))
@@ -208,7 +217,29 @@ class ModelRunner:
             for owner, tok, lp in zip(owners, token_ids, sampled_logprobs):
                 sampled[owner] = [tok]
                 logprobs[owner] = lp
-        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            self._sample_hidden = (hidden, dict(zip(owners, sample_rows)))
+        out = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if with_proposals and sample_rows:
+            out.spec_proposals = self._head_proposals(reqs, list(range(len(reqs))))
+        return out
+
+    def _head_proposals(self, reqs: list[ScheduledRequest], rows: list[int]) -> Optional[list[Optional[list[int]]]]:
+        """Medusa heads' guesses for the next step of each request asking for
+        them (``num_proposals``), from the hidden state of ``rows[i]``, the row
+        (of the last ``_execute``) that sampled request i's last token."""
+        if self.medusa is None:
+            return None
+        hidden, row_of = self._sample_hidden
+        wanted = [i for i, req in enumerate(reqs) if req.num_proposals > 0 and rows[i] in row_of]
+        if not wanted:
+            return None
+        index = torch.tensor([row_of[rows[i]] for i in wanted], device=self.device)
+        k = max(reqs[i].num_proposals for i in wanted)
+        tokens = self.medusa.propose(hidden.index_select(0, index), k, self.model.lm_head).tolist()
+        out: list[Optional[list[int]]] = [None] * len(reqs)
+        for i, guess in zip(wanted, tokens):
+            out[i] = guess[: reqs[i].num_proposals]
+        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[int], batch: list[ScheduledRequest]
                          ) -> Optional[list[Optional[tuple[int, list]]]]:

@@ -9,7 +9,9 @@ Workloads (per batch size B, B distinct prompts):
 * ``random``: random-token prompts, greedy (the default model soon repeats
   itself there, and lookup finds it);
 * ``sampled``: random-token prompts sampled at temperature 1 (seeded per
-  request), where proposals fail: speculation must then cost nothing.
+  request), where proposals fail: speculation must then cost nothing;
+* ``chat``: open-ended questions in the model's chat template, greedy (not
+  taken from the text ``train-heads`` learns from).
 
 Each case runs with speculation off, with the given ``--speculative-config``
 (adaptive unless it says ``"adaptive": false``) and, with ``--fixed``, the same
@@ -39,7 +41,16 @@ from cluster.client.table import format_table
 logger = logging.getLogger(__name__)
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
-WORKLOADS = ("grounded", "random", "sampled")
+WORKLOADS = ("grounded", "random", "sampled", "chat")
+CHAT_QUESTIONS = [
+    "What are some good habits for staying healthy?", "Write a short poem about the ocean.",
+    "How does a refrigerator keep food cold?", "Give me three ideas for a weekend trip.",
+    "Why is the sky blue?", "Explain what a database index is.", "What should I cook for dinner tonight?",
+    "Tell me a story about a brave little mouse.", "How do plants make their food?",
+    "What is the difference between weather and climate?", "How can I learn to play the guitar?",
+    "Describe your ideal city.", "What are the benefits of reading books?", "How do airplanes fly?",
+    "Write a thank-you note to a teacher.", "What is machine learning?",
+]
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +77,15 @@ def grounded_prompts(llm: Any, n: int, length: int) -> list[list[int]]:
         tail = llm.encode("\n\nThe same text, repeated:\n", add_special_tokens=False)
         prompts.append(head + passage + tail + passage[:8])
     return prompts
+
+
+def chat_prompts(llm: Any, n: int) -> list[list[int]]:
+    """``n`` open-ended questions, rendered with the model's chat template."""
+    from cluster.shared.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_model_dir(llm.model_dir)
+    return [llm.encode(template.render([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}]),
+                       add_special_tokens=False) for i in range(n)]
 
 
 def random_prompts(llm: Any, n: int, length: int, rng: random.Random) -> list[list[int]]:
@@ -136,8 +156,10 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     rng = random.Random(0)
     decode_run(llm, random_prompts(llm, max_batch, 16, rng), 8)  # warm-up: kernels built, caches warm
     cases = [(w, b) for w in args.workloads for b in args.batch_sizes]
-    prompts = {(w, b): grounded_prompts(llm, b, args.input_len) if w == "grounded"
-               else random_prompts(llm, b, args.input_len, rng) for w, b in cases}
+    makers = {"grounded": lambda b: grounded_prompts(llm, b, args.input_len), "chat": lambda b: chat_prompts(llm, b),
+              "random": lambda b: random_prompts(llm, b, args.input_len, rng),
+              "sampled": lambda b: random_prompts(llm, b, args.input_len, rng)}
+    prompts = {(w, b): makers[w](b) for w, b in cases}
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for round_index in range(max(1, args.rounds)):
         for case in cases:

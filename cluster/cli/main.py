@@ -83,6 +83,8 @@ COMMANDS = (
             "cluster.bench.quant", "add_quant_args", "run_quant"),
     Command(("quantize",), "write a 4-bit GPTQ or AWQ checkpoint from a float model",
             "cluster.cli.quantize", "add_quantize_args", "run_quantize", engine_flags=False),
+    Command(("train-heads",), "fit Medusa heads for speculative decoding on the model's own answers",
+            "cluster.cli.train_heads", "add_train_heads_args", "run_train_heads"),
     Command(("eval", "perplexity"), "perplexity on held-out text (and greedy agreement with the float run)",
             "cluster.bench.evaluate", "add_perplexity_args", "run_perplexity"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",

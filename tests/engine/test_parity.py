@@ -20,7 +20,8 @@ from tests.factories import OracleProposer, hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.engine.spec_decode import Speculator
 from workers.llm import LLM
-from workers.model.loader import resolve_model
+from workers.model.loader import read_arch, resolve_model
+from workers.model.medusa import MedusaHeads
 
 FAMILIES = ["llama", "mistral", "qwen2"]
 PROMPT_LENS = [3, 9, 17, 24, 33, 40, 6, 50, 29]
@@ -129,9 +130,15 @@ def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, 
     are rolled back, never the tokens. ``ngram`` is the real proposer (random
     prompts rarely repeat, the default model's texts do); ``draft`` a
     layer-truncated copy of the model (its first layer; the default model's
-    first 6); ``oracle`` proposes the expected continuation with every third
-    proposal wrong, so every scenario verifies accepted and rejected drafts."""
+    first 6); ``medusa`` identity heads (each guesses the next token again);
+    ``oracle`` proposes the expected continuation with every third proposal
+    wrong, so every scenario verifies accepted and rejected drafts."""
     config = SPECULATIVE
+    if proposer == "medusa":
+        arch = read_arch(case.model_dir)
+        MedusaHeads(arch.hidden_size, arch.vocab_size, num_heads=3).save(tmp_path / "heads")
+        config = {"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3,
+                  "adaptive": False}
     if proposer == "draft":
         default = case.model_dir == resolve_model(None)
         if not default:  # tiny copies go to a temporary cache; the default model's stays cached

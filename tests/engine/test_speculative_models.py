@@ -11,6 +11,7 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from cluster.shared.config import SpeculativeConfig
 from cluster.shared.types import SamplingParams
@@ -205,3 +206,45 @@ def test_draft_model_config_errors_name_the_fix(tiny_dir, tmp_path, monkeypatch)
         LLM(str(tiny_dir), speculative_config={"method": "draft_model", "model": str(other)})
     with pytest.raises(ValueError, match="draft_num_layers must be below the model's 2 layers"):
         LLM(str(tiny_dir), speculative_config={"method": "draft_model", "draft_num_layers": 2})
+
+
+@pytest.mark.parametrize("heads", ["identity", "random"])
+def test_medusa_heads_keep_tokens(tiny_dir, tmp_path, heads):
+    """Identity heads (zero blocks: each guesses the next token again) and
+    random ones: proposals are made every step and the tokens never change."""
+    from workers.model.medusa import MedusaHeads
+
+    medusa = MedusaHeads(64, 512, num_heads=3, num_layers=1)
+    if heads == "random":
+        torch.manual_seed(3)
+        for p in medusa.parameters():
+            p.data.normal_(0, 0.2)
+    medusa.save(tmp_path / "heads")
+    config = {"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3, "adaptive": False}
+    prompts = repetitive_prompts(4) + [[7, 99, 3, 250, 41, 77]]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=i, ignore_eos=True) for i in range(2)]
+    plain = LLM(str(tiny_dir), block_size=4).generate(prompts, params)
+    spec = LLM(str(tiny_dir), block_size=4, speculative_config=config)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    stats = spec.engine.scheduler.speculator.stats
+    assert stats.num_drafts >= 10 and stats.num_draft_tokens > 0
+    assert_all_blocks_free_or_cached(spec.engine.scheduler)
+
+
+def test_train_heads_on_a_tiny_model(tiny_dir, tmp_path):
+    from workers.medusa_train import train_heads
+    from workers.model.medusa import MedusaHeads
+
+    llm = LLM(str(tiny_dir), block_size=4, max_model_len=256)
+    summary = train_heads(llm, tmp_path / "heads", num_heads=2, num_prompts=12, prompt_len=16, gen_len=24,
+                          epochs=3, lr=3e-3)
+    assert summary["num_sequences"] == 12 and summary["num_positions"] >= 12 * 20
+    assert len(summary["held_out_top1_accuracy"]) == 2
+    heads = MedusaHeads.load(tmp_path / "heads", 64, 512)
+    assert any(float(w.abs().sum()) > 0 for w in heads.weights)  # trained away from the zero start
+    spec = LLM(str(tiny_dir), block_size=4, speculative_config={"method": "medusa", "model": str(tmp_path / "heads")})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert spec.generate(repetitive_prompts(2), params)[0].token_ids == llm.generate(
+        repetitive_prompts(2), params)[0].token_ids

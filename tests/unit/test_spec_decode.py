@@ -129,7 +129,9 @@ def test_stats_count_per_position():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "medusa", "model": "x"}, "not supported yet"),
+    ({"method": "eagle", "model": "x"}, "not supported yet"),
+    ({"method": "medusa"}, "needs model: the heads' folder"),
+    ({"method": "medusa", "model": "h", "__tp": 2}, "runs with tensor_parallel_size 1"),
     ({"method": "draft_model"}, "needs model .* or draft_num_layers"),
     ({"method": "ngram", "draft_num_layers": 4}, "are for method 'draft_model'"),
     ({"method": "draft_model", "draft_num_layers": 0}, "draft_num_layers must be >= 1"),
@@ -141,8 +143,9 @@ def test_stats_count_per_position():
     ([1, 2], "must be a mapping"),
 ])
 def test_bad_speculative_config_says_what_to_change(value, match):
+    tp = value.pop("__tp", 1) if isinstance(value, dict) else 1
     with pytest.raises(ValueError, match=match):
-        EngineConfig.from_kwargs(speculative_config=value)
+        EngineConfig.from_kwargs(speculative_config=value, tensor_parallel_size=tp)
 
 
 def test_speculative_config_from_the_cli_and_as_json():
@@ -203,8 +206,8 @@ def test_cluster_config_carries_speculative_config():
 
     config = build_strict(ClusterConfig, {"engine": {"speculative_config": {"num_speculative_tokens": 2}}})
     assert config.engine.speculative == SpeculativeConfig(num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="engine: speculative_config method 'medusa' is not supported yet"):
-        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "medusa"}}})
+    with pytest.raises(ValueError, match="engine: speculative_config method 'eagle' is not supported yet"):
+        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "eagle"}}})
 
 
 def test_drafts_never_take_a_later_decode_s_token():

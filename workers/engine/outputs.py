@@ -42,6 +42,7 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int]  # read-only: for penalties
     output_token_ids: Sequence[int]  # read-only: for penalties and seeded sampling
     spec_token_ids: Sequence[int] = ()  # speculated tokens: the last len() input tokens
+    num_proposals: int = 0  # guesses the runner's own proposer (Medusa heads) makes for the next step
 
     @property
     def num_input_tokens(self) -> int:
@@ -88,6 +89,9 @@ class ModelOutput:
     # Per scheduled request asking for them: (position of the first, logprobs of the prompt
     # tokens at that position and on) for the prompt tokens this step's chunk predicts.
     prompt_logprobs: Optional[list[Optional[tuple[int, list[TokenLogprob]]]]] = None
+    # Per scheduled request asking for them (num_proposals): the runner's guesses of the
+    # tokens after the ones it returned, for the next step's speculation.
+    spec_proposals: Optional[list[Optional[list[int]]]] = None
 
 
 @dataclass

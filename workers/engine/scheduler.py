@@ -344,16 +344,19 @@ class Scheduler:
     def _make_scheduled(self, seq: Sequence, num_new: int, drafts: Sequence_[int] = ()) -> ScheduledRequest:
         start = seq.num_computed_tokens
         num_known = num_new - len(drafts)  # tokens of the sequence; the drafts follow
+        samples = start + num_known == seq.num_tokens
+        guesses = self.speculator.runner_proposals_wanted(seq.request_id) if samples and self.speculator else 0
         return ScheduledRequest(
             request_id=seq.request_id,
             input_token_ids=seq.all_token_ids[start : start + num_known] + list(drafts),
             num_computed_tokens=start,
             block_ids=list(seq.block_ids),
-            num_sample_tokens=1 + len(drafts) if start + num_known == seq.num_tokens else 0,
+            num_sample_tokens=1 + len(drafts) if samples else 0,
             sampling_params=seq.sampling_params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             spec_token_ids=list(drafts),
+            num_proposals=guesses,
         )
 
     # ------------------------------------------------------------------ update
@@ -395,6 +398,7 @@ class Scheduler:
             if not sampled:
                 continue
             new_ids = self._append_tokens(seq, sampled)
+            self._receive_proposals(seq, model_out, i)
             logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
             results.append((seq, new_ids, logprobs[: len(new_ids)] if logprobs is not None else None))
         return results
@@ -421,11 +425,18 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)
         else:
+            self._receive_proposals(seq, model_out, i)
             self.kv_manager.trim(seq)
             if self.sliding_window is not None:
                 self.kv_manager.release_outside_window(seq, self.sliding_window)
         logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
         return seq, kept, logprobs[: len(kept)] if logprobs is not None else None
+
+    def _receive_proposals(self, seq: Sequence, model_out: ModelOutput, i: int) -> None:
+        """Hands the runner's guesses for ``seq``'s next step to the speculator."""
+        guesses = model_out.spec_proposals[i] if model_out.spec_proposals is not None else None
+        if guesses and self.speculator is not None and not seq.is_finished:
+            self.speculator.receive(seq.request_id, seq.num_tokens, guesses)
 
     def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         kept = []

@@ -94,6 +94,30 @@ class NgramProposer:
         self._index.pop(request_id, None)
 
 
+class RunnerProposer:
+    """Proposals the model runner made at the end of the previous step (Medusa
+    heads on the last hidden state: ``workers/model/medusa.py``), handed to
+    the scheduler with that step's output. A proposal is used only if the
+    sequence still has the length it was made for."""
+
+    from_runner = True
+
+    def __init__(self) -> None:
+        self._made: dict[str, tuple[int, list[int]]] = {}
+
+    def receive(self, request_id: str, num_tokens: int, token_ids: list[int]) -> None:
+        self._made[request_id] = (num_tokens, list(token_ids))
+
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        made = self._made.pop(request_id, None)
+        if made is None or made[0] != len(token_ids):
+            return []
+        return made[1][:k]
+
+    def drop(self, request_id: str) -> None:
+        self._made.pop(request_id, None)
+
+
 class StepCostModel:
     """Step time as ``base + a * tokens + b * draft_tokens``: ``tokens`` the
     step's own (prefill chunks, one per decode), ``draft_tokens`` the
@@ -221,6 +245,8 @@ class Speculator:
         self.k_max = config.num_speculative_tokens
         self.adaptive = config.adaptive
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # The runner proposes (Medusa): it is asked, per sampling request, for this many guesses.
+        self.from_runner = bool(getattr(self.proposer, "from_runner", False))
         self.cost = StepCostModel()
         self.stats = SpecStats(accepted_per_position=[0] * self.k_max, proposed_per_position=[0] * self.k_max)
         self._trials: dict[str, tuple[float, float]] = {}  # request -> (accepted, trials), decayed
@@ -284,6 +310,16 @@ class Speculator:
         for i, draft in zip(wanted, drafts):
             out[i] = list(draft[: asks[i][2]])
         return out
+
+    def runner_proposals_wanted(self, request_id: str) -> int:
+        """Guesses to ask the runner for (0 unless it is the proposer)."""
+        return self.depth_limit(request_id) if self.from_runner else 0
+
+    def receive(self, request_id: str, num_tokens: int, token_ids: list[int]) -> None:
+        """The runner's guesses for a sequence that now has ``num_tokens`` tokens."""
+        receive = getattr(self.proposer, "receive", None)
+        if receive is not None:
+            receive(request_id, num_tokens, token_ids)
 
     # ---------------------------------------------------------------- learning
     def observe_step(self, num_tokens: int, num_draft_tokens: int, num_sampling_seqs: int, seconds: float) -> None:

@@ -19,8 +19,8 @@ LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-_SPEC_PLANNED = ("medusa", "eagle", "mlp_speculator")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
+_SPEC_PLANNED = ("eagle", "eagle3", "mlp_speculator")
 
 
 @dataclass(frozen=True)
@@ -28,14 +28,17 @@ class SpeculativeConfig:
     """Speculative decoding, vLLM's ``speculative_config`` (a mapping).
 
     Attributes:
-        method: ``ngram`` (prompt lookup: no extra model) or ``draft_model``
+        method: ``ngram`` (prompt lookup: no extra model), ``draft_model``
             (a smaller model with the target's vocabulary proposes greedily,
-            with its own paged KV cache in the same replica).
+            with its own paged KV cache in the same replica) or ``medusa``
+            (heads on the target's last hidden state, ``model`` their folder:
+            ``prefixserve train-heads`` writes one).
         num_speculative_tokens: Most tokens proposed per sequence and step.
         prompt_lookup_min / prompt_lookup_max: n-gram sizes matched, longest
             first (``ngram``).
-        model: The draft model (folder or ``.gguf``; ``draft_model``); None
-            is the target's own model, cut to ``draft_num_layers``.
+        model: The draft model (folder or ``.gguf``; ``draft_model``; None
+            is the target's own model, cut to ``draft_num_layers``), or the
+            Medusa heads' folder (``medusa``).
         draft_num_layers: Keep only the first N decoder layers of the draft
             (self-speculation with a layer-truncated copy).
         adaptive: Size each proposal from the request's measured acceptance
@@ -65,6 +68,9 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.method == "ngram" and (self.model is not None or self.draft_num_layers is not None):
             raise ValueError("speculative_config model / draft_num_layers are for method 'draft_model'")
+        if self.method == "medusa" and (self.model is None or self.draft_num_layers is not None):
+            raise ValueError("speculative_config method 'medusa' needs model: the heads' folder "
+                             "(prefixserve train-heads writes one); draft_num_layers is for 'draft_model'")
         if self.method == "draft_model" and self.model is None and self.draft_num_layers is None:
             raise ValueError("speculative_config method 'draft_model' needs model (a smaller model with the "
                              "target's tokenizer) or draft_num_layers (a layer-truncated copy of the target)")
@@ -273,6 +279,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_mapping(self.speculative_config)
             object.__setattr__(self, "speculative_config", dataclasses.asdict(spec))  # JSON given: a dict from now
+            if spec.method == "medusa" and self.parallel.tensor_parallel_size > 1:
+                raise ValueError("speculative_config method 'medusa' runs with tensor_parallel_size 1: use 'ngram' "
+                                 "or 'draft_model' with tensor parallelism")
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:

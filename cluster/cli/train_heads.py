@@ -1,0 +1,49 @@
+"""``prefixserve train-heads``: fit Medusa heads for a model on its own greedy
+answers to prompts made from text shipped with Python (``workers/medusa_train.py``).
+
+    prefixserve train-heads --output /tmp/smol-medusa              # a few minutes on 2 CPU cores
+    prefixserve generate --chat "Explain closures" \\
+        --speculative-config '{"method": "medusa", "model": "/tmp/smol-medusa"}'
+
+Engine flags (``--model``, ...) choose the model; the heads are tied to it
+(its fingerprint is stored in their config.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_train_heads_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", required=True, help="folder to write the heads to (created)")
+    parser.add_argument("--num-heads", type=int, default=4, help="heads: guesses per step (default 4)")
+    parser.add_argument("--num-prompts", type=int, default=128, help="prompts answered for training")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens of each raw-text prompt")
+    parser.add_argument("--gen-len", type=int, default=128, help="tokens of each greedy answer")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--train-seed", type=int, default=0, help="prompt order and initialization")
+
+
+def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from workers.llm import LLM
+    from workers.medusa_train import train_heads
+
+    if not 1 <= args.num_heads <= 16:
+        raise ValueError(f"--num-heads must be in 1..16, got {args.num_heads}")
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty: pass a new --output folder")
+    engine_args = {"max_num_seqs": 32, **engine_args}
+    with LLM(**engine_args) as llm:
+        summary = train_heads(llm, out, num_heads=args.num_heads, num_prompts=args.num_prompts,
+                              prompt_len=args.prompt_len, gen_len=args.gen_len, epochs=args.epochs, lr=args.lr,
+                              seed=args.train_seed)
+    print(json.dumps(summary, indent=2))  # the command's output
+    return 0

@@ -1,0 +1,126 @@
+"""Medusa heads (Cai et al., 2024): extra decoding heads on the model's last
+hidden state, head i guessing the token i + 2 places ahead (the model's own
+LM head gives the next one).
+
+Head i is ``medusa_num_layers`` residual blocks ``x + SiLU(W x + b)``, then a
+vocabulary projection: its own (``{i}.{L}.weight``) or, when the checkpoint
+has none, the model's LM head (what ``prefixserve train-heads`` writes: the
+heads stay a few MB). The checkpoint layout is Medusa's own::
+
+    folder/config.json                  {"medusa_num_heads": 4, "medusa_num_layers": 1,
+                                         "hidden_size": ..., "vocab_size": ...}
+    folder/medusa_lm_head.safetensors   "{i}.{j}.linear.weight" [H, H], "{i}.{j}.linear.bias" [H],
+                                        optional "{i}.{L}.weight" [V, H]
+
+``propose`` takes the top-1 token of the first k heads for each row (no
+tree): the speculator's proposals for the next step, verified by the target
+like any other (``workers/engine/spec_decode.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+WEIGHTS = "medusa_lm_head.safetensors"
+
+
+class MedusaHeads(torch.nn.Module):
+    """Args: hidden size, vocabulary, number of heads and residual blocks per
+    head; ``own_lm_head``: each head has its own vocabulary projection."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 own_lm_head: bool = False) -> None:
+        super().__init__()
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.weights = torch.nn.ParameterList()
+        self.biases = torch.nn.ParameterList()
+        for _ in range(num_heads * num_layers):
+            self.weights.append(torch.nn.Parameter(torch.zeros(hidden_size, hidden_size)))
+            self.biases.append(torch.nn.Parameter(torch.zeros(hidden_size)))
+        self.lm_heads = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(vocab_size, hidden_size)) for _ in range(num_heads)] if own_lm_head else [])
+
+    def transform(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
+        """Head ``head``'s residual blocks over ``hidden`` [N, H]."""
+        x = hidden
+        for j in range(self.num_layers):
+            k = head * self.num_layers + j
+            x = x + F.silu(F.linear(x, self.weights[k], self.biases[k]))
+        return x
+
+    def logits(self, hidden: torch.Tensor, head: int, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        x = self.transform(hidden, head)
+        return F.linear(x, self.lm_heads[head]).float() if len(self.lm_heads) else lm_head(x).float()
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, k: int, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``[N, k]`` top-1 tokens of the first ``k`` heads for each row of
+        ``hidden`` (the model's final, normed hidden states)."""
+        k = min(k, self.num_heads)
+        if len(self.lm_heads):
+            return torch.stack([self.logits(hidden, i, lm_head).argmax(dim=-1) for i in range(k)], dim=1)
+        # One pass of the shared LM head over every head's rows (one GEMM, not k).
+        x = torch.cat([self.transform(hidden, i) for i in range(k)])
+        return lm_head(x).float().argmax(dim=-1).view(k, -1).t()
+
+    # ------------------------------------------------------------- checkpoint
+    def save(self, folder: Path, extra_config: Optional[dict] = None) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i in range(self.num_heads):
+            for j in range(self.num_layers):
+                k = i * self.num_layers + j
+                tensors[f"{i}.{j}.linear.weight"] = self.weights[k].detach().contiguous()
+                tensors[f"{i}.{j}.linear.bias"] = self.biases[k].detach().contiguous()
+            if len(self.lm_heads):
+                tensors[f"{i}.{self.num_layers}.weight"] = self.lm_heads[i].detach().contiguous()
+        save_file(tensors, str(folder / WEIGHTS))
+        config = {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
+                  "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, **(extra_config or {})}
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+    @classmethod
+    def load(cls, folder: Path, hidden_size: int, vocab_size: int) -> "MedusaHeads":
+        """Reads a Medusa checkpoint folder made for a model of this hidden
+        size and vocabulary.
+
+        Raises:
+            ValueError: No such checkpoint, or one for another model's shapes.
+        """
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        config_path, weights_path = folder / "config.json", folder / WEIGHTS
+        if not config_path.is_file() or not weights_path.is_file():
+            raise ValueError(f"{folder} is not a Medusa checkpoint: it needs config.json and {WEIGHTS} "
+                             "(prefixserve train-heads writes one)")
+        config = json.loads(config_path.read_text())
+        num_heads, num_layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            own = f"0.{num_layers}.weight" in names
+            heads = cls(hidden_size, vocab_size, num_heads, num_layers, own_lm_head=own)
+            for i in range(num_heads):
+                for j in range(num_layers):
+                    k = i * num_layers + j
+                    weight = f.get_tensor(f"{i}.{j}.linear.weight")
+                    if tuple(weight.shape) != (hidden_size, hidden_size):
+                        raise ValueError(f"{folder}: head {i} has hidden size {weight.shape[1]}, the model "
+                                         f"{hidden_size}: these heads were trained for another model")
+                    heads.weights[k].data.copy_(weight)
+                    heads.biases[k].data.copy_(f.get_tensor(f"{i}.{j}.linear.bias"))
+                if own:
+                    proj = f.get_tensor(f"{i}.{num_layers}.weight")
+                    if tuple(proj.shape) != (vocab_size, hidden_size):
+                        raise ValueError(f"{folder}: head {i} projects to {proj.shape[0]} tokens, the model has "
+                                         f"{vocab_size}: these heads were trained for another model")
+                    heads.lm_heads[i].data.copy_(proj)
+        return heads.eval()
