@@ -88,9 +88,7 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
     tokens; returns the proposer that hands them to the scheduler."""
     from workers.model.medusa import MedusaHeads
 
-    if not isinstance(runner, ModelRunner):
-        raise ValueError("speculative_config method 'medusa' runs with tensor_parallel_size 1: use 'ngram' or "
-                         "'draft_model' with tensor parallelism")
+    assert isinstance(runner, ModelRunner), "EngineConfig refuses medusa with tensor parallelism"
     heads = MedusaHeads.load(Path(folder or ""), arch.hidden_size, arch.vocab_size)
     runner.medusa = heads.to(device=runner.device, dtype=next(runner.model.parameters()).dtype)
     logger.info("Medusa heads from %s: %d heads of %d block(s)", folder, heads.num_heads, heads.num_layers)

@@ -217,7 +217,8 @@ class ModelRunner:
             for owner, tok, lp in zip(owners, token_ids, sampled_logprobs):
                 sampled[owner] = [tok]
                 logprobs[owner] = lp
-            self._sample_hidden = (hidden, dict(zip(owners, sample_rows)))
+            if self.medusa is not None:  # the heads read these rows after sampling
+                self._sample_hidden = (hidden, dict(zip(owners, sample_rows)))
         out = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if with_proposals and sample_rows:
             out.spec_proposals = self._head_proposals(reqs, list(range(len(reqs))))

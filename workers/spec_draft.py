@@ -155,7 +155,8 @@ def truncated_copy(model_dir: Path, num_layers: int) -> Path:
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if _layer_index(name) is None or _layer_index(name) < num_layers:
+                layer = _layer_index(name)
+                if layer is None or layer < num_layers:
                     tensors[name] = f.get_tensor(name).contiguous()
     save_file(tensors, str(tmp / "model.safetensors"))
     config["num_hidden_layers"] = num_layers

@@ -289,14 +289,10 @@ class Speculator:
             depth += 1
         return depth
 
-    def propose(self, request_id: str, token_ids: list[int], room: int) -> list[int]:
-        """Drafts for a decoding sequence, at most ``room`` (what its max_tokens,
-        max_model_len and the step's budget leave)."""
-        return self.propose_batch([(request_id, token_ids, room)])[0]
-
     def propose_batch(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """``propose`` for several sequences at once (a draft model runs them
-        as one batch)."""
+        """Drafts for decoding sequences ``(request_id, token_ids, room)``, each
+        at most ``room`` (what its max_tokens, max_model_len and the step's
+        budget leave); a batching proposer (a draft model) runs them at once."""
         asks = [(rid, tokens, min(self.depth_limit(rid), room)) for rid, tokens, room in requests]
         wanted = [i for i, (_, _, k) in enumerate(asks) if k > 0]
         out: list[list[int]] = [[] for _ in requests]
