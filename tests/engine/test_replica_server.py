@@ -68,3 +68,30 @@ def test_routing_and_autoscaling_stats(replica):
     assert set(auto) == {"kv_cache_usage", "num_waiting", "num_running", "num_swapped", "ttft_s"}
     assert all(isinstance(v, float) for v in auto.values())
     assert auto["num_running"] == auto["num_waiting"] == 0.0 and auto["ttft_s"] >= 0.0  # idle replica
+
+
+def test_speculating_replica_streams_the_same_tokens_and_exports_spec_metrics(tmp_path):
+    """A replica built from a config with speculative_config: the stream is
+    token-identical to a plain replica's, and /metrics counts the drafts."""
+    model_dir = make_tiny_model_dir("llama", tmp_path / "m")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    plain = ReplicaServer({"model": str(model_dir), "block_size": 4}, replica_id="plain")
+    fast = ReplicaServer({"model": str(model_dir), "block_size": 4, "speculative_config": spec}, replica_id="spec")
+    prompt = [10, 20, 30, 40, 10, 20, 30, 40, 10, 20]
+
+    async def tokens(server):
+        out = []
+        request = GenerationRequest("q", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        async for chunk in server.generate(request):
+            out.extend(chunk.token_ids)
+        return out
+
+    try:
+        assert asyncio.run(tokens(fast)) == asyncio.run(tokens(plain))
+        text = fast.metrics.render().decode()
+        drafted = [line for line in text.splitlines()
+                   if line.startswith("prefixserve:spec_decode_num_draft_tokens_total")]
+        assert drafted and float(drafted[0].split()[-1]) > 0
+    finally:
+        plain.shutdown()
+        fast.shutdown()
