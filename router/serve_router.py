@@ -32,7 +32,7 @@ import random
 import time
 from typing import Any, List, Optional
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cluster.shared.directory import Directory, DirectoryError
 from cluster.shared.hashing import hash_block_chain, root_hash
@@ -43,8 +43,15 @@ from router.policies import ReplicaView, RoutingInput, get_policy
 logger = logging.getLogger(__name__)
 
 
-class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
-    """Routes on confirmed prefix matches and load (see module doc)."""
+class PrefixAwareRequestRouter(RequestRouter):
+    """Routes on confirmed prefix matches and load (see module doc).
+
+    No ``FIFOMixin``: Serve runs several routing tasks at once, and the mixin
+    hands the replica chosen for one request to the *oldest* pending one, so
+    a decision computed from request B's prefix could go to request A when
+    B's directory lookup answered first. Serve's default matches the chosen
+    replica to the request it was computed for (by internal request id).
+    """
 
     def initialize_state(
         self,
