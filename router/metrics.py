@@ -12,6 +12,7 @@ Router series (prefix ``prefixserve:``, like the replicas' in
     router_directory_errors_total            directory calls that failed (routing fell back to load
                                              only, or a scrape missed the replicas' series)
     router_directory_available               1 while lookups succeed, 0 while routing on load only
+    router_refused_replicas                  live replicas refused: their cache contract differs
     router_directory_degraded_seconds_total  time spent routing on load only (counted while an
                                              outage lasts, at each failed lookup, and when it ends)
 
@@ -86,6 +87,10 @@ class RouterMetrics:
             "1 while the last prefix-directory lookup succeeded, 0 while routing on load only.",
             registry=self.registry)
         self.directory_available.set(1)
+        self.refused_replicas = Gauge(
+            PREFIX + "router_refused_replicas",
+            "Live replicas this router refuses because their cache contract (block size, hash scheme, model, "
+            "tokenizer) differs from its own.", registry=self.registry)
         self._degraded_since: Optional[float] = None
         for outcome in OUTCOMES:  # export zeros, so rate() and alerts see every outcome at once
             self.requests.labels(policy, outcome)

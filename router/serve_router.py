@@ -18,6 +18,15 @@ For each request (a ``GenerationRequest`` as the first argument) it
 Requests that are not ``GenerationRequest``s (stats, resets) are routed by
 load alone, ties broken at random (so repeated calls reach every replica).
 
+Cache contract: with ``cache_contract`` set (the builder sets it), a replica
+that registered a different one (block size, hash scheme, model or
+tokenizer; ``cluster.shared.contract``) answers -1 in the lookup and is
+*refused*: left out of the ranking, with one warning naming the fields that
+differ and the ``prefixserve:router_refused_replicas`` gauge. It stays
+refused while the directory is down. Only when every candidate is refused
+does the router rank them all by load, with an error log, so a misconfigured
+router degrades to load-only routing instead of dropping every request.
+
 Each decision of a ``GenerationRequest`` is timed into
 ``prefixserve:router_decision_seconds`` and, when the directory answered,
 the chosen replica's matched / request blocks into
@@ -34,6 +43,7 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from cluster.shared.contract import CacheContract
 from cluster.shared.directory import Directory, DirectoryError
 from cluster.shared.hashing import hash_block_chain, root_hash
 from cluster.shared.types import GenerationRequest
@@ -61,6 +71,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         policy_params: Optional[dict[str, Any]] = None,
         block_size: int = 16,
         model_fingerprint: str = "",
+        cache_contract: str = "",
     ) -> None:
         """Called by Serve with ``request_router_kwargs``."""
         self._directory = Directory.from_url(redis_url, namespace) if redis_url else None
@@ -70,6 +81,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.num_directory_errors = 0
         self._directory_down = False
         self._metrics = get_router_metrics(namespace, policy)
+        self._contract = cache_contract
+        self._refused: set[str] = set()  # replica ids whose contract differs from ours
 
     async def choose_replicas(
         self,
@@ -78,19 +91,33 @@ class PrefixAwareRequestRouter(RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        began = time.perf_counter()
         request = _generation_request(pending_request)
         if request is None:
-            # Stats, resets, health: least load, ties broken at random so that
-            # repeated calls reach every idle replica (the policies break ties
-            # by id, which would always pick the same one).
-            views = [self._view(r, None) for r in candidate_replicas]
-            load = {v.replica_id: v.num_running + v.num_waiting + v.num_swapped for v in views}
-            shuffled = random.sample(candidate_replicas, len(candidate_replicas))
-            return [[r] for r in sorted(shuffled, key=lambda r: load[r.replica_id.unique_id])]
+            return self._by_load(candidate_replicas)
+        try:
+            return await self._choose_for(request, candidate_replicas)
+        except Exception:  # noqa: BLE001 - a routing task that raises leaves its request waiting forever
+            logger.exception("routing decision for request %s failed; routing it on load only", request.request_id)
+            return self._by_load(candidate_replicas)
+
+    def _by_load(self, candidate_replicas: List[RunningReplica]) -> List[List[RunningReplica]]:
+        # Stats, resets, health, and the fallback: least load, ties broken at
+        # random so that repeated calls reach every idle replica (the policies
+        # break ties by id, which would always pick the same one).
+        views = [self._view(r, None) for r in candidate_replicas]
+        load = {v.replica_id: v.num_running + v.num_waiting + v.num_swapped for v in views}
+        shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+        return [[r] for r in sorted(shuffled, key=lambda r: load[r.replica_id.unique_id])]
+
+    async def _choose_for(self, request: GenerationRequest,
+                          candidate_replicas: List[RunningReplica]) -> List[List[RunningReplica]]:
+        began = time.perf_counter()
         root = root_hash(self._fingerprint, request.cache_salt)
         chain = hash_block_chain(request.prompt_token_ids, self._block_size, root)
         counts = await self._lookup(chain)
+        if counts is not None:
+            await self._note_contracts(counts)
+        candidate_replicas = self._compatible(candidate_replicas)
         views = [self._view(r, counts) for r in candidate_replicas]
         ranked = self._policy.choose(RoutingInput(len(chain), len(request.prompt_token_ids), views))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -98,11 +125,40 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
 
+    async def _note_contracts(self, counts: dict[str, int]) -> None:
+        """Updates the refused set from a lookup's answer (-1: contract differs)."""
+        for replica_id, hits in counts.items():
+            if hits >= 0:
+                if replica_id in self._refused:
+                    self._refused.discard(replica_id)
+                    logger.info("replica %s now declares our cache contract: routing to it again", replica_id)
+            elif replica_id not in self._refused:
+                self._refused.add(replica_id)
+                try:
+                    theirs = await self._directory.replica_contract(replica_id)
+                except DirectoryError:
+                    theirs = "(unreadable)"
+                differs = CacheContract.decode(self._contract).differences(theirs) if theirs else ["(gone)"]
+                logger.warning("refusing replica %s: its cache contract differs from this router's (%s); "
+                               "deploy routers and replicas with the same model, tokenizer and block_size",
+                               replica_id, "; ".join(differs))
+        self._metrics.refused_replicas.set(len(self._refused))
+
+    def _compatible(self, candidates: List[RunningReplica]) -> List[RunningReplica]:
+        if not self._refused:
+            return candidates
+        kept = [r for r in candidates if r.replica_id.unique_id not in self._refused]
+        if kept:
+            return kept
+        logger.error("every replica (%d) declares a cache contract other than this router's; routing on load "
+                     "only until they match", len(candidates))
+        return candidates
+
     async def _lookup(self, chain: list[bytes]) -> Optional[dict[str, int]]:
         if self._directory is None or not chain:
             return None
         try:
-            counts = await self._directory.lookup(chain)
+            counts = await self._directory.lookup(chain, self._contract)
         except DirectoryError as exc:
             self.num_directory_errors += 1
             self._metrics.record_directory_error()
@@ -142,7 +198,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             num_swapped=swapped,
             kv_cache_usage=min(1.0, max(0.0, float(stats.get("kv_cache_usage", 0.0)))),
             num_cached_blocks=int(stats.get("num_cached_blocks", 0)),
-            matched_blocks=None if counts is None else counts.get(replica_id),
+            matched_blocks=None if counts is None or counts.get(replica_id, 0) < 0 else counts.get(replica_id),
         )
 
 

@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Optional
 
 from cluster.shared import autoscaling
 from cluster.shared.config import EngineConfig
+from cluster.shared.contract import contract_for
 from cluster.shared.fingerprint import served_model_name
 from cluster.shared.types import GenerationRequest, StreamChunk
 from workers.engine.async_engine import AsyncEngine
@@ -86,6 +87,7 @@ class ReplicaServer:
     ) -> None:
         self._parts = None
         config_model = None
+        self._contract = ""  # declared to the directory when the engine was built here
         if engine is None:
             from workers.builder import build_engine
 
@@ -94,6 +96,8 @@ class ReplicaServer:
             self._parts = build_engine(config)
             engine = self._parts.engine
             config_model = config.model
+            self._contract = contract_for(engine.scheduler.kv_manager.block_size, engine.model_fingerprint,
+                                          config.tokenizer or self._parts.model_dir)
         self.engine = engine
         self.replica_id = replica_id or default_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id, model_name or served_model_name(config_model))
@@ -273,7 +277,7 @@ class ReplicaServer:
         directory = Directory.from_url(self._redis_url, self._namespace)
         self._publisher = DirectoryPublisher(
             directory, self.replica_id, self._snapshot, stats_fn=self._directory_stats,
-            metrics_fn=self.metrics_text,
+            metrics_fn=self.metrics_text, contract=self._contract,
         )
         try:
             await self._publisher.start()

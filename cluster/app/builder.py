@@ -76,9 +76,12 @@ def request_router_config(config: ClusterConfig) -> Any:
 
     from router.policies import get_policy
     from router.serve_router import PrefixAwareRequestRouter
+    from cluster.shared.contract import contract_for
     from workers.model.loader import model_fingerprint, resolve_model
 
     get_policy(config.routing_policy, **config.routing_policy_params)  # bad thresholds fail here, named
+    model_dir = resolve_model(config.engine.model)
+    fingerprint = model_fingerprint(model_dir)
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs={
@@ -87,7 +90,10 @@ def request_router_config(config: ClusterConfig) -> Any:
             "policy": config.routing_policy,
             "policy_params": dict(config.routing_policy_params),
             "block_size": config.engine.cache.block_size,
-            "model_fingerprint": model_fingerprint(resolve_model(config.engine.model)),
+            "model_fingerprint": fingerprint,
+            # Replicas that declare another contract are refused (router/serve_router.py).
+            "cache_contract": contract_for(config.engine.cache.block_size, fingerprint,
+                                           config.engine.tokenizer or model_dir),
         },
         # Load figures for the policy; the router also counts its own in-flight requests.
         request_routing_stats_period_s=1.0,

@@ -16,7 +16,8 @@ import struct
 from typing import Sequence
 
 DIGEST_BYTES = 16
-_DOMAIN = b"prefixserve/v1"
+HASH_SCHEME = "prefixserve/v1"  # bump when the chain changes: routers and replicas then refuse each other
+_DOMAIN = HASH_SCHEME.encode()
 
 
 def root_hash(model_fingerprint: str, cache_salt: str = "") -> bytes:

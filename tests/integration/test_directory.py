@@ -371,3 +371,28 @@ def test_directory_matches_a_set_model(redis_server, ops):
             assert await d.replica_block_hashes(rid) == model[rid]
 
     run(scenario, redis_server.url)
+
+
+def test_replica_with_another_cache_contract_answers_minus_one(redis_server):
+    from cluster.shared.contract import CacheContract
+
+    ours = CacheContract(BLOCK, "model-a", "tok-1").encode()
+    other_tokenizer = CacheContract(BLOCK, "model-a", "tok-2").encode()
+    other_block = CacheContract(8, "model-a", "tok-1").encode()
+    prompt = chain(list(range(16)))
+
+    async def scenario(d):
+        for rid, contract in (("same", ours), ("tok", other_tokenizer), ("blk", other_block), ("undeclared", "")):
+            epoch = await d.register(rid, contract)
+            assert await d.resync(rid, epoch, 1, prompt) is PublishStatus.OK
+        checked = await d.lookup(prompt, ours)
+        unchecked = await d.lookup(prompt)
+        theirs = await d.replica_contract("tok")
+        return checked, unchecked, theirs
+
+    checked, unchecked, theirs = run(scenario, redis_server.url)
+    # Contract mismatches are flagged, never reported as a plain miss; an
+    # undeclared contract is not compared.
+    assert checked == {"same": 4, "tok": -1, "blk": -1, "undeclared": 4}
+    assert unchecked == {"same": 4, "tok": 4, "blk": 4, "undeclared": 4}
+    assert CacheContract.decode(ours).differences(theirs) == ["tokenizer: tok-1 != tok-2"]

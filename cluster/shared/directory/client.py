@@ -146,18 +146,23 @@ class Directory:
         await self._client.aclose()
 
     # ------------------------------------------------------------- registry
-    async def register(self, replica_id: str) -> int:
+    async def register(self, replica_id: str, contract: str = "") -> int:
         """Starts a new epoch of ``replica_id`` with an empty block set.
 
         The replica must then ``resync`` (its ``seq`` is "needs resync") and
         heartbeat at least every TTL. Mutates the directory.
+
+        Args:
+            replica_id: The replica.
+            contract: Its encoded ``cluster.shared.contract.CacheContract``
+                (empty: not declared, never compared).
 
         Returns:
             The new epoch, larger than every earlier epoch of this id.
         """
         rid = lua.check_replica_id(replica_id)
         keys = [lua.rep_key(self.prefix, rid), lua.blk_key(self.prefix, rid), lua.replicas_key(self.prefix)]
-        epoch = await self._run("register", lambda: self._scripts["REGISTER"](keys, [rid, self.ttl_ms]))
+        epoch = await self._run("register", lambda: self._scripts["REGISTER"](keys, [rid, self.ttl_ms, contract]))
         logger.info("directory %s: replica %s registered epoch %d", self.namespace, rid, epoch)
         return int(epoch)
 
@@ -320,25 +325,34 @@ class Directory:
         return set(await self._run("smembers", lambda: self._client.smembers(key)))
 
     # --------------------------------------------------------------- lookup
-    async def lookup(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+    async def lookup(self, block_hashes: Sequence[bytes], contract: str = "") -> dict[str, int]:
         """For a request's hash chain, how many leading blocks each live
         replica caches. One round trip; no mutation.
 
         Args:
             block_hashes: The chain ``h_1 .. h_n`` of the request, in order.
+            contract: The caller's encoded cache contract; a replica that
+                declared a different one answers -1 (empty: no check).
 
         Returns:
             ``{replica_id: n_leading_blocks}`` for every live replica at its
             current epoch (0 included, so the caller also learns who is live).
             A replica waiting for a resync reports 0: its set is not trusted.
+            A replica whose contract differs reports -1.
 
         Raises:
             DirectoryUnavailable: Redis cannot answer (fall back to load only).
         """
         hashes = check_block_hashes(block_hashes)
         keys = [lua.replicas_key(self.prefix)]
-        flat = await self._run("lookup", lambda: self._scripts["LOOKUP"](keys, [self.prefix, *hashes]))
+        flat = await self._run("lookup", lambda: self._scripts["LOOKUP"](keys, [self.prefix, contract, *hashes]))
         return pairs_to_dict(flat)
+
+    async def replica_contract(self, replica_id: str) -> str:
+        """The contract ``replica_id`` registered ("" if none or not live)."""
+        key = lua.rep_key(self.prefix, lua.check_replica_id(replica_id))
+        raw = await self._run("contract", lambda: self._client.hget(key, "contract"))
+        return raw.decode() if raw else ""
 
     # --------------------------------------------------------------- helpers
     def _replica_keys(self, replica_id: str) -> list[str]:

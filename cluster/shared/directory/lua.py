@@ -6,7 +6,8 @@ scripts below (which build key names from the namespace prefix) touch a single
 node. Several models or clusters share one Redis under different namespaces.
 
     ps:{ns}:replicas          SET   replica ids ever registered and not yet gc'ed
-    ps:{ns}:rep:<replica>     HASH  epoch, seq        TTL = liveness (heartbeats)
+    ps:{ns}:rep:<replica>     HASH  epoch, seq, contract  TTL = liveness (heartbeats);
+                                    contract: cluster.shared.contract (may be empty)
     ps:{ns}:blk:<replica>     SET   16-byte block hashes the replica caches now
                                     (same TTL as rep:, refreshed together)
     ps:{ns}:stats:<replica>   HASH  load figures the replica sends with each
@@ -96,7 +97,7 @@ local function check_epoch(rep, epoch)
 end
 """
 
-# KEYS: rep, blk, replicas   ARGV: replica_id, ttl_ms   -> new epoch (integer)
+# KEYS: rep, blk, replicas   ARGV: replica_id, ttl_ms, contract   -> new epoch (integer)
 # The epoch is max(previous + 1, server time in ms): strictly increasing while
 # the registry entry lives, and still larger than any earlier epoch after the
 # entry expired or Redis restarted empty (no persistence), so a stale process
@@ -107,7 +108,7 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local prev = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 local epoch = math.max(prev + 1, now_ms)
 redis.call('UNLINK', KEYS[2])
-redis.call('HSET', KEYS[1], 'epoch', string.format('%d', epoch), 'seq', '-1')
+redis.call('HSET', KEYS[1], 'epoch', string.format('%d', epoch), 'seq', '-1', 'contract', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[1])
 return epoch
@@ -252,22 +253,27 @@ end
 return out
 """
 
-# KEYS: replicas   ARGV: prefix, hash_1, ..., hash_n (a chain, in order)
-# -> flat [replica_id, leading_hits, ...] for every live replica.
+# KEYS: replicas   ARGV: prefix, contract, hash_1, ..., hash_n (a chain, in order)
+# -> flat [replica_id, leading_hits, ...] for every live replica; leading_hits
+# is -1 for a replica whose declared contract differs from ARGV[2] (both
+# non-empty): its blocks are named by another hash chain, so it is not probed.
 # Per replica, SMISMEMBER probes the chain in growing windows (4, 8, 16, ...,
 # CHUNK) and stops at the first miss, so a cold replica costs one small probe
 # and a hit of k blocks costs O(k) membership tests.
 LOOKUP = f"""
 local prefix = ARGV[1]
+local contract = ARGV[2]
 local last = #ARGV
 local out = {{}}
 for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local cur = redis.call('HMGET', prefix .. 'rep:' .. rid, 'epoch', 'seq')
+  local cur = redis.call('HMGET', prefix .. 'rep:' .. rid, 'epoch', 'seq', 'contract')
   if cur[1] then
     local hits = 0
-    if tonumber(cur[2]) >= 0 then
+    if contract ~= '' and cur[3] and cur[3] ~= '' and cur[3] ~= contract then
+      hits = -1
+    elseif tonumber(cur[2]) >= 0 then
       local blk = prefix .. 'blk:' .. rid
-      local lo, size = 2, 4
+      local lo, size = 3, 4
       while lo <= last do
         local hi = math.min(lo + size - 1, last)
         local found = redis.call('SMISMEMBER', blk, unpack(ARGV, lo, hi))

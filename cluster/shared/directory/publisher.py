@@ -98,6 +98,8 @@ class DirectoryPublisher:
             text, published after every heartbeat (and once at start) for
             the router's cluster-wide ``/metrics``
             (``Directory.replica_metrics``). Called on the event loop.
+        contract: The replica's encoded cache contract, registered with
+            every epoch (``cluster.shared.contract``; empty: not declared).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class DirectoryPublisher:
         gc_every: int = 5,
         stats_fn: Optional[StatsFn] = None,
         metrics_fn: Optional[MetricsFn] = None,
+        contract: str = "",
     ) -> None:
         if heartbeat_s * 2 > directory.ttl_ms / 1000:
             raise ValueError(
@@ -122,6 +125,7 @@ class DirectoryPublisher:
         self._snapshot_fn = snapshot_fn
         self._stats_fn = stats_fn
         self._metrics_fn = metrics_fn
+        self.contract = contract
         self.epoch: Optional[int] = None  # None: must register (again)
         self.needs_resync = True
         self._synced_seq_no = 0  # batches at or below it are in the last snapshot
@@ -225,7 +229,7 @@ class DirectoryPublisher:
         for _ in range(2):  # a second round if the epoch expired meanwhile
             try:
                 if self.epoch is None:
-                    self.epoch = await self.directory.register(self.replica_id)
+                    self.epoch = await self.directory.register(self.replica_id, self.contract)
                 seq_no, hashes = await self._take_snapshot()
                 self._synced_seq_no = seq_no
                 status = await self.directory.resync(self.replica_id, self.epoch, seq_no, hashes)

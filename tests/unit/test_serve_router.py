@@ -1,4 +1,6 @@
-"""Each routing decision goes to the request it was computed for.
+"""The Serve request router (router/serve_router.py) with a fake directory.
+
+Each routing decision goes to the request it was computed for.
 
 Serve runs several routing tasks at once; each awaits its own directory
 lookup. Here the lookups answer in a different order than the requests
@@ -49,7 +51,7 @@ class OutOfOrderDirectory:
         self.delays = delays
         self.calls = 0
 
-    async def lookup(self, chain: list[bytes]) -> dict[str, int]:
+    async def lookup(self, chain: list[bytes], contract: str = "") -> dict[str, int]:
         delay = self.delays[self.calls % len(self.delays)]
         self.calls += 1
         await asyncio.sleep(delay)
@@ -95,3 +97,76 @@ def test_each_decision_goes_to_the_request_it_was_made_for(num_replicas, num_req
     pairs = asyncio.run(_route_concurrently(num_replicas, num_requests, seed))
     wrong = [i for i, (want, got) in enumerate(pairs) if want != got]
     assert not wrong, f"requests {wrong} went to another request's replica: {pairs}"
+
+
+class ContractDirectory:
+    """Every replica holds the whole chain; ``refused`` ones differ in contract."""
+
+    def __init__(self, replica_ids: list[str], refused: set[str], theirs: str) -> None:
+        self.replica_ids, self.refused, self.theirs = replica_ids, refused, theirs
+        self.contracts_asked: list[str] = []
+
+    async def lookup(self, chain, contract=""):
+        return {rid: -1 if rid in self.refused else len(chain) for rid in self.replica_ids}
+
+    async def replica_contract(self, replica_id):
+        self.contracts_asked.append(replica_id)
+        return self.theirs
+
+
+def test_replica_with_another_cache_contract_is_refused(caplog):
+    from cluster.shared.contract import CacheContract
+    from router.serve_router import PrefixAwareRequestRouter
+
+    ours = CacheContract(BLOCK, "model", "tok-a")
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=BLOCK, namespace=f"contract-{random.random()}",
+                            cache_contract=ours.encode())
+    replicas = [FakeReplica(f"c{i}") for i in range(3)]
+    ids = [r.replica_id.unique_id for r in replicas]
+    theirs = CacheContract(BLOCK, "model", "tok-b").encode()
+    router._directory = ContractDirectory(ids, {ids[0], ids[2]}, theirs)
+    prompt = list(range(4 * BLOCK))
+
+    async def route_all():
+        return [await router.choose_replicas(replicas, _pending(f"k{i}", prompt)) for i in range(3)]
+
+    with caplog.at_level("WARNING", logger="router.serve_router"):
+        rankings = asyncio.run(route_all())
+    # Only the compatible replica is ranked, every time; the refused ones are
+    # named once each with the field that differs, and the gauge counts them.
+    assert all([[r.replica_id.unique_id for r in rank] for rank in ranking] == [[ids[1]]] for ranking in rankings)
+    warnings = [r.getMessage() for r in caplog.records if "refusing replica" in r.getMessage()]
+    assert len(warnings) == 2 and all("tokenizer: tok-a != tok-b" in w for w in warnings)
+    assert sorted(router._directory.contracts_asked) == sorted([ids[0], ids[2]])
+    assert router._metrics.refused_replicas._value.get() == 2
+
+    # All refused: the router still routes (on load) rather than drop requests.
+    router._directory.refused = set(ids)
+    async def route_one():
+        return await router.choose_replicas(replicas, _pending("all", prompt))
+
+    ranking = asyncio.run(route_one())
+    assert sorted(r.replica_id.unique_id for rank in ranking for r in rank) == sorted(ids)
+
+
+class BrokenDirectory:
+    async def lookup(self, chain, contract=""):
+        raise RuntimeError("a bug, not an outage")
+
+
+def test_a_failing_decision_falls_back_to_load_instead_of_hanging():
+    from router.serve_router import PrefixAwareRequestRouter
+
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=BLOCK)
+    replicas = [FakeReplica("x"), FakeReplica("y")]
+    router._directory = BrokenDirectory()
+
+    async def route():
+        router.update_replicas(replicas)
+        return await asyncio.wait_for(router._choose_replica_for_request(_pending("b", list(range(16)))), 10)
+
+    assert asyncio.run(route()).replica_id.unique_id in {"x", "y"}
