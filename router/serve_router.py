@@ -48,6 +48,7 @@ from cluster.shared.directory import Directory, DirectoryError
 from cluster.shared.hashing import hash_block_chain, root_hash
 from cluster.shared.types import GenerationRequest
 from router.metrics import get_router_metrics
+from router.prefix_rates import PrefixRates
 from router.policies import ReplicaView, RoutingInput, get_policy
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         block_size: int = 16,
         model_fingerprint: str = "",
         cache_contract: str = "",
+        num_routers: int = 1,
     ) -> None:
         """Called by Serve with ``request_router_kwargs``."""
         self._directory = Directory.from_url(redis_url, namespace) if redis_url else None
@@ -83,6 +85,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._metrics = get_router_metrics(namespace, policy)
         self._contract = cache_contract
         self._refused: set[str] = set()  # replica ids whose contract differs from ours
+        # Prompt tokens this router sent per replica since that replica's stats
+        # were taken: (time.time(), tokens), pruned once newer stats arrive.
+        self._sent: dict[str, list[tuple[float, int]]] = {}
+        self._rates = PrefixRates()
+        self._num_routers = max(1, int(num_routers))  # the rate of a prefix is assumed spread evenly over them
 
     async def choose_replicas(
         self,
@@ -119,9 +126,19 @@ class PrefixAwareRequestRouter(RequestRouter):
             await self._note_contracts(counts)
         candidate_replicas = self._compatible(candidate_replicas)
         views = [self._view(r, counts) for r in candidate_replicas]
-        ranked = self._policy.choose(RoutingInput(len(chain), len(request.prompt_token_ids), views))
+        now = time.time()
+        prefix_key = chain[0] if chain else b""
+        rate = self._rates.observe(prefix_key, now) * self._num_routers if prefix_key else 0.0
+        num_prompt = len(request.prompt_token_ids)
+        ranked = self._policy.choose(RoutingInput(len(chain), num_prompt, views, block_size=self._block_size,
+                                                  prefix_key=prefix_key, prefix_rate=rate))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        for gone in [rid for rid in self._sent if rid not in by_id]:
+            del self._sent[gone]
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
+        if ranked:
+            new_tokens = max(0, num_prompt - self._block_size * max(0, matched or 0))
+            self._sent.setdefault(ranked[0], []).append((now, new_tokens))
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
 
@@ -199,7 +216,23 @@ class PrefixAwareRequestRouter(RequestRouter):
             kv_cache_usage=min(1.0, max(0.0, float(stats.get("kv_cache_usage", 0.0)))),
             num_cached_blocks=int(stats.get("num_cached_blocks", 0)),
             matched_blocks=None if counts is None or counts.get(replica_id, 0) < 0 else counts.get(replica_id),
+            num_prefill_tokens=max(0, int(stats.get("num_prefill_tokens", 0))) + self._sent_since(
+                replica_id, float(stats.get("at", 0.0))),
+            num_decode_tokens=max(0, int(stats.get("num_decode_tokens", 0))),
+            num_kv_blocks=max(0, int(stats.get("num_kv_blocks", 0))),
         )
+
+    def _sent_since(self, replica_id: str, stats_at: float) -> int:
+        """Prompt tokens this router sent to the replica after its stats were
+        taken (older entries are in those stats: dropped). Entries older than
+        a minute are dropped too (a replica whose stats stopped)."""
+        sent = self._sent.get(replica_id)
+        if not sent:
+            return 0
+        horizon = max(stats_at, time.time() - 60.0)
+        kept = [(t, n) for t, n in sent if t > horizon]
+        self._sent[replica_id] = kept
+        return sum(n for _, n in kept)
 
 
 def _generation_request(pending: Optional[PendingRequest]) -> Optional[GenerationRequest]:

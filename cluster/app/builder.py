@@ -94,6 +94,8 @@ def request_router_config(config: ClusterConfig) -> Any:
             # Replicas that declare another contract are refused (router/serve_router.py).
             "cache_contract": contract_for(config.engine.cache.block_size, fingerprint,
                                            config.engine.tokenizer or model_dir),
+            # Each router sees about 1/num_routers of a prefix's requests (hot-prefix rates).
+            "num_routers": config.router.num_routers,
         },
         # Load figures for the policy; the router also counts its own in-flight requests.
         request_routing_stats_period_s=1.0,

@@ -194,3 +194,8 @@ class ReplicaStats:
     num_swapped: int
     kv_cache_usage: float  # used device blocks / total, in [0, 1]
     num_cached_blocks: int
+    # Work in tokens, for the routers' cost model (router/policies/prefix_cost.py):
+    num_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not computed yet
+    num_decode_tokens: int = 0  # context tokens of the decoding sequences (what each step's attention reads)
+    num_kv_blocks: int = 0  # device KV blocks in the pool (kv_cache_usage * this = blocks in use)
+    at: float = 0.0  # time.time() when the figures were read

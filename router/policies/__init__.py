@@ -6,6 +6,7 @@ from router.policies.base import Policy, ReplicaView, RoutingInput, rank_by_load
 from router.policies.cache_aware import CacheAwarePolicy
 from router.policies.least_load import LeastLoadPolicy
 from router.policies.power_of_two import PowerOfTwoPolicy
+from router.policies.prefix_cost import PrefixCostPolicy
 from router.policies.registry import DEFAULT_POLICY, POLICIES, get_policy, policy_names
 from router.policies.round_robin import RoundRobinPolicy
 
@@ -16,6 +17,7 @@ __all__ = [
     "LeastLoadPolicy",
     "Policy",
     "PowerOfTwoPolicy",
+    "PrefixCostPolicy",
     "ReplicaView",
     "RoundRobinPolicy",
     "RoutingInput",

@@ -45,6 +45,11 @@ class ReplicaView:
         matched_blocks: Leading blocks of this request's hash chain that the
             directory confirms the replica holds; ``None`` when the directory
             could not be consulted (Redis down) or does not know the replica.
+        num_prefill_tokens: Prompt tokens queued or running there whose KV is
+            not computed yet (the replica's own count, plus what this router
+            sent since that count was taken).
+        num_decode_tokens: Context tokens of its decoding sequences.
+        num_kv_blocks: Its device KV pool in blocks (0: unknown).
     """
 
     replica_id: str
@@ -54,11 +59,15 @@ class ReplicaView:
     kv_cache_usage: float = 0.0
     num_cached_blocks: int = 0
     matched_blocks: Optional[int] = None
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
             raise ValueError(f"replica_id must be a non-empty string, got {self.replica_id!r}")
-        for name in ("num_running", "num_waiting", "num_swapped", "num_cached_blocks"):
+        for name in ("num_running", "num_waiting", "num_swapped", "num_cached_blocks", "num_prefill_tokens",
+                     "num_decode_tokens", "num_kv_blocks"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} of replica {self.replica_id!r} must be >= 0, got {value!r}")
@@ -91,6 +100,9 @@ class ReplicaView:
             kv_cache_usage=min(1.0, max(0.0, stats.kv_cache_usage)),
             num_cached_blocks=stats.num_cached_blocks,
             matched_blocks=matched_blocks,
+            num_prefill_tokens=stats.num_prefill_tokens,
+            num_decode_tokens=stats.num_decode_tokens,
+            num_kv_blocks=stats.num_kv_blocks,
         )
 
 
@@ -100,13 +112,22 @@ class RoutingInput:
 
     Args:
         num_blocks: Full blocks in the request's hash chain (``h_1 .. h_n``).
-        num_prompt_tokens: Prompt length in tokens (informational).
+        num_prompt_tokens: Prompt length in tokens.
         replicas: One view per live replica; ids must be unique.
+        block_size: Tokens per block (0: ``num_prompt_tokens // num_blocks``).
+        prefix_key: Identifies the request's prefix (its first block hash), for
+            tie-breaks that every router computes alike; ``b""`` when the
+            prompt has no full block.
+        prefix_rate: Requests per second the cluster receives for this prefix
+            (the router's estimate; 0 when unknown).
     """
 
     num_blocks: int
     num_prompt_tokens: int
     replicas: tuple[ReplicaView, ...]
+    block_size: int = 0
+    prefix_key: bytes = b""
+    prefix_rate: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", tuple(self.replicas))
@@ -114,9 +135,19 @@ class RoutingInput:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks!r}")
         if self.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {self.num_prompt_tokens!r}")
+        if self.block_size < 0 or not self.prefix_rate >= 0:
+            raise ValueError(f"block_size and prefix_rate must be >= 0, got {self.block_size!r}, "
+                             f"{self.prefix_rate!r}")
         ids = [r.replica_id for r in self.replicas]
         if len(set(ids)) != len(ids):
             raise ValueError(f"replica ids must be unique, got {sorted(ids)}")
+
+    @property
+    def tokens_per_block(self) -> int:
+        """``block_size``, or the prompt's tokens per full block when not given."""
+        if self.block_size:
+            return self.block_size
+        return self.num_prompt_tokens // self.num_blocks if self.num_blocks else 1
 
     @property
     def directory_available(self) -> bool:

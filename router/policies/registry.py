@@ -15,6 +15,7 @@ from router.policies.base import Policy
 from router.policies.cache_aware import CacheAwarePolicy
 from router.policies.least_load import LeastLoadPolicy
 from router.policies.power_of_two import PowerOfTwoPolicy
+from router.policies.prefix_cost import PrefixCostPolicy
 from router.policies.round_robin import RoundRobinPolicy
 
 DEFAULT_POLICY = "cache_aware"
@@ -23,6 +24,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "cache_aware": CacheAwarePolicy,
     "least_load": LeastLoadPolicy,
     "power_of_two": PowerOfTwoPolicy,
+    "prefix_cost": PrefixCostPolicy,
     "round_robin": RoundRobinPolicy,
 }
 

@@ -135,3 +135,21 @@ def test_async_engine_streams_and_cancellation_frees_blocks():
     finally:
         front.shutdown()
     assert_all_blocks_free_or_cached(engine.scheduler)
+
+
+def test_stats_count_the_work_in_tokens():
+    # A 10-token budget per step: the 30-token prompt prefills in chunks.
+    engine = make_engine(max_num_batched_tokens=10)
+    engine.add_request(req("long", range(100, 130), max_tokens=4))
+    engine.add_request(req("short", range(200, 205), max_tokens=4))
+    stats = engine.stats()
+    assert (stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_kv_blocks) == (35, 0, 32)
+    engine.step()  # 10 tokens of "long"
+    assert engine.stats().num_prefill_tokens == 25
+    while engine.stats().num_prefill_tokens:
+        engine.step()
+    # Both decode now; their context (prompt + outputs so far) is the decode load.
+    running = engine.scheduler.queue.running
+    assert engine.stats().num_decode_tokens == sum(seq.num_tokens for seq in running) > 35
+    run(engine)
+    assert (engine.stats().num_prefill_tokens, engine.stats().num_decode_tokens) == (0, 0)

@@ -49,7 +49,7 @@ def with_load(inp: RoutingInput, replica_id: str, delta: int = 1, matched=None) 
 
 def test_registry_names_default_and_instances():
     assert DEFAULT_POLICY == "cache_aware"
-    assert policy_names() == ["cache_aware", "least_load", "power_of_two", "round_robin"]
+    assert policy_names() == ["cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin"]
     assert isinstance(get_policy(), CacheAwarePolicy)
     for name in policy_names():
         policy = get_policy(name)
@@ -59,7 +59,7 @@ def test_registry_names_default_and_instances():
 
 def test_unknown_policy_name_lists_choices():
     with pytest.raises(
-        ValueError, match="unknown routing policy 'fastest'.*cache_aware, least_load, power_of_two, round_robin"
+        ValueError, match="unknown routing policy 'fastest'.*cache_aware, least_load, power_of_two, prefix_cost, round_robin"
     ):
         get_policy("fastest")
 

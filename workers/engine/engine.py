@@ -203,6 +203,10 @@ class LLMEngine:
             num_swapped=self.scheduler.num_swapped,
             kv_cache_usage=kv.usage,
             num_cached_blocks=kv.num_cached_blocks,
+            num_prefill_tokens=self.scheduler.num_prefill_tokens,
+            num_decode_tokens=self.scheduler.num_decode_tokens,
+            num_kv_blocks=kv.num_device_blocks,
+            at=time.time(),
         )
 
 

@@ -117,6 +117,20 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.queue.swapped)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens of waiting and running sequences whose KV is not computed
+        yet (the prefill work queued here; a cached prefix still counts until
+        admission finds it). O(waiting + running)."""
+        return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                   for seq in (*self.queue.waiting, *self.queue.running))
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Context tokens of the running sequences past their prompt (the
+        tokens each decode step's attention reads)."""
+        return sum(seq.num_tokens for seq in self.queue.running if seq.num_computed_tokens >= seq.num_prompt_tokens)
+
     def has_unfinished_requests(self) -> bool:
         return bool(len(self.queue))
 

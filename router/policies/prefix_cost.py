@@ -1,0 +1,149 @@
+"""Prefix-cost routing (the default): the replica where this request's work,
+plus the work already queued there, is smallest, counted in tokens.
+
+Algorithm
+    For each replica r, with B tokens per block, P prompt tokens and m_r the
+    leading blocks of the request the directory confirms r holds:
+
+        new_prefill(r) = max(0, P - B * m_r)           tokens r would prefill
+        cost(r)        = num_prefill_tokens(r)         prefill already queued there
+                       + new_prefill(r)
+                       + decode_token_weight * num_decode_tokens(r)
+                       + sequence_tokens * (running + waiting + swapped)(r)
+
+    and ranks replicas by ``(tier, cost, rendezvous(prefix_key, r))``:
+
+    - ``tier`` 1 for a replica without KV headroom: its KV use is at least
+      ``kv_high_water``, or it has fewer free blocks than the request needs
+      (``ceil(new_prefill / B) + 1``); it would have to evict (maybe the very
+      prefix we chase) or preempt. Tier 0 otherwise.
+    - The tie-break is rendezvous hashing of the request's prefix key (its
+      first block hash) with the replica id: every router ranks the same
+      prefix alike (no herding of several routers onto the lowest id), while
+      different prefixes spread over the replicas. A new tenant arriving at
+      two routers at once lands on one replica, not two.
+
+    The figures are the replicas' own (``ReplicaStats``, refreshed about once
+    a second and shared by every router), plus the prompt tokens this router
+    sent to a replica since its figures were taken (``router/serve_router.py``),
+    so a burst does not pile onto one replica between two refreshes.
+
+    What the cost compares: the prefill tokens a match saves against the
+    tokens already waiting on the holder. A holder keeps the request while
+    ``queue(holder) - queue(other) < saved tokens (+ decode terms)``, so a
+    hot prefix spills to another replica exactly when waiting for the holder
+    costs more than recomputing the prefix elsewhere, whatever the prompt
+    length (SGLang's and our old cache_aware thresholds counted sequences
+    and ignored prompt lengths). Matches of any length count, in tokens.
+
+Hot prefixes
+    When the router's estimate of a prefix's request rate (``prefix_rate``,
+    all routers together) exceeds ``hot_prefix_rps`` (what one replica serves
+    of it), the ``k = min(R, ceil(prefix_rate / hot_prefix_rps))`` replicas
+    that rank highest in the prefix's rendezvous order are priced as if they
+    held the longest confirmed match: new requests for it go to those k
+    replicas, which warm up, instead of queueing on the holder until it spills.
+    All routers pick the same k replicas (rendezvous), so the replicated set
+    stays small and stable.
+
+Directory down
+    No replica has a confirmed match (``matched_blocks is None``): every
+    ``m_r`` is 0 and the ranking is by queued work alone.
+
+Parameters and defaults
+    decode_token_weight = 0.02  A decoding sequence's context token, in prefill
+                                tokens: each decode step reads it in attention
+                                (measured on the default model on CPU: a
+                                decode row with 600 tokens of context adds
+                                ~1.5 ms to a step, a prefill token ~2 ms of
+                                GEMM per 512-token chunk, i.e. ~0.02 per
+                                token per step over a request's TTFT).
+    sequence_tokens = 16.0      Fixed cost per sequence on the replica (per-step
+                                overhead; also orders replicas that report no
+                                token figures by their sequence counts).
+    kv_high_water = 0.95        KV use at or above which a replica is tier 1.
+    hot_prefix_rps = 8.0        Requests/s of one prefix that one replica
+                                serves; above it the prefix is replicated.
+                                0 turns replication off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+from router.policies.base import ReplicaView, RoutingInput
+
+DEFAULT_DECODE_TOKEN_WEIGHT = 0.02
+DEFAULT_SEQUENCE_TOKENS = 16.0
+DEFAULT_KV_HIGH_WATER = 0.95
+DEFAULT_HOT_PREFIX_RPS = 8.0
+
+
+def rendezvous(prefix_key: bytes, replica_id: str) -> bytes:
+    """Highest-random-weight order of a replica for a prefix (lower sorts first)."""
+    return hashlib.blake2b(prefix_key + b"\0" + replica_id.encode(), digest_size=8).digest()
+
+
+class PrefixCostPolicy:
+    """Least queued-plus-new work in tokens, prefix matches credited (module doc)."""
+
+    name = "prefix_cost"
+
+    def __init__(
+        self,
+        decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT,
+        sequence_tokens: float = DEFAULT_SEQUENCE_TOKENS,
+        kv_high_water: float = DEFAULT_KV_HIGH_WATER,
+        hot_prefix_rps: float = DEFAULT_HOT_PREFIX_RPS,
+    ) -> None:
+        for name, value in (("decode_token_weight", decode_token_weight), ("sequence_tokens", sequence_tokens),
+                            ("hot_prefix_rps", hot_prefix_rps)):
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not 0.0 < kv_high_water <= 1.0:
+            raise ValueError(f"kv_high_water must be in (0, 1], got {kv_high_water!r}")
+        self.decode_token_weight = float(decode_token_weight)
+        self.sequence_tokens = float(sequence_tokens)
+        self.kv_high_water = float(kv_high_water)
+        self.hot_prefix_rps = float(hot_prefix_rps)
+
+    def choose(self, inp: RoutingInput) -> list[str]:
+        """Returns every replica id, best first. Does not mutate state."""
+        matched = self.credited_matches(inp)
+        return [r.replica_id for r in sorted(inp.replicas, key=lambda r: self.sort_key(inp, r, matched[r.replica_id]))]
+
+    def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int) -> tuple[int, float, bytes]:
+        """``(tier, cost, rendezvous)`` of one replica (module doc)."""
+        block = inp.tokens_per_block
+        new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
+        cost = (view.num_prefill_tokens + new_prefill + self.decode_token_weight * view.num_decode_tokens
+                + self.sequence_tokens * (view.num_running + view.num_waiting + view.num_swapped))
+        return (0 if self.has_headroom(view, new_prefill, block) else 1, cost,
+                rendezvous(inp.prefix_key, view.replica_id))
+
+    def has_headroom(self, view: ReplicaView, new_prefill: int, block: int) -> bool:
+        """Whether the replica can take the request's new blocks without evicting or preempting."""
+        if view.kv_cache_usage >= self.kv_high_water:
+            return False
+        if not view.num_kv_blocks:
+            return True
+        free = round(view.num_kv_blocks * (1.0 - view.kv_cache_usage))  # usage is a ratio of integers
+        return math.ceil(new_prefill / max(1, block)) + 1 <= free
+
+    def num_hot_replicas(self, inp: RoutingInput) -> int:
+        """k: how many replicas a prefix at ``inp.prefix_rate`` should be spread over (1: not hot)."""
+        if not self.hot_prefix_rps or not inp.prefix_key or inp.prefix_rate <= self.hot_prefix_rps:
+            return 1
+        return min(len(inp.replicas), math.ceil(inp.prefix_rate / self.hot_prefix_rps))
+
+    def credited_matches(self, inp: RoutingInput) -> dict[str, int]:
+        """Blocks credited per replica: its confirmed match, and for a hot
+        prefix the best confirmed match on its k rendezvous replicas."""
+        matched = {r.replica_id: min(r.matched_blocks or 0, inp.num_blocks) for r in inp.replicas}
+        k = self.num_hot_replicas(inp)
+        if k > 1:
+            best = max(matched.values(), default=0)
+            for view in sorted(inp.replicas, key=lambda r: rendezvous(inp.prefix_key, r.replica_id))[:k]:
+                matched[view.replica_id] = best
+        return matched
