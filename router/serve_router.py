@@ -7,7 +7,10 @@ For each request (a ``GenerationRequest`` as the first argument) it
    replicas hash the same way, with the same model fingerprint and the
    request's ``cache_salt``),
 2. asks the prefix directory how many leading blocks each live replica holds
-   (one Lua call; ``DirectoryError`` -> no confirmed cache, load-only),
+   (one Lua call; ``DirectoryError`` -> no confirmed cache, load-only), and
+   adds the chains this router itself sent to a replica in the last seconds
+   (``router/recent_sends.py``: the directory learns them only after the
+   replica's step),
 3. builds a ``ReplicaView`` per candidate: its ongoing requests from
    Serve's queue-length cache (fresh) split into running / waiting /
    swapped by its routing stats (``record_routing_stats``, about a second
@@ -36,6 +39,7 @@ the chosen replica's matched / request blocks into
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -44,14 +48,18 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cluster.shared.contract import CacheContract
-from cluster.shared.directory import Directory, DirectoryError
+from cluster.shared.directory import Directory, DirectoryError, DirectoryUnavailable
+from cluster.shared.directory.follower import IndexFollower
 from cluster.shared.hashing import hash_block_chain, root_hash
 from cluster.shared.types import GenerationRequest
 from router.metrics import get_router_metrics
 from router.prefix_rates import PrefixRates
+from router.recent_sends import RecentSends
 from router.policies import ReplicaView, RoutingInput, get_policy
 
 logger = logging.getLogger(__name__)
+
+FIRST_SYNC_WAIT_S = 1.0  # the first decisions of a new router wait this long for its index
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -74,9 +82,17 @@ class PrefixAwareRequestRouter(RequestRouter):
         model_fingerprint: str = "",
         cache_contract: str = "",
         num_routers: int = 1,
+        directory_lookup: str = "index",
     ) -> None:
         """Called by Serve with ``request_router_kwargs``."""
+        if directory_lookup not in ("index", "redis"):
+            raise ValueError(f"directory_lookup must be 'index' or 'redis', got {directory_lookup!r}")
         self._directory = Directory.from_url(redis_url, namespace) if redis_url else None
+        # "index": a local copy of the directory followed through its event stream
+        # (its own connections, longer timeouts: snapshots can be large); a
+        # decision then costs no Redis call. "redis": one LOOKUP script per request.
+        self._follower = (IndexFollower(Directory.from_url(redis_url, namespace, socket_timeout_s=5.0))
+                          if redis_url and directory_lookup == "index" else None)
         self._policy = get_policy(policy, **(policy_params or {}))
         self._block_size = block_size
         self._fingerprint = model_fingerprint
@@ -89,6 +105,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         # were taken: (time.time(), tokens), pruned once newer stats arrive.
         self._sent: dict[str, list[tuple[float, int]]] = {}
         self._rates = PrefixRates()
+        self._recent = RecentSends()  # chains sent per replica, credited until the directory knows them
         self._num_routers = max(1, int(num_routers))  # the rate of a prefix is assumed spread evenly over them
 
     async def choose_replicas(
@@ -122,11 +139,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         root = root_hash(self._fingerprint, request.cache_salt)
         chain = hash_block_chain(request.prompt_token_ids, self._block_size, root)
         counts = await self._lookup(chain)
+        now = time.time()
         if counts is not None:
             await self._note_contracts(counts)
+            for replica_id, sent in self._recent.leading(chain, now).items():
+                if counts.get(replica_id, -1) >= 0:  # live, same contract
+                    counts[replica_id] = max(counts[replica_id], sent)
         candidate_replicas = self._compatible(candidate_replicas)
         views = [self._view(r, counts) for r in candidate_replicas]
-        now = time.time()
         prefix_key = chain[0] if chain else b""
         rate = self._rates.observe(prefix_key, now) * self._num_routers if prefix_key else 0.0
         num_prompt = len(request.prompt_token_ids)
@@ -139,6 +159,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if ranked:
             new_tokens = max(0, num_prompt - self._block_size * max(0, matched or 0))
             self._sent.setdefault(ranked[0], []).append((now, new_tokens))
+            self._recent.record(chain, ranked[0], now)
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
 
@@ -175,7 +196,17 @@ class PrefixAwareRequestRouter(RequestRouter):
         if self._directory is None or not chain:
             return None
         try:
-            counts = await self._directory.lookup(chain, self._contract)
+            if self._follower is not None:
+                self._follower.start()  # on the routing loop, once
+                if not self._follower.num_full_syncs:  # just started: give the first sync a moment
+                    deadline = time.monotonic() + FIRST_SYNC_WAIT_S
+                    while not self._follower.in_sync and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                counts = self._follower.lookup(chain, self._contract)
+                if counts is None:
+                    raise DirectoryUnavailable("the local index is not in sync with the directory")
+            else:
+                counts = await self._directory.lookup(chain, self._contract)
         except DirectoryError as exc:
             self.num_directory_errors += 1
             self._metrics.record_directory_error()

@@ -36,13 +36,14 @@ from cluster.shared.sizes import cdiv
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("cache_aware", "round_robin", "least_load", "power_of_two")
+POLICIES = ("cache_aware", "prefix_cost", "round_robin", "least_load", "power_of_two")
 DEFAULT_PREFIXES_PER_REPLICA = 0.4  # of --tenants: a pool that holds fewer than half of the prefixes
 DEFAULT_IN_FLIGHT_BLOCKS = 16  # room for the questions and answers of the requests in flight
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policies", default="cache_aware,round_robin", help="comma-separated, in run order")
+    parser.add_argument("--policies", default="cache_aware,prefix_cost,round_robin",
+                        help="comma-separated, in run order")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--tenants", type=int, default=12)
     parser.add_argument("--questions-per-tenant", type=int, default=4)
@@ -54,6 +55,10 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=0.15,
                         help="Poisson arrivals per second (inf: all at once; default 0.15)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    parser.add_argument("--prefixes-per-replica", type=float, default=DEFAULT_PREFIXES_PER_REPLICA,
+                        help="KV pool per replica, in tenants' system prompts as a fraction of --tenants "
+                             "(default 0.4: fewer than half fit; >= 1: all fit in every pool); "
+                             "--num-kv-blocks overrides it")
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--replica-num-cpus", type=float, default=0.5)
     parser.add_argument("--json", default="bench-results/routing.json")
@@ -61,9 +66,10 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
 
 
 def default_num_kv_blocks(args: argparse.Namespace, block_size: int) -> int:
-    """Blocks per replica for ``DEFAULT_PREFIXES_PER_REPLICA`` of the tenants' prefixes, plus the in-flight room."""
+    """Blocks per replica for ``--prefixes-per-replica`` of the tenants' prefixes, plus the in-flight room."""
     per_prefix = cdiv(args.prefix_len, block_size)
-    return int(DEFAULT_PREFIXES_PER_REPLICA * args.tenants * per_prefix) + DEFAULT_IN_FLIGHT_BLOCKS
+    fraction = getattr(args, "prefixes_per_replica", DEFAULT_PREFIXES_PER_REPLICA)
+    return int(fraction * args.tenants * per_prefix) + DEFAULT_IN_FLIGHT_BLOCKS
 
 
 def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -94,10 +100,11 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             ray.shutdown()
     report = {"workload": {k: getattr(args, k) for k in (
         "replicas", "tenants", "questions_per_tenant", "prefix_len", "question_len", "output_len",
-        "request_rate", "max_concurrency", "workload_seed")}, "runs": [{"policy": p, **s} for p, s, _ in runs]}
+        "request_rate", "max_concurrency", "workload_seed", "prefixes_per_replica")}, "runs": [{"policy": p, **s} for p, s, _ in runs]}
     report["workload"]["request_rate"] = str(args.request_rate)
     report["workload"]["num_kv_blocks"] = engine.cache.num_kv_blocks
-    report["ratios"] = _ratios(report["runs"])
+    report["oracle"] = oracle_hit_rates(conversations, block_size)
+    report["ratios"] = _ratios(report["runs"], report["oracle"])
     _print_table(report)
     write_outputs(args.json, report, args.plot or None, [(p, records) for p, _, records in runs],
                   f"prefixserve bench routing: {args.tenants} tenants x {args.questions_per_tenant} questions, "
@@ -136,18 +143,40 @@ async def _replay(address: str, conversations: list, args: argparse.Namespace, p
         await client.aclose()
 
 
-def _ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def oracle_hit_rates(conversations: list, block_size: int) -> dict[str, float]:
+    """The hit rates of a router that knows the future and has room for
+    everything: every request after its tenant's first reuses the whole
+    shared prefix (its full blocks); nothing else hits."""
+    seen: set = set()
+    cached = prompt = shared_hit = shared_total = 0
+    for conversation in conversations:
+        turn = conversation.turns[0]
+        prompt += len(turn.new_token_ids)
+        shared = conversation.shared_prefix_len
+        shared_total += shared
+        if conversation.group in seen:
+            hit = shared // block_size * block_size
+            cached += hit
+            shared_hit += hit
+        seen.add(conversation.group)
+    return {"prefix_hit_rate": round(cached / max(prompt, 1), 4),
+            "shared_prefix_hit_rate": round(shared_hit / max(shared_total, 1), 4)}
+
+
+def _ratios(runs: list[dict[str, Any]], oracle: dict[str, float]) -> dict[str, Any]:
+    """Each policy's hit rate over the oracle's, and round_robin's TTFT P50 over each policy's."""
     by = {r["policy"]: r for r in runs}
-    if "cache_aware" not in by or "round_robin" not in by:
-        return {}
-    ca, rr = by["cache_aware"], by["round_robin"]
-    out = {
-        "hit_rate_cache_aware_over_round_robin": round(ca["prefix_hit_rate"] / max(rr["prefix_hit_rate"], 1e-9), 2),
-        "ttft_p50_round_robin_over_cache_aware": round(rr["ttft_ms"]["p50"] / max(ca["ttft_ms"]["p50"], 1e-9), 2),
-    }
-    if "shared_prefix_hit_rate" in ca and "shared_prefix_hit_rate" in rr:
-        out["system_prompt_hit_rate_cache_aware_over_round_robin"] = round(
-            ca["shared_prefix_hit_rate"] / max(rr["shared_prefix_hit_rate"], 1e-9), 2)
+    out: dict[str, Any] = {}
+    for policy, run in by.items():
+        out[f"hit_rate_{policy}_over_oracle"] = round(run["prefix_hit_rate"] / max(oracle["prefix_hit_rate"], 1e-9), 3)
+    rr = by.get("round_robin")
+    if rr is not None:
+        for policy, run in by.items():
+            if policy != "round_robin":
+                out[f"ttft_p50_round_robin_over_{policy}"] = round(
+                    rr["ttft_ms"]["p50"] / max(run["ttft_ms"]["p50"], 1e-9), 2)
+                out[f"hit_rate_{policy}_over_round_robin"] = round(
+                    run["prefix_hit_rate"] / max(rr["prefix_hit_rate"], 1e-9), 2)
     return out
 
 
@@ -160,6 +189,10 @@ def _print_table(report: dict[str, Any]) -> None:
                      f"{ttft['p50']:.0f}", f"{ttft['p95']:.0f}", f"{ttft['p99']:.0f}", f"{e2e['p50']:.0f}",
                      f"{e2e['p99']:.0f}", f"{r['request_throughput']:.2f}", str(r["failed"]),
                      " ".join(str(v) for v in r["requests_per_replica"].values())))
+    oracle = report.get("oracle")
+    if oracle:
+        rows.append(("oracle", f"{oracle['prefix_hit_rate']:.1%}", f"{oracle['shared_prefix_hit_rate']:.1%}",
+                     *[""] * 8))
     lines = format_table(rows)
     for key, value in report.get("ratios", {}).items():
         lines.append(f"{key}: {value:.2f}x")

@@ -215,3 +215,41 @@ async def warm_on_two_replicas(stub: Any, prefix_a: list[int], prefix_b: list[in
     finally:
         call.cancel()  # its prompt's blocks stay cached
     return first.replica_id, holder_b.replica_id
+
+
+Send = Callable[[list[int]], Awaitable[tuple[str, int]]]  # prompt ids -> (replica id, cached prompt tokens)
+
+
+def distinct_prefixes(count: int, length: int, salt: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` token ids (< 500: the tiny models' vocab
+    is 512) that differ in their first token."""
+    return [[10 + salt * 16 + i] + [50 + (i * 7 + salt * 13 + j) % 400 for j in range(1, length)] for i in range(count)]
+
+
+async def burst_reaches_holders(send: Send, prefixes: list[list[int]], per_prefix: int = 2,
+                                settle_s: float = 1.5) -> list[tuple[int, str, str, int]]:
+    """Caches each prefix (one request each, in turn), then sends
+    ``per_prefix`` requests of every prefix *at once*.
+
+    Under that burst, routing by load alone spreads the requests over the
+    replicas, so some land where their prefix is not cached; routing on the
+    directory sends each to its prefix's holder. A decision handed to another
+    request (see tests/unit/test_serve_router.py) lands some on the wrong one.
+
+    Returns:
+        ``(prefix index, holder, replica reached, cached tokens)`` per burst request.
+    """
+    holders = []
+    for i, prefix in enumerate(prefixes):
+        replica_id, _ = await send(prefix + [3, 400 + i])
+        holders.append(replica_id)
+    await asyncio.sleep(settle_s)  # the directory learns the blocks after the step
+    jobs = [(i, prefix + [4, 300 + 10 * i + k]) for i, prefix in enumerate(prefixes) for k in range(per_prefix)]
+    results = await asyncio.gather(*(send(ids) for _, ids in jobs))
+    return [(i, holders[i], replica_id, cached) for (i, _), (replica_id, cached) in zip(jobs, results)]
+
+
+def assert_all_hit(outcomes: list[tuple[int, str, str, int]], prefix_len: int) -> None:
+    """Every burst request reached its prefix's holder and reused the whole prefix."""
+    wrong = [o for o in outcomes if o[2] != o[1] or o[3] != prefix_len]
+    assert not wrong, f"(prefix, holder, reached, cached) that missed, of {len(outcomes)}: {wrong}"

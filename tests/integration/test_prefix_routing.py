@@ -1,10 +1,11 @@
 """Prefix-aware routing through Serve's request router with the real
-directory: a repeated long prefix lands on the replica that holds it."""
+directory: under a burst of concurrent requests with different prefixes,
+each lands on the replica that holds its prefix; routing on load alone
+misses under the same burst."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import pytest
@@ -13,6 +14,9 @@ from cluster.app import build_app
 from cluster.shared.config import ClusterConfig, EngineConfig
 from cluster.shared.types import GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
+from tests.integration.router_cluster import assert_all_hit, burst_reaches_holders, distinct_prefixes
+
+PREFIX_LEN = 200
 
 
 @pytest.fixture(scope="module")
@@ -20,51 +24,56 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir("llama", tmp_path_factory.mktemp("route-llama"))
 
 
-def run(handle, request):
-    async def go():
-        chunks = []
-        async for chunk in handle.options(stream=True, method_name="generate").remote(request):
-            chunks.append(chunk)
-        return chunks[-1]
-
-    return asyncio.run(go())
+async def send_via(handle, ids, request_id):
+    final = None
+    async for chunk in handle.options(stream=True, method_name="generate").remote(
+            GenerationRequest(request_id, ids, SamplingParams(max_tokens=2))):
+        final = chunk
+    return final.replica_id, final.cached_prompt_tokens
 
 
 def deploy(model_dir, redis_url, policy, name):
     from ray import serve
 
-    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=200)
+    engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=600)
     config = ClusterConfig(replicas=2, redis_url=redis_url, namespace=f"{name}-{uuid.uuid4().hex[:6]}",
                            engine=engine, replica_num_cpus=0.25, routing_policy=policy)
     serve.start(proxy_location="Disabled")
     return serve.run(build_app(config), name=name, route_prefix=None)
 
 
-def test_repeated_prefix_lands_on_the_replica_that_holds_it(ray_local, redis_server, model_dir):
+def burst(handle, salt):
+    """4 prefixes of 200 tokens (50 blocks), cached in turn, then 2 requests of
+    each at once (router_cluster.burst_reaches_holders)."""
+    async def main():
+        counter = iter(range(10_000))
+        return await burst_reaches_holders(lambda ids: send_via(handle, ids, f"b{salt}-{next(counter)}"),
+                                           distinct_prefixes(4, PREFIX_LEN, salt))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "prefix_cost"])
+def test_concurrent_requests_land_on_the_replicas_that_hold_their_prefixes(ray_local, redis_server, model_dir,
+                                                                          policy):
     from ray import serve
 
-    handle = deploy(model_dir, redis_server.url, "cache_aware", "route-ca")
+    handle = deploy(model_dir, redis_server.url, policy, f"route-{policy}")
     try:
-        prefix = list(range(100, 164))  # 16 blocks
-        first = run(handle, GenerationRequest("warm", prefix + [5], SamplingParams(max_tokens=2)))
-        time.sleep(1.5)  # the directory learns the blocks after the step
-        finals = [run(handle, GenerationRequest(f"q{i}", prefix + [6 + i, 7], SamplingParams(max_tokens=2)))
-                  for i in range(6)]
-        assert {f.replica_id for f in finals} == {first.replica_id}
-        assert all(f.cached_prompt_tokens == 64 for f in finals)
+        assert_all_hit(burst(handle, salt=1), PREFIX_LEN)
     finally:
-        serve.delete("route-ca")
+        serve.delete(f"route-{policy}")
 
 
-def test_round_robin_ignores_the_cache(ray_local, redis_server, model_dir):
-    # The contrast: without the directory, requests alternate replicas.
+@pytest.mark.parametrize("policy", ["round_robin"])
+def test_routing_on_load_alone_misses_under_the_same_burst(ray_local, redis_server, model_dir, policy):
+    # The contrast that shows the test above measures routing, not luck.
     from ray import serve
 
-    handle = deploy(model_dir, redis_server.url, "round_robin", "route-rr")
+    handle = deploy(model_dir, redis_server.url, policy, f"route-{policy}")
     try:
-        prefix = list(range(200, 264))
-        finals = [run(handle, GenerationRequest(f"r{i}", prefix + [6 + i, 7], SamplingParams(max_tokens=2)))
-                  for i in range(6)]
-        assert len({f.replica_id for f in finals}) == 2
+        outcomes = burst(handle, salt=2)
+        assert len({reached for _, _, reached, _ in outcomes}) == 2
+        assert any(reached != holder or cached < PREFIX_LEN for _, holder, reached, cached in outcomes)
     finally:
-        serve.delete("route-rr")
+        serve.delete(f"route-{policy}")

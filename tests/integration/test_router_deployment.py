@@ -18,6 +18,7 @@ from cluster.shared.config import ClusterConfig, EngineConfig, RouterConfig
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir
+from tests.integration.router_cluster import assert_all_hit, burst_reaches_holders, distinct_prefixes
 
 APP = "router-deployment"
 PREFIX = list(range(200, 248))  # 12 blocks of 4
@@ -64,10 +65,13 @@ def test_router_replica_serves_grpc_with_prefix_routing(deployed):
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         first = (await _generate(address, _ids(PREFIX + [1])))[-1]
         assert first.finish_reason == "length" and first.usage.completion_tokens == 3
-        await asyncio.sleep(1.5)  # the directory learns the blocks after the step
-        again = (await _generate(address, _ids(PREFIX + [2, 3])))[-1]
-        assert again.replica_id == first.replica_id
-        assert again.usage.cached_prompt_tokens == len(PREFIX)
+
+        async def send(ids):
+            last = (await _generate(address, _ids(ids)))[-1]
+            return last.replica_id, last.usage.cached_prompt_tokens
+
+        # Concurrent requests with different prefixes each reach their holder.
+        assert_all_hit(await burst_reaches_holders(send, distinct_prefixes(3, 120, salt=4)), 120)
 
     asyncio.run(main())
 

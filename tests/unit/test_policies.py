@@ -377,3 +377,9 @@ def test_cache_aware_places_new_prefixes_on_the_emptiest_cache():
     full = (ReplicaView("a", num_cached_blocks=96, matched_blocks=0),
             ReplicaView("b", kv_cache_usage=0.99, num_cached_blocks=32, matched_blocks=0))
     assert policy.choose(RoutingInput(8, 128, full)) == ["a", "b"]
+
+
+def test_the_cluster_config_accepts_exactly_the_registered_policies():
+    from cluster.shared.config import ROUTING_POLICIES
+
+    assert sorted(ROUTING_POLICIES) == sorted(policy_names())

@@ -168,3 +168,30 @@ def test_rates_converge_decay_and_stay_bounded():
         rates.observe(key, 200.0)
     assert len(rates) == 3
     assert rates.observe(b"a", 200.0) == pytest.approx(0.1)  # evicted: starts over
+
+
+def test_recent_sends_credit_leading_blocks_until_they_expire():
+    from router.recent_sends import RecentSends
+
+    recent = RecentSends(ttl_s=5.0, max_entries=100)
+    a, b, c, d = (bytes([i]) * 16 for i in range(4))
+    recent.record([a, b, c], "r1", now=0.0)
+    recent.record([a, d], "r2", now=1.0)
+    assert recent.leading([a, b, c, d], now=2.0) == {"r1": 3, "r2": 1}
+    assert recent.leading([a, d], now=2.0) == {"r1": 1, "r2": 2}
+    assert recent.leading([a, b], now=5.5) == {"r2": 1}  # r1's send expired at 5.0
+    assert recent.leading([a], now=6.5) == {} and len(recent) == 0
+    recent.record([a, b, c], "r1", now=10.0)
+    recent.record([a, b, c], "r1", now=12.0)  # a resend extends the credit
+    assert recent.leading([a, b], now=16.0) == {"r1": 2}
+
+
+def test_recent_sends_stay_bounded():
+    from router.recent_sends import RecentSends
+
+    recent = RecentSends(ttl_s=100.0, max_entries=10)
+    for i in range(50):
+        recent.record([i.to_bytes(16, "little")], "r", now=float(i))
+    assert len(recent) == 10
+    assert recent.leading([(49).to_bytes(16, "little")], now=50.0) == {"r": 1}
+    assert recent.leading([(0).to_bytes(16, "little")], now=50.0) == {}

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Union
 from cluster.shared.config.engine import EngineConfig
 from cluster.shared.config.loading import build_strict, from_env, read_yaml_mapping
 
-ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
+ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,9 @@ class ClusterConfig:
             a ``redis-server`` on a loopback port.
         namespace: Directory namespace (one per model / cluster).
         max_ongoing_requests: Serve's cap of concurrent requests per replica.
-        routing_policy: ``cache_aware`` (default), ``least_load``,
-            ``power_of_two`` or ``round_robin`` (``router/policies/``).
+        routing_policy: ``cache_aware`` (default), ``prefix_cost``,
+            ``least_load``, ``power_of_two`` or ``round_robin``
+            (``router/policies/``).
         routing_policy_params: The policy's thresholds by name, e.g.
             ``{balance_abs_threshold: 16}`` for ``cache_aware`` (each
             policy file's header lists them with their defaults); unknown

@@ -113,7 +113,7 @@ class Directory:
         self._scripts = {
             name: client.register_script(getattr(lua, name))
             for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC",
-                         "REPLICA_STATS", "PUBLISH_METRICS", "REPLICA_METRICS")
+                         "REPLICA_STATS", "PUBLISH_METRICS", "REPLICA_METRICS", "SNAPSHOT")
         }
 
     @classmethod
@@ -161,7 +161,8 @@ class Directory:
             The new epoch, larger than every earlier epoch of this id.
         """
         rid = lua.check_replica_id(replica_id)
-        keys = [lua.rep_key(self.prefix, rid), lua.blk_key(self.prefix, rid), lua.replicas_key(self.prefix)]
+        keys = [lua.rep_key(self.prefix, rid), lua.blk_key(self.prefix, rid), lua.replicas_key(self.prefix),
+                lua.events_key(self.prefix)]
         epoch = await self._run("register", lambda: self._scripts["REGISTER"](keys, [rid, self.ttl_ms, contract]))
         logger.info("directory %s: replica %s registered epoch %d", self.namespace, rid, epoch)
         return int(epoch)
@@ -194,7 +195,7 @@ class Directory:
         ``epoch`` is not its current one (nothing changed)."""
         rid = lua.check_replica_id(replica_id)
         keys = self._replica_keys(rid) + [lua.replicas_key(self.prefix), lua.stats_key(self.prefix, rid),
-                                          lua.metrics_key(self.prefix, rid)]
+                                          lua.metrics_key(self.prefix, rid), lua.events_key(self.prefix)]
         return bool(await self._run("deregister", lambda: self._scripts["DEREGISTER"](keys, [epoch, replica_id])))
 
     async def live_replicas(self) -> dict[str, int]:
@@ -280,8 +281,8 @@ class Directory:
         """
         removed = check_block_hashes(removed)
         stored = check_block_hashes(stored)
-        keys = self._replica_keys(replica_id)
-        args = [epoch, seq_no, self.ttl_ms, int(bool(cleared)), len(removed), *removed, *stored]
+        keys = self._replica_keys(replica_id) + [lua.events_key(self.prefix)]
+        args = [epoch, seq_no, self.ttl_ms, int(bool(cleared)), len(removed), replica_id, *removed, *stored]
         reply = await self._run("publish", lambda: self._scripts["PUBLISH"](keys, args))
         status = PublishStatus(reply.decode())
         if status is not PublishStatus.OK:
@@ -309,7 +310,8 @@ class Directory:
                 pipe.sadd(tmp, *hashes[i : i + RESYNC_CHUNK])
             pipe.pexpire(tmp, max(self.ttl_ms, 60_000))  # a crash mid-resync leaves no garbage
             # EVAL (not EVALSHA) keeps this to one round trip; resyncs are rare.
-            pipe.eval(lua.FINISH_RESYNC, 3, *self._replica_keys(rid), tmp, epoch, seq_no, self.ttl_ms)
+            pipe.eval(lua.FINISH_RESYNC, 4, *self._replica_keys(rid), tmp, lua.events_key(self.prefix), epoch, seq_no,
+                      self.ttl_ms, rid)
             return (await pipe.execute())[-1]
 
         status = PublishStatus((await self._run("resync", call)).decode())
@@ -347,6 +349,38 @@ class Directory:
         keys = [lua.replicas_key(self.prefix)]
         flat = await self._run("lookup", lambda: self._scripts["LOOKUP"](keys, [self.prefix, contract, *hashes]))
         return pairs_to_dict(flat)
+
+    async def snapshot(self, replica_id: str) -> tuple[Optional[int], int, str, bytes, list[bytes]]:
+        """One replica's ``(epoch or None if not live, seq, contract, events
+        stream id it includes, block hashes)``, read atomically."""
+        rid = lua.check_replica_id(replica_id)
+        keys = self._replica_keys(rid) + [lua.events_key(self.prefix)]
+        epoch, seq, contract, last_id, blocks = await self._run(
+            "snapshot", lambda: self._scripts["SNAPSHOT"](keys, []))
+        contract = contract.decode() if isinstance(contract, bytes) else (contract or "")
+        return (int(epoch) if epoch else None), int(seq), contract, last_id, list(blocks)
+
+    async def read_events(self, after: bytes, count: int = 1000, block_ms: Optional[int] = None) -> list:
+        """Events of the stream after id ``after`` (``b"0-0"``: from the
+        oldest kept): ``[(id, {field: value})]`` in order, at most ``count``;
+        ``block_ms`` waits that long for the first one."""
+        key = lua.events_key(self.prefix)
+        reply = await self._run("read_events", lambda: self._client.xread({key: after}, count=count, block=block_ms))
+        if not reply:
+            return []
+        return list(reply[0][1])
+
+    async def last_event_id(self) -> bytes:
+        """Id of the newest event (``b"0-0"``: none yet)."""
+        key = lua.events_key(self.prefix)
+        reply = await self._run("last_event", lambda: self._client.xrevrange(key, count=1))
+        return reply[0][0] if reply else b"0-0"
+
+    async def live_replica_seqs(self) -> dict[str, tuple[int, int]]:
+        """``{replica_id: (epoch, seq)}`` of every live replica (one call, O(replicas))."""
+        keys = [lua.replicas_key(self.prefix)]
+        flat = await self._run("live_replicas", lambda: self._scripts["LIVE_REPLICAS"](keys, [self.prefix]))
+        return {rid: (int(e), int(s)) for rid, e, s in zip(self._decode_ids(flat[0::3]), flat[1::3], flat[2::3])}
 
     async def replica_contract(self, replica_id: str) -> str:
         """The contract ``replica_id`` registered ("" if none or not live)."""

@@ -16,6 +16,13 @@ node. Several models or clusters share one Redis under different namespaces.
     ps:{ns}:metrics:<replica> STRING the replica's Prometheus exposition text,
                                     replaced every heartbeat; same TTL
     ps:{ns}:tmp:<replica>:<epoch>  SET  staging area of a running resync
+    ps:{ns}:events            STREAM every change above, in the order applied
+                                    (fields: t = reg | pub | gap | sync | leave,
+                                    r = replica, e = epoch, s = seq, c = cleared
+                                    or contract, rm / st = removed / stored
+                                    hashes, concatenated); trimmed to about
+                                    STREAM_MAXLEN entries. Routers follow it
+                                    into a local index (directory/follower.py).
 
 ``seq`` is the last applied KV event batch, or -1 when the replica must
 resync (just registered, or a gap was seen) -- its ``blk:`` set is then empty.
@@ -28,6 +35,7 @@ long argument lists are applied in chunks of ``CHUNK`` hashes.
 from __future__ import annotations
 
 CHUNK = 1000  # hashes per SADD / SREM / SMISMEMBER call inside a script
+STREAM_MAXLEN = 20000  # event batches kept for routers that fall behind (then they snapshot)
 
 # Replies of the write scripts (bulk strings).
 OK = "ok"
@@ -75,6 +83,18 @@ def tmp_key(prefix: str, replica_id: str, epoch: int) -> str:
     return f"{prefix}tmp:{replica_id}:{epoch}"
 
 
+def events_key(prefix: str) -> str:
+    return prefix + "events"
+
+
+# Appends one event to the stream (KEYS index ``ev``), trimmed approximately.
+_XADD = f"""
+local function xadd(ev, ...)
+  redis.call('XADD', ev, 'MAXLEN', '~', '{STREAM_MAXLEN}', '*', ...)
+end
+"""
+
+
 # Applies redis.call(cmd, key, ARGV[first..last]) in chunks (unpack limit).
 _APPLY = f"""
 local function apply(cmd, key, first, last)
@@ -97,12 +117,12 @@ local function check_epoch(rep, epoch)
 end
 """
 
-# KEYS: rep, blk, replicas   ARGV: replica_id, ttl_ms, contract   -> new epoch (integer)
+# KEYS: rep, blk, replicas, events   ARGV: replica_id, ttl_ms, contract   -> new epoch (integer)
 # The epoch is max(previous + 1, server time in ms): strictly increasing while
 # the registry entry lives, and still larger than any earlier epoch after the
 # entry expired or Redis restarted empty (no persistence), so a stale process
 # can never match a newer registration.
-REGISTER = """
+REGISTER = _XADD + """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local prev = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
@@ -111,6 +131,7 @@ redis.call('UNLINK', KEYS[2])
 redis.call('HSET', KEYS[1], 'epoch', string.format('%d', epoch), 'seq', '-1', 'contract', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[1])
+xadd(KEYS[4], 't', 'reg', 'r', ARGV[1], 'e', string.format('%d', epoch), 'c', ARGV[3])
 return epoch
 """
 
@@ -135,14 +156,15 @@ return '{OK}'
 """
 )
 
-# KEYS: rep, blk
-# ARGV: epoch, seq_no, ttl_ms, cleared (0|1), num_removed, removed..., stored...
+# KEYS: rep, blk, events
+# ARGV: epoch, seq_no, ttl_ms, cleared (0|1), num_removed, replica_id, removed..., stored...
 # -> ok | gap | needs_resync | unknown | superseded
 # Anything but seq_no == last + 1 (a lost batch, or a batch replayed after an
 # ambiguous timeout) empties the set and demands a resync: a set that missed a
 # batch may name blocks the replica evicted, and routing must not trust it.
 PUBLISH = (
     _APPLY
+    + _XADD
     + _CHECK_EPOCH
     + f"""
 local bad = check_epoch(KEYS[1], ARGV[1])
@@ -152,24 +174,28 @@ if last < 0 then return '{NEEDS_RESYNC}' end
 if tonumber(ARGV[2]) ~= last + 1 then
   redis.call('UNLINK', KEYS[2])
   redis.call('HSET', KEYS[1], 'seq', '-1')
+  xadd(KEYS[3], 't', 'gap', 'r', ARGV[6], 'e', ARGV[1])
   return '{GAP}'
 end
 if ARGV[4] == '1' then redis.call('UNLINK', KEYS[2]) end
 local num_removed = tonumber(ARGV[5])
-apply('SREM', KEYS[2], 6, 5 + num_removed)
-apply('SADD', KEYS[2], 6 + num_removed, #ARGV)
+apply('SREM', KEYS[2], 7, 6 + num_removed)
+apply('SADD', KEYS[2], 7 + num_removed, #ARGV)
 redis.call('HSET', KEYS[1], 'seq', ARGV[2])
+xadd(KEYS[3], 't', 'pub', 'r', ARGV[6], 'e', ARGV[1], 's', ARGV[2], 'c', ARGV[4],
+     'rm', table.concat(ARGV, '', 7, 6 + num_removed), 'st', table.concat(ARGV, '', 7 + num_removed, #ARGV))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return '{OK}'
 """
 )
 
-# KEYS: rep, blk, tmp   ARGV: epoch, snapshot_seq_no, ttl_ms
+# KEYS: rep, blk, tmp, events   ARGV: epoch, snapshot_seq_no, ttl_ms, replica_id
 # Runs after the client filled ``tmp`` (in the same pipeline): swaps it in
 # atomically, so lookups see either the old set or the whole new one.
 FINISH_RESYNC = (
-    _CHECK_EPOCH
+    _XADD
+    + _CHECK_EPOCH
     + f"""
 local bad = check_epoch(KEYS[1], ARGV[1])
 if bad then
@@ -184,16 +210,36 @@ end
 redis.call('HSET', KEYS[1], 'seq', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+xadd(KEYS[4], 't', 'sync', 'r', ARGV[4], 'e', ARGV[1], 's', ARGV[2])
 return '{OK}'
 """
 )
 
-# KEYS: rep, blk, replicas, stats, metrics   ARGV: epoch, replica_id   -> 1 if removed, else 0
-DEREGISTER = """
+# KEYS: rep, blk, replicas, stats, metrics, events   ARGV: epoch, replica_id   -> 1 if removed, else 0
+DEREGISTER = _XADD + """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
 redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
 redis.call('SREM', KEYS[3], ARGV[2])
+xadd(KEYS[6], 't', 'leave', 'r', ARGV[2], 'e', ARGV[1])
 return 1
+"""
+
+# KEYS: rep, blk, events   -> {epoch or false, seq, contract, last stream id, {hashes...}}
+# One replica's state and blocks, with the stream position they include: a
+# follower applies only this replica's later events on top.
+SNAPSHOT = """
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'seq', 'contract')
+local last = '0-0'
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEYS[3])
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then last = info[i + 1] end
+  end
+end
+if not cur[1] then return {false, -1, '', last, {}} end
+local blocks = {}
+if tonumber(cur[2]) >= 0 then blocks = redis.call('SMEMBERS', KEYS[2]) end
+return {cur[1], cur[2], cur[3] or '', last, blocks}
 """
 
 # KEYS: replicas   ARGV: prefix   -> flat [replica_id, epoch, seq, ...] of live ones
