@@ -53,9 +53,8 @@ from cluster.shared.directory.follower import IndexFollower
 from cluster.shared.hashing import hash_block_chain, root_hash
 from cluster.shared.types import GenerationRequest
 from router.metrics import get_router_metrics
-from router.prefix_rates import PrefixRates
-from router.recent_sends import RecentSends
-from router.policies import ReplicaView, RoutingInput, get_policy
+from router.decision import RoutingCore
+from router.policies import ReplicaView, get_policy
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +100,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._metrics = get_router_metrics(namespace, policy)
         self._contract = cache_contract
         self._refused: set[str] = set()  # replica ids whose contract differs from ours
-        # Prompt tokens this router sent per replica since that replica's stats
-        # were taken: (time.time(), tokens), pruned once newer stats arrive.
-        self._sent: dict[str, list[tuple[float, int]]] = {}
-        self._rates = PrefixRates()
-        self._recent = RecentSends()  # chains sent per replica, credited until the directory knows them
-        self._num_routers = max(1, int(num_routers))  # the rate of a prefix is assumed spread evenly over them
+        # Recent sends, per-prefix rates, tokens sent since each replica's stats,
+        # candidate sampling: the part of a decision the simulator shares.
+        self._core = RoutingCore(self._policy, block_size, num_routers=num_routers)
 
     async def choose_replicas(
         self,
@@ -139,27 +135,15 @@ class PrefixAwareRequestRouter(RequestRouter):
         root = root_hash(self._fingerprint, request.cache_salt)
         chain = hash_block_chain(request.prompt_token_ids, self._block_size, root)
         counts = await self._lookup(chain)
-        now = time.time()
         if counts is not None:
             await self._note_contracts(counts)
-            for replica_id, sent in self._recent.leading(chain, now).items():
-                if counts.get(replica_id, -1) >= 0:  # live, same contract
-                    counts[replica_id] = max(counts[replica_id], sent)
+            counts = {rid: n for rid, n in counts.items() if n >= 0}
         candidate_replicas = self._compatible(candidate_replicas)
-        views = [self._view(r, counts) for r in candidate_replicas]
-        prefix_key = chain[0] if chain else b""
-        rate = self._rates.observe(prefix_key, now) * self._num_routers if prefix_key else 0.0
-        num_prompt = len(request.prompt_token_ids)
-        ranked = self._policy.choose(RoutingInput(len(chain), num_prompt, views, block_size=self._block_size,
-                                                  prefix_key=prefix_key, prefix_rate=rate))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for gone in [rid for rid in self._sent if rid not in by_id]:
-            del self._sent[gone]
+        self._core.forget(set(by_id))
+        ranked = self._core.decide(chain, len(request.prompt_token_ids), list(by_id), counts,
+                                   lambda rid, matched: self._view(by_id[rid], matched))
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
-        if ranked:
-            new_tokens = max(0, num_prompt - self._block_size * max(0, matched or 0))
-            self._sent.setdefault(ranked[0], []).append((now, new_tokens))
-            self._recent.record(chain, ranked[0], now)
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
 
@@ -221,7 +205,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._directory_down = False
         return counts
 
-    def _view(self, replica: RunningReplica, counts: Optional[dict[str, int]]) -> ReplicaView:
+    def _view(self, replica: RunningReplica, matched: Optional[int]) -> ReplicaView:
         replica_id = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
         running = int(stats.get("num_running", 0))
@@ -246,24 +230,12 @@ class PrefixAwareRequestRouter(RequestRouter):
             num_swapped=swapped,
             kv_cache_usage=min(1.0, max(0.0, float(stats.get("kv_cache_usage", 0.0)))),
             num_cached_blocks=int(stats.get("num_cached_blocks", 0)),
-            matched_blocks=None if counts is None or counts.get(replica_id, 0) < 0 else counts.get(replica_id),
-            num_prefill_tokens=max(0, int(stats.get("num_prefill_tokens", 0))) + self._sent_since(
+            matched_blocks=matched,
+            num_prefill_tokens=max(0, int(stats.get("num_prefill_tokens", 0))) + self._core.pending_tokens(
                 replica_id, float(stats.get("at", 0.0))),
             num_decode_tokens=max(0, int(stats.get("num_decode_tokens", 0))),
             num_kv_blocks=max(0, int(stats.get("num_kv_blocks", 0))),
         )
-
-    def _sent_since(self, replica_id: str, stats_at: float) -> int:
-        """Prompt tokens this router sent to the replica after its stats were
-        taken (older entries are in those stats: dropped). Entries older than
-        a minute are dropped too (a replica whose stats stopped)."""
-        sent = self._sent.get(replica_id)
-        if not sent:
-            return 0
-        horizon = max(stats_at, time.time() - 60.0)
-        kept = [(t, n) for t, n in sent if t > horizon]
-        self._sent[replica_id] = kept
-        return sum(n for _, n in kept)
 
 
 def _generation_request(pending: Optional[PendingRequest]) -> Optional[GenerationRequest]:

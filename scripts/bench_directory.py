@@ -86,6 +86,51 @@ async def measure_publish(directory: Directory, blocks_per_step: int, repeats: i
     }
 
 
+async def measure_follower(url: str, num_replicas: int, num_blocks: int, repeats: int) -> dict:
+    """A router's local index: catch-up (full sync) time, events applied per
+    second, and an in-memory lookup's time, all against the real stream."""
+    from cluster.shared.directory.follower import IndexFollower
+
+    directory = Directory.from_url(url, "follow", ttl_s=600.0, socket_timeout_s=10.0)
+    epochs = {}
+    for r in range(num_replicas):
+        epochs[r] = await directory.register(f"f{r}")
+        await directory.resync(f"f{r}", epochs[r], 1, [os.urandom(16) for _ in range(num_blocks)])
+    follower = IndexFollower(Directory.from_url(url, "follow", ttl_s=600.0, socket_timeout_s=10.0))
+    start = time.perf_counter()
+    await follower.full_sync()
+    catch_up_s = time.perf_counter() - start
+    seqs = {r: 1 for r in range(num_replicas)}
+    for i in range(repeats):  # 32 new blocks per batch, round robin over the replicas
+        r = i % num_replicas
+        seqs[r] += 1
+        status = await directory.publish(f"f{r}", epochs[r], seqs[r], stored=[os.urandom(16) for _ in range(32)])
+        assert status.value == "ok", status
+    start = time.perf_counter()
+    applied = follower.num_events
+    while True:
+        before = follower.num_events
+        await follower.step()
+        if follower.num_events == before:
+            break
+    apply_s = time.perf_counter() - start
+    chain = [os.urandom(16) for _ in range(512)]
+    follower.index.load_snapshot("hot", 1, 0, chain)
+    timings = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        follower.lookup(chain)
+        timings.append((time.perf_counter() - began) * 1e6)
+    await follower.directory.aclose()
+    await directory.aclose()
+    return {
+        "replicas": num_replicas, "blocks_per_replica": num_blocks, "catch_up_s": catch_up_s,
+        "events_applied": follower.num_events - applied,
+        "events_per_s": (follower.num_events - applied) / max(apply_s, 1e-9),
+        "lookup_512_us_p50": statistics.median(timings), "lookup_512_us_p99": percentile(timings, 0.99),
+    }
+
+
 async def run(url: str, args: argparse.Namespace) -> dict:
     def fresh(namespace: str) -> Directory:  # one namespace per measurement
         return Directory.from_url(url, namespace, ttl_s=600.0, socket_timeout_s=10.0)
@@ -106,6 +151,7 @@ async def run(url: str, args: argparse.Namespace) -> dict:
     directory = fresh("publish")
     results["publish"] = await measure_publish(directory, 32, args.repeats)
     await directory.aclose()
+    results["follower"] = await measure_follower(url, args.replicas, args.blocks, args.repeats)
     return results
 
 
@@ -127,6 +173,12 @@ def main() -> None:
     for row in results["lookup"]:
         label = f"lookup {row['chain_blocks']} blocks x {row['replicas']} replicas p50/p99 (ms)"
         print(f"{label:<44}{row['lookup_ms_p50']:>6.2f}/{row['lookup_ms_p99']:<5.2f}")
+    fol = results["follower"]
+    print(f"{'router index catch-up, ' + str(fol['replicas'] * fol['blocks_per_replica']) + ' entries (s)':<44}"
+          f"{fol['catch_up_s']:>12.2f}")
+    print(f"{'router index events applied per s':<44}{fol['events_per_s']:>12.0f}")
+    print(f"{'router index lookup, 512 blocks p50/p99 (us)':<44}{fol['lookup_512_us_p50']:>6.1f}/"
+          f"{fol['lookup_512_us_p99']:<5.1f}")
     pub = results["publish"]
     label = f"publish {pub['blocks_per_step']} blocks/step p50/p99 (ms)"
     print(f"{label:<44}{pub['publish_ms_p50']:>6.2f}/{pub['publish_ms_p99']:<5.2f}")

@@ -9,6 +9,7 @@
     prefixserve bench kernels [--m 1 8 32] ...               linear-layer backends on the model's shapes
     prefixserve bench routing [--request-rate R] ...         one workload per routing policy
     prefixserve bench router [--requests N] ...              the router's own cost (echo replicas)
+    prefixserve simulate [--replicas 10,100,1000] ...        routing at fleet scale, simulated replicas
     prefixserve bench serve [--url HOST:PORT] [--dataset-name D] ...   serving benchmark (as vllm bench serve)
     prefixserve soak [--duration 300] ...                    mixed load with faults of clients; leak check
     prefixserve status --url HOST:PORT [--watch [SECONDS]]   table of the live replicas
@@ -89,6 +90,8 @@ COMMANDS = (
             "cluster.bench.evaluate", "add_perplexity_args", "run_perplexity"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",
             "cluster.bench.routing", "add_routing_args", "run_routing"),
+    Command(("simulate",), "trace replay of 10-1,000 simulated replicas and 1-100 routers with the real policies",
+            "cluster.bench.simulate", "add_simulate_args", "run_simulate", engine_flags=False),
     Command(("bench", "router"), "the router's own cost: decision time, routed req/s",
             "cluster.bench.router", "add_router_args", "run_router_bench", engine_flags=False),
     # --seed is the dataset's seed there (as in vllm bench serve), not the engine's.

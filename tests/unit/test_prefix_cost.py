@@ -24,19 +24,21 @@ def inp(*views, prompt=512, key=b"k", rate=0.0):
 
 
 def test_holder_keeps_the_request_while_its_queue_is_shorter_than_the_saved_prefill():
-    policy = PrefixCostPolicy(decode_token_weight=0, sequence_tokens=0)
-    # The holder saves 512 - 32 = 480 tokens of prefill (30 of 32 blocks).
-    for queued_on_holder, expected in ((0, "holder"), (479, "holder"), (481, "other"), (2000, "other")):
-        views = (ReplicaView("holder", matched_blocks=30, num_prefill_tokens=queued_on_holder),
-                 ReplicaView("other", matched_blocks=0))
-        assert policy.choose(inp(*views))[0] == expected, queued_on_holder
+    # The holder saves 512 - 32 = 480 tokens of prefill (30 of 32 blocks); at
+    # new_prefill_weight w it keeps the request while its queue is below w * 480.
+    for weight in (1.0, 2.0):
+        policy = PrefixCostPolicy(new_prefill_weight=weight, decode_token_weight=0, sequence_tokens=0)
+        for queued_on_holder, expected in ((0, "holder"), (479 * weight, "holder"), (481 * weight, "other")):
+            views = (ReplicaView("holder", matched_blocks=30, num_prefill_tokens=int(queued_on_holder)),
+                     ReplicaView("other", matched_blocks=0))
+            assert policy.choose(inp(*views))[0] == expected, (weight, queued_on_holder)
 
 
 def test_the_same_queues_give_different_choices_for_short_and_long_prompts():
     # Sequence counts are equal; only the tokens differ. A 4-block match is
     # worth 64 tokens: not enough to wait behind 200 queued tokens, while a
     # 60-block match (960 tokens) is.
-    policy = PrefixCostPolicy(decode_token_weight=0)
+    policy = PrefixCostPolicy(new_prefill_weight=1.0, decode_token_weight=0)
     short = (ReplicaView("holder", num_waiting=1, matched_blocks=4, num_prefill_tokens=200),
              ReplicaView("other", num_waiting=1, matched_blocks=0, num_prefill_tokens=0))
     long = (ReplicaView("holder", num_waiting=1, matched_blocks=60, num_prefill_tokens=200),
@@ -52,7 +54,7 @@ def test_a_small_match_still_counts():
 
 
 def test_decode_load_and_sequence_counts_add_to_the_cost():
-    policy = PrefixCostPolicy(decode_token_weight=0.5, sequence_tokens=10)
+    policy = PrefixCostPolicy(new_prefill_weight=1.0, decode_token_weight=0.5, sequence_tokens=10)
     views = (ReplicaView("a", num_running=2, num_decode_tokens=100),  # 50 + 20
              ReplicaView("b", num_running=1, num_decode_tokens=150))  # 75 + 10
     assert policy.choose(inp(*views)) == ["a", "b"]
@@ -100,7 +102,7 @@ def test_hot_prefix_is_replicated_on_its_rendezvous_replicas():
     key = b"hot-tenant"
     order = sorted(ids, key=lambda r: rendezvous(key, r))
     holder = order[5]  # holds the prefix, but is not among the first rendezvous replicas
-    policy = PrefixCostPolicy(hot_prefix_rps=4.0, decode_token_weight=0, sequence_tokens=0)
+    policy = PrefixCostPolicy(new_prefill_weight=1.0, hot_prefix_rps=4.0, decode_token_weight=0, sequence_tokens=0)
 
     def views(queued_on_holder):
         return [ReplicaView(r, matched_blocks=30 if r == holder else 0,
@@ -117,10 +119,11 @@ def test_hot_prefix_is_replicated_on_its_rendezvous_replicas():
     credited = policy.credited_matches(hot)
     assert {r for r, m in credited.items() if m == 30} == set(order[:3]) | {holder}
     # Replication off: the holder again.
-    assert PrefixCostPolicy(hot_prefix_rps=0, decode_token_weight=0, sequence_tokens=0).choose(hot)[0] == holder
+    assert PrefixCostPolicy(new_prefill_weight=1.0, hot_prefix_rps=0, decode_token_weight=0,
+                            sequence_tokens=0).choose(hot)[0] == holder
 
 
-@pytest.mark.parametrize("params", [{"decode_token_weight": -1}, {"sequence_tokens": math.inf},
+@pytest.mark.parametrize("params", [{"new_prefill_weight": -1}, {"decode_token_weight": -1}, {"sequence_tokens": math.inf},
                                     {"kv_high_water": 0}, {"hot_prefix_rps": -0.5}])
 def test_bad_parameters_are_rejected_by_name(params):
     with pytest.raises(ValueError, match=next(iter(params))):

@@ -255,7 +255,7 @@ def test_abort_while_the_step_runs_is_skipped_by_update():
     sched = make_scheduler(8, 0)
     runner = FakeRunner.for_scheduler(sched)
     sched.add_request(make_request("a", 5))
-    sched.add_request(make_request("b", 5))
+    sched.add_request(make_request("b", list(range(200, 205))))
     out = sched.schedule()
     model_out = runner.execute(out)
     assert sched.abort_request("a")
@@ -344,3 +344,34 @@ def test_duplicate_request_id_is_rejected():
     sched.add_request(make_request("a", 3))
     with pytest.raises(ValueError, match="unique id"):
         sched.add_request(make_request("a", 3))
+
+
+@pytest.mark.parametrize("chunk", [64, 8])
+def test_a_request_waits_for_the_prefill_of_its_shared_prefix_instead_of_repeating_it(chunk):
+    # Two requests with one 24-token prefix (6 blocks of 4) arrive together.
+    sched = make_scheduler(32, 0, max_num_batched_tokens=chunk)
+    runner = FakeRunner.for_scheduler(sched)
+    prefix = list(range(300, 324))
+    first, second = make_request("first", prefix + [1, 2]), make_request("second", prefix + [3, 4])
+    sched.add_request(first)
+    sched.add_request(second)
+    steps_before_second = 0
+    while second.status is SequenceStatus.WAITING:
+        step(sched, runner)
+        steps_before_second += 1
+        assert first.status is SequenceStatus.RUNNING
+    # It started once the prefix was computed, from the cache.
+    # (the steps that computed the prefix, then the one that admitted it)
+    assert steps_before_second == -(-len(prefix) // chunk) + 1 and second.num_cached_tokens == 24
+    run_to_completion(sched, runner)
+    assert_all_blocks_free_or_cached(sched)
+
+
+def test_without_prefix_caching_nothing_waits():
+    sched = make_scheduler(32, 0, enable_caching=False)
+    runner = FakeRunner.for_scheduler(sched)
+    prefix = list(range(300, 324))
+    sched.add_request(make_request("first", prefix + [1]))
+    sched.add_request(make_request("second", prefix + [2]))
+    step(sched, runner)
+    assert sched.num_running == 2 and sched.num_waiting == 0

@@ -12,6 +12,12 @@ most ``max_num_seqs`` sequences, in this order (vLLM v1 style)::
     Steps 2 and 3 run only if nothing was preempted in step 1, and stop at
     the first sequence that does not fit (no overtaking).
 
+A waiting sequence whose next uncached block is being prefilled by a running
+sequence (two requests of one tenant arriving together) waits for that
+prefill instead of computing the same blocks beside it: one step later they
+are in the prefix cache and it starts from there (SGLang's in-batch prefix
+caching). Admission stops there too, so the order is kept.
+
 Chunked prefill is "num_computed_tokens catches up with num_tokens": a
 sequence gets ``min(uncomputed tokens, budget left)`` tokens this step, and
 samples only when the chunk reaches its last known token (budget 16, a
@@ -303,6 +309,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         waiting = self.queue.waiting
+        in_flight: Optional[set[bytes]] = None
         while waiting and plan.budget > 0 and self.num_running < self.max_num_seqs:
             seq = waiting[0]
             if self._never_fits(seq.num_tokens):
@@ -310,6 +317,11 @@ class Scheduler:
                 continue
             if seq.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(seq)
+                if self.kv_manager.enable_prefix_caching:
+                    in_flight = self._blocks_in_prefill() if in_flight is None else in_flight
+                    next_block = num_hit_tokens // self.kv_manager.block_size
+                    if next_block < len(seq.block_hashes) and seq.block_hashes[next_block] in in_flight:
+                        break  # a running prefill computes it: start from the cache next step
             else:  # every prompt token is computed for its logprob
                 hit_blocks, num_hit_tokens = [], 0
             num_new = self._chunk_size(seq, num_hit_tokens, plan.budget)
@@ -322,6 +334,14 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit_tokens
             self._start_running(seq, num_new, plan)
+            if in_flight is not None:  # its blocks are in prefill from now on
+                in_flight.update(seq.block_hashes[num_hit_tokens // self.kv_manager.block_size:])
+
+    def _blocks_in_prefill(self) -> set[bytes]:
+        """Hashes of the full prompt blocks running sequences have not computed yet."""
+        size = self.kv_manager.block_size
+        return {h for r in self.queue.running if r.num_computed_tokens < len(r.block_hashes) * size
+                for h in r.block_hashes[r.num_computed_tokens // size:]}
 
     def _start_running(self, seq: Sequence, num_new: int, plan: _StepPlan) -> None:
         seq.status = SequenceStatus.RUNNING

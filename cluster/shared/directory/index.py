@@ -47,6 +47,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = {}
         self._replicas: dict[str, ReplicaEntry] = {}
+        self._contracts: dict[str, set[str]] = {}  # declared contract -> replica ids
         self.lookup_ops = 0
 
     # ------------------------------------------------------------- updates
@@ -57,7 +58,7 @@ class PrefixIndex:
         if known is not None and known.epoch > epoch:
             return
         self._clear(replica_id)
-        self._replicas[replica_id] = ReplicaEntry(epoch=epoch, contract=contract)
+        self._set_entry(replica_id, ReplicaEntry(epoch=epoch, contract=contract))
 
     def apply(self, replica_id: str, epoch: int, seq: int, cleared: bool, removed: Iterable[bytes],
               stored: Iterable[bytes]) -> bool:
@@ -92,7 +93,7 @@ class PrefixIndex:
         (``seq < 0``: the replica itself waits for a resync: nothing credited)."""
         self._clear(replica_id)
         entry = ReplicaEntry(epoch=epoch, seq=seq if seq >= 0 else -1, contract=contract)
-        self._replicas[replica_id] = entry
+        self._set_entry(replica_id, entry)
         if entry.synced:
             for block in blocks:
                 entry.blocks.add(block)
@@ -108,23 +109,30 @@ class PrefixIndex:
     def drop(self, replica_id: str) -> None:
         """Forgets a replica that left or died."""
         self._clear(replica_id)
-        self._replicas.pop(replica_id, None)
+        entry = self._replicas.pop(replica_id, None)
+        if entry is not None:
+            self._forget_contract(replica_id, entry.contract)
 
     # ------------------------------------------------------------- queries
     def lookup(self, chain: Sequence[bytes], contract: str = "") -> dict[str, int]:
-        """``{replica: leading blocks of chain held}`` for every known replica
-        (0 for one that holds none or is unsynced; -1 for one whose declared
-        contract differs from ``contract``, both non-empty) -- the same answer
-        as ``Directory.lookup``."""
-        counts = {rid: (-1 if contract and e.contract and e.contract != contract else 0)
-                  for rid, e in self._replicas.items()}
+        """``{replica: leading blocks of chain held}`` for the replicas that hold
+        at least the first block, and ``-1`` for each replica whose declared
+        contract differs from ``contract`` (both non-empty). Every other known
+        replica holds none of the chain. Work: one probe per block walked plus
+        the holders of each matched block (``lookup_ops``); nothing per replica.
+        """
+        counts: dict[str, int] = {}
+        if contract:
+            for declared, ids in self._contracts.items():
+                if declared and declared != contract:
+                    counts.update((rid, -1) for rid in ids)
         alive: Optional[set[str]] = None
         for depth, block in enumerate(chain):
             self.lookup_ops += 1
             holders = self._holders.get(block)
             if not holders:
                 break
-            alive = {r for r in holders if counts.get(r, -1) >= 0} if alive is None else alive & holders
+            alive = {r for r in holders if r not in counts} if alive is None else alive & holders
             self.lookup_ops += len(holders) if depth == 0 else len(alive)
             if not alive:
                 break
@@ -147,6 +155,20 @@ class PrefixIndex:
     def num_blocks(self) -> int:
         """Distinct block hashes held by some replica."""
         return len(self._holders)
+
+    def _set_entry(self, replica_id: str, entry: ReplicaEntry) -> None:
+        old = self._replicas.get(replica_id)
+        if old is not None:
+            self._forget_contract(replica_id, old.contract)
+        self._replicas[replica_id] = entry
+        self._contracts.setdefault(entry.contract, set()).add(replica_id)
+
+    def _forget_contract(self, replica_id: str, contract: str) -> None:
+        ids = self._contracts.get(contract)
+        if ids is not None:
+            ids.discard(replica_id)
+            if not ids:
+                del self._contracts[contract]
 
     def _clear(self, replica_id: str) -> None:
         entry = self._replicas.get(replica_id)

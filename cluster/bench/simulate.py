@@ -1,0 +1,372 @@
+"""``prefixserve simulate``: trace replay over simulated replicas, driven by
+the real routing code.
+
+What is real: the policies (``router/policies``), the decision core every
+Serve router runs (``router/decision.py``: recent sends, per-prefix rates,
+candidate sampling, pending tokens) and the router-local directory index
+(``cluster/shared/directory/index.py``), fed with each replica's KV event
+batches in order (stores and LRU evictions) exactly as a follower applies
+them from the Redis stream. What is simulated: the replicas and the clock.
+
+Replicas: a block-level LRU prefix cache of ``--blocks-per-replica`` blocks,
+and a step-time model taken from ``prefixserve bench latency`` on the default
+model (2 CPU cores): prefill at ``--prefill-tokens-per-s`` tokens/s served
+first come first served, each decode step ``--decode-step-ms`` plus
+``--decode-ms-per-seq`` per running sequence. A replica publishes its stats
+every ``--stats-period-s`` (what Serve's routing stats do); routers see the
+last published figures plus what they sent since, as in production. Each
+request reaches one of ``--routers`` routers at random; each router has its
+own decision core (its own recent sends and rates), and all share one index
+(every router's index is the same copy of the same stream).
+
+Trace (synthetic, seeded; the shapes of real services): tenants with
+Zipf-popular long system prompts, multi-turn chat sessions whose prompts
+grow with each turn, and RAG requests sharing documents across users. The
+oracle hit rate assumes a cache with room for everything and perfect
+routing: each request hits the longest prefix any earlier request had.
+
+Printed per (policy, replicas, routers): hit rate and its ratio to the
+oracle, simulated TTFT P50/P99, decision CPU time P50/P99 (index lookup +
+decision, measured), index operations per decision, decisions/s, index
+entries and bytes, KV event batches per second per replica. JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import logging
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from cluster.client.table import format_table
+from cluster.shared.directory.index import PrefixIndex
+from cluster.shared.hashing import hash_block_chain, root_hash
+from router.decision import RoutingCore
+from router.policies import ReplicaView, get_policy, policy_names
+
+logger = logging.getLogger(__name__)
+
+
+def add_simulate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", default="10,100,1000", help="comma-separated fleet sizes")
+    parser.add_argument("--routers", default="1,100", help="comma-separated router counts")
+    parser.add_argument("--policies", default="prefix_cost,cache_aware,round_robin")
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--rate-per-replica", type=float, default=0.5, help="arrivals per second per replica")
+    parser.add_argument("--tenants", type=int, default=2000)
+    parser.add_argument("--zipf", type=float, default=1.1, help="popularity exponent of tenants and documents")
+    parser.add_argument("--system-prompt-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=48)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=4, help="most turns of a chat session")
+    parser.add_argument("--rag-fraction", type=float, default=0.3)
+    parser.add_argument("--documents", type=int, default=5000)
+    parser.add_argument("--document-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--blocks-per-replica", type=int, default=8192, help="prefix cache size of one replica")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=460.0)
+    parser.add_argument("--decode-step-ms", type=float, default=30.0)
+    parser.add_argument("--decode-ms-per-seq", type=float, default=2.0)
+    parser.add_argument("--stats-period-s", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="bench-results/simulate.json")
+    parser.add_argument("--plot", default="bench-results/simulate.png", help="PNG ('' to skip)")
+
+
+# ---------------------------------------------------------------- the trace
+@dataclass
+class TraceRequest:
+    arrival: float
+    chain: list[bytes]
+    num_prompt_tokens: int
+    output_len: int
+
+
+def zipf_sampler(n: int, s: float, rng: random.Random):
+    weights = [1.0 / (i + 1) ** s for i in range(n)]
+    cumulative, total = [], 0.0
+    for w in weights:
+        total += w
+        cumulative.append(total)
+
+    def draw() -> int:
+        import bisect
+        return bisect.bisect_left(cumulative, rng.random() * total)
+
+    return draw
+
+
+def synthetic_trace(args: argparse.Namespace, rate: float) -> list[TraceRequest]:
+    """Seeded requests (see module doc); block chains are computed once per shared part."""
+    rng = random.Random(args.seed)
+    block = args.block_size
+    root = root_hash("simulated-model")
+    tenant_of, doc_of = zipf_sampler(args.tenants, args.zipf, rng), zipf_sampler(args.documents, args.zipf, rng)
+
+    def tokens(tag: str, n: int) -> list[int]:
+        seed = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
+        r = random.Random(seed)
+        return [r.randrange(32000) for _ in range(n)]
+
+    sessions: list[dict] = []  # open chat sessions: tokens so far, turns left
+    out, now = [], 0.0
+    for i in range(args.requests):
+        now += rng.expovariate(rate)
+        if rng.random() < args.rag_fraction:
+            doc = doc_of()
+            prompt = tokens(f"doc{doc}", args.document_len) + tokens(f"q{i}", args.question_len)
+        elif sessions and rng.random() < 0.5:
+            session = sessions.pop(rng.randrange(len(sessions)))
+            prompt = session["tokens"] + tokens(f"q{i}", args.question_len)
+            session["tokens"] = prompt + tokens(f"a{i}", args.output_len)
+            session["left"] -= 1
+            if session["left"] > 0:
+                sessions.append(session)
+        else:
+            tenant = tenant_of()
+            prompt = tokens(f"sys{tenant}", args.system_prompt_len) + tokens(f"q{i}", args.question_len)
+            if args.turns > 1:
+                sessions.append({"tokens": prompt + tokens(f"a{i}", args.output_len),
+                                 "left": rng.randrange(1, args.turns)})
+                if len(sessions) > 4 * args.tenants:
+                    sessions.pop(0)
+        out.append(TraceRequest(now, hash_block_chain(prompt, block, root), len(prompt), args.output_len))
+    return out
+
+
+def oracle_hit_rate(trace: list[TraceRequest], block_size: int) -> float:
+    seen: set[bytes] = set()
+    hit = total = 0
+    for request in trace:
+        n = 0
+        while n < len(request.chain) and request.chain[n] in seen:
+            n += 1
+        hit += n * block_size
+        total += request.num_prompt_tokens
+        seen.update(request.chain)
+    return hit / max(total, 1)
+
+
+# ------------------------------------------------------------- the replicas
+@dataclass
+class SimReplica:
+    replica_id: str
+    capacity: int
+    cache: "OrderedDict[bytes, None]" = field(default_factory=OrderedDict)
+    busy_until: float = 0.0  # end of the queued prefill work
+    decoding: list = field(default_factory=list)  # heap of finish times
+    seq: int = 0
+    stats: dict = field(default_factory=dict)
+    batches: int = 0
+
+    def running(self, now: float) -> int:
+        while self.decoding and self.decoding[0] <= now:
+            heapq.heappop(self.decoding)
+        return len(self.decoding)
+
+
+class Fleet:
+    """Simulated replicas publishing into one ``PrefixIndex``."""
+
+    def __init__(self, args: argparse.Namespace, num_replicas: int) -> None:
+        self.args = args
+        self.index = PrefixIndex()
+        self.replicas = {f"replica-{i:04d}": SimReplica(f"replica-{i:04d}", args.blocks_per_replica)
+                         for i in range(num_replicas)}
+        self.ids = list(self.replicas)
+        for rid in self.ids:
+            self.index.load_snapshot(rid, epoch=1, seq=0, blocks=[])
+        self.next_stats = 0.0
+
+    def publish_stats(self, now: float) -> None:
+        for r in self.replicas.values():
+            queued = max(0.0, r.busy_until - now) * self.args.prefill_tokens_per_s
+            running = r.running(now)
+            r.stats = {"num_running": running, "num_prefill_tokens": int(queued), "at": now,
+                       "num_decode_tokens": running * 1000, "num_kv_blocks": r.capacity,
+                       "kv_cache_usage": min(0.99, running * 100 / r.capacity),
+                       "num_cached_blocks": len(r.cache)}
+
+    def view(self, core: RoutingCore, rid: str, matched: Optional[int]) -> ReplicaView:
+        s = self.replicas[rid].stats
+        return ReplicaView(rid, num_running=s.get("num_running", 0), kv_cache_usage=s.get("kv_cache_usage", 0.0),
+                           num_cached_blocks=s.get("num_cached_blocks", 0), matched_blocks=matched,
+                           num_prefill_tokens=s.get("num_prefill_tokens", 0)
+                           + core.pending_tokens(rid, s.get("at", 0.0)),
+                           num_decode_tokens=s.get("num_decode_tokens", 0), num_kv_blocks=s.get("num_kv_blocks", 0))
+
+    def serve(self, rid: str, request: TraceRequest) -> tuple[int, float]:
+        """Runs the request on a replica: (cached tokens, TTFT)."""
+        r, args = self.replicas[rid], self.args
+        hits = 0
+        while hits < len(request.chain) and request.chain[hits] in r.cache:
+            r.cache.move_to_end(request.chain[hits])
+            hits += 1
+        stored, removed = [], []
+        for block in request.chain[hits:]:
+            r.cache[block] = None
+            stored.append(block)
+        while len(r.cache) > r.capacity:
+            block, _ = r.cache.popitem(last=False)
+            removed.append(block)
+        stored_set = set(stored)
+        removed = [b for b in removed if b not in stored_set] if stored_set else removed
+        still = [b for b in stored if b in r.cache]
+        r.seq += 1
+        r.batches += 1
+        self.index.apply(rid, 1, r.seq, False, removed, still)
+        cached = hits * args.block_size
+        start = max(request.arrival, r.busy_until)
+        r.busy_until = start + (request.num_prompt_tokens - cached) / args.prefill_tokens_per_s
+        ttft = r.busy_until - request.arrival
+        running = r.running(request.arrival)
+        step = (args.decode_step_ms + args.decode_ms_per_seq * running) / 1000
+        heapq.heappush(r.decoding, r.busy_until + request.output_len * step)
+        return cached, ttft
+
+
+# -------------------------------------------------------------------- runs
+def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, num_replicas: int,
+            num_routers: int) -> dict[str, Any]:
+    fleet = Fleet(args, num_replicas)
+    clock = [0.0]
+    rng = random.Random(args.seed + 1)
+    cores = [RoutingCore(get_policy(policy, **({"seed": args.seed} if policy == "power_of_two" else {})),
+                         args.block_size, num_routers=num_routers, clock=lambda: clock[0],
+                         rng=random.Random(args.seed + 100 + i)) for i in range(num_routers)]
+    decision_s, ops, ttfts = [], [], []
+    cached_tokens = prompt_tokens = 0
+    for request in trace:
+        clock[0] = request.arrival
+        if request.arrival >= fleet.next_stats:
+            fleet.publish_stats(request.arrival)
+            fleet.next_stats = request.arrival + args.stats_period_s
+        core = cores[rng.randrange(num_routers)]
+        before = fleet.index.lookup_ops
+        began = time.perf_counter()
+        counts = fleet.index.lookup(request.chain)
+        ranked = core.decide(request.chain, request.num_prompt_tokens, fleet.ids, counts,
+                             lambda rid, matched: fleet.view(core, rid, matched))
+        decision_s.append(time.perf_counter() - began)
+        ops.append(fleet.index.lookup_ops - before)
+        cached, ttft = fleet.serve(ranked[0], request)
+        cached_tokens += cached
+        prompt_tokens += request.num_prompt_tokens
+        ttfts.append(ttft)
+    duration = trace[-1].arrival - trace[0].arrival if len(trace) > 1 else 1.0
+    q = statistics.quantiles
+    return {
+        "policy": policy, "replicas": num_replicas, "routers": num_routers,
+        "hit_rate": round(cached_tokens / max(prompt_tokens, 1), 4),
+        "ttft_p50_s": round(q(ttfts, n=100)[49], 3), "ttft_p99_s": round(q(ttfts, n=100)[98], 3),
+        "decision_p50_us": round(q(decision_s, n=100)[49] * 1e6, 1),
+        "decision_p99_us": round(q(decision_s, n=100)[98] * 1e6, 1),
+        "decisions_per_s": round(len(decision_s) / max(sum(decision_s), 1e-9)),
+        "index_ops_per_decision": round(statistics.fmean(ops), 1),
+        "index_ops_p99": q(ops, n=100)[98],
+        "index_entries": fleet.index.num_entries,
+        "event_batches_per_s_per_replica": round(sum(r.batches for r in fleet.replicas.values())
+                                                 / num_replicas / max(duration, 1e-9), 3),
+    }
+
+
+def index_bytes_per_entry(num_replicas: int = 100, blocks_each: int = 2000) -> float:
+    """Python memory of a ``PrefixIndex`` per (block, replica) entry, measured."""
+    rng = random.Random(0)
+    shared = [rng.randbytes(16) for _ in range(blocks_each)]
+    tracemalloc.start()
+    index = PrefixIndex()
+    for i in range(num_replicas):
+        own = shared[: blocks_each // 2] + [rng.randbytes(16) for _ in range(blocks_each // 2)]
+        index.load_snapshot(f"replica-{i:04d}", 1, 0, own)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return size / max(index.num_entries, 1)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    fleets = [int(x) for x in str(args.replicas).split(",") if x.strip()]
+    routers = [int(x) for x in str(args.routers).split(",") if x.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown or not fleets or not routers or min(fleets + routers) < 1 or args.requests < 2:
+        logger.error("bad arguments: policies must be among %s (got %s); --replicas and --routers positive "
+                     "integers; --requests >= 2", ", ".join(policy_names()), ", ".join(unknown) or "ok")
+        return 2
+    runs, oracles = [], {}
+    for num_replicas in fleets:
+        began = time.perf_counter()
+        trace = synthetic_trace(args, args.rate_per_replica * num_replicas)
+        oracles[num_replicas] = round(oracle_hit_rate(trace, args.block_size), 4)
+        logger.info("trace for %d replicas: %d requests over %.0f s (built in %.1f s), oracle hit rate %.1f%%",
+                    num_replicas, len(trace), trace[-1].arrival, time.perf_counter() - began,
+                    100 * oracles[num_replicas])
+        for num_routers in routers:
+            for policy in policies:
+                began = time.perf_counter()
+                result = run_one(args, trace, policy, num_replicas, num_routers)
+                result["hit_rate_over_oracle"] = round(result["hit_rate"] / max(oracles[num_replicas], 1e-9), 3)
+                runs.append(result)
+                logger.info("%s, %d replicas, %d routers: hit %.1f%% (%.2f of oracle), decision p99 %.0f us "
+                            "[%.1f s]", policy, num_replicas, num_routers, 100 * result["hit_rate"],
+                            result["hit_rate_over_oracle"], result["decision_p99_us"], time.perf_counter() - began)
+    per_entry = index_bytes_per_entry()
+    report = {"args": {k: v for k, v in vars(args).items() if k not in ("func",) and not callable(v)},
+              "oracle_hit_rate": oracles, "index_bytes_per_entry": round(per_entry, 1), "runs": runs}
+    print_table(report)
+    write(report, args)
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    rows = [("policy", "replicas", "routers", "hit rate", "/oracle", "TTFT p50 s", "p99", "decision p50 us", "p99",
+             "decisions/s", "index ops/dec", "p99 ops", "index entries", "batches/s/replica")]
+    for r in report["runs"]:
+        rows.append((r["policy"], str(r["replicas"]), str(r["routers"]), f"{r['hit_rate']:.1%}",
+                     f"{r['hit_rate_over_oracle']:.3f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+                     f"{r['decision_p50_us']:.0f}", f"{r['decision_p99_us']:.0f}", str(r["decisions_per_s"]),
+                     f"{r['index_ops_per_decision']:.1f}", f"{r['index_ops_p99']:.0f}", str(r["index_entries"]),
+                     f"{r['event_batches_per_s_per_replica']:.2f}"))
+    lines = format_table(rows)
+    lines.append(f"index memory: {report['index_bytes_per_entry']:.0f} bytes per (block, replica) entry "
+                 f"(Python, measured)")
+    sys.stdout.write("\n".join(lines) + "\n")  # the table is the program's output, not a log
+
+
+def write(report: dict[str, Any], args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        logger.info("wrote %s", args.json)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for policy in sorted({r["policy"] for r in report["runs"]}):
+            for routers in sorted({r["routers"] for r in report["runs"]}):
+                rows = sorted((r for r in report["runs"] if r["policy"] == policy and r["routers"] == routers),
+                              key=lambda r: r["replicas"])
+                xs = [r["replicas"] for r in rows]
+                ax1.plot(xs, [r["hit_rate_over_oracle"] for r in rows], marker="o", label=f"{policy}, {routers} routers")
+                ax2.plot(xs, [r["decision_p99_us"] for r in rows], marker="o", label=f"{policy}, {routers} routers")
+        ax1.set(xscale="log", xlabel="replicas", ylabel="hit rate / oracle", title="prefix-cache hit rate")
+        ax2.set(xscale="log", xlabel="replicas", ylabel="µs", title="decision CPU time, P99")
+        ax1.legend(fontsize=7)
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+        logger.info("wrote %s", args.plot)

@@ -1,0 +1,147 @@
+"""One routing decision, shared by Serve's request router
+(``router/serve_router.py``) and the fleet simulator
+(``cluster/bench/simulate.py``), so the simulator runs this code, not a copy.
+
+Given a request's block-hash chain and the directory's answer (holders only,
+or every live replica; ``None`` when the directory is unavailable) the core
+
+1. credits the chains this router sent in the last seconds
+   (``router/recent_sends.py``),
+2. picks the candidates: every replica in a small fleet; in a large one
+   (more than ``full_rank_limit``) only the replicas that hold a prefix of the
+   chain (the ``max_holders`` longest matches), the prefix's rendezvous
+   replicas when it is hot, and ``sample_size`` replicas drawn at random
+   (power-of-choices for load), so a decision's work does not grow with the
+   fleet,
+3. builds their views (the caller's ``view_of``: the replica's own stats plus
+   the prompt tokens this router sent it since them, ``pending_tokens``),
+4. asks the policy for the ranking, and records the send for step 1 and for
+   ``pending_tokens``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+from router.policies import Policy, ReplicaView, RoutingInput
+from router.policies.prefix_cost import rendezvous
+from router.prefix_rates import PrefixRates
+from router.recent_sends import RecentSends
+
+FULL_RANK_LIMIT = 16  # fleets up to this size are ranked whole
+SAMPLE_SIZE = 4  # replicas drawn at random beyond the holders in a larger fleet
+MAX_HOLDERS = 8  # longest-matching holders considered in a larger fleet
+SENT_HORIZON_S = 60.0  # sends older than this are dropped even without newer stats
+
+ViewOf = Callable[[str, Optional[int]], ReplicaView]  # (replica id, credited match or None) -> view
+
+
+class RoutingCore:
+    """The per-router state and logic of a decision (module doc).
+
+    Args:
+        policy: The ranking policy.
+        block_size: Tokens per block.
+        num_routers: Routers sharing the traffic (a prefix's rate is this
+            router's rate times it).
+        clock: Wall clock (seconds); replicas stamp their stats with it.
+        rng: Draws the sampled candidates.
+    """
+
+    def __init__(self, policy: Policy, block_size: int, num_routers: int = 1,
+                 clock: Callable[[], float] = time.time, rng: Optional[random.Random] = None,
+                 full_rank_limit: int = FULL_RANK_LIMIT, sample_size: int = SAMPLE_SIZE,
+                 max_holders: int = MAX_HOLDERS) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.num_routers = max(1, int(num_routers))
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.full_rank_limit = full_rank_limit
+        self.sample_size = sample_size
+        self.max_holders = max_holders
+        self.recent = RecentSends()
+        self.rates = PrefixRates()
+        self._sent: dict[str, list[tuple[float, int]]] = {}
+        self._hot_sets: "OrderedDict[tuple, list[str]]" = OrderedDict()
+
+    def decide(self, chain: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str],
+               counts: Optional[dict[str, int]], view_of: ViewOf) -> list[str]:
+        """Ranks (a candidate subset of) ``replica_ids`` for one request, best first.
+
+        Args:
+            chain: The request's block hashes.
+            num_prompt_tokens: Its prompt length.
+            replica_ids: The live replicas it may go to.
+            counts: The directory's leading-block counts (holders, maybe
+                everyone; -1 entries are left out by the caller), or None.
+            view_of: Builds one replica's view given its credited match.
+        """
+        now = self.clock()
+        if counts is not None:
+            counts = dict(counts)
+            for replica_id, sent in self.recent.leading(chain, now).items():
+                if counts.get(replica_id, 0) >= 0:
+                    counts[replica_id] = max(counts.get(replica_id, 0), sent)
+        prefix_key = chain[0] if chain else b""
+        rate = self.rates.observe(prefix_key, now) * self.num_routers if prefix_key else 0.0
+        candidates = self.candidates(replica_ids, counts, prefix_key, rate)
+        views = [view_of(rid, None if counts is None else max(0, counts.get(rid, 0))) for rid in candidates]
+        ranked = self.policy.choose(RoutingInput(len(chain), num_prompt_tokens, views, block_size=self.block_size,
+                                                 prefix_key=prefix_key, prefix_rate=rate))
+        if ranked:
+            matched = 0 if counts is None else max(0, counts.get(ranked[0], 0))
+            self._sent.setdefault(ranked[0], []).append(
+                (now, max(0, num_prompt_tokens - self.block_size * matched)))
+            self.recent.record(chain, ranked[0], now)
+        return ranked
+
+    def candidates(self, replica_ids: Sequence[str], counts: Optional[dict[str, int]], prefix_key: bytes,
+                   rate: float) -> list[str]:
+        """Every replica of a small fleet; holders, hot set and a sample of a large one."""
+        if len(replica_ids) <= self.full_rank_limit or getattr(self.policy, "name", "") == "round_robin":
+            return list(replica_ids)
+        live = set(replica_ids)
+        chosen: dict[str, None] = {}
+        if counts:
+            holders = sorted((n, rid) for rid, n in counts.items() if n > 0 and rid in live)
+            for _, rid in holders[-self.max_holders:]:
+                chosen[rid] = None
+        hot_count = getattr(self.policy, "num_hot_for", None)
+        if hot_count is not None and prefix_key:
+            for rid in self.hot_set(replica_ids, prefix_key, hot_count(rate, len(replica_ids))):
+                chosen[rid] = None
+        for rid in self.rng.sample(list(replica_ids), min(self.sample_size, len(replica_ids))):
+            chosen[rid] = None
+        return list(chosen)
+
+    def hot_set(self, replica_ids: Sequence[str], prefix_key: bytes, k: int) -> list[str]:
+        """The ``k`` first replicas of the prefix's rendezvous order (cached per fleet)."""
+        if k <= 1:
+            return []
+        key = (prefix_key, k, id(replica_ids), len(replica_ids))
+        found = self._hot_sets.get(key)
+        if found is None:
+            found = sorted(replica_ids, key=lambda r: rendezvous(prefix_key, r))[:k]
+            self._hot_sets[key] = found
+            while len(self._hot_sets) > 1024:
+                self._hot_sets.popitem(last=False)
+        return found
+
+    def pending_tokens(self, replica_id: str, stats_at: float) -> int:
+        """Prompt tokens this router sent the replica after its stats were taken."""
+        sent = self._sent.get(replica_id)
+        if not sent:
+            return 0
+        horizon = max(stats_at, self.clock() - SENT_HORIZON_S)
+        kept = [(t, n) for t, n in sent if t > horizon]
+        self._sent[replica_id] = kept
+        return sum(n for _, n in kept)
+
+    def forget(self, live: set[str]) -> None:
+        """Drops the send records of replicas that are gone."""
+        for gone in [rid for rid in self._sent if rid not in live]:
+            del self._sent[gone]
