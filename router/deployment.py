@@ -56,7 +56,7 @@ class FrontEndOptions:
     max_model_len: int
     redis_url: Optional[str]
     namespace: str
-    routing_policy: str = "cache_aware"
+    routing_policy: str = "prefix_cost"
     router: RouterConfig = field(default_factory=RouterConfig)
 
 

@@ -1,22 +1,26 @@
 """A Ray Serve ``RequestRouter`` that applies a policy from ``router.policies``
-with one Redis round trip per request.
+without a Redis call per request.
 
 For each request (a ``GenerationRequest`` as the first argument) it
 
 1. computes the block-hash chain of the prompt (``cluster.shared.hashing``; the
    replicas hash the same way, with the same model fingerprint and the
    request's ``cache_salt``),
-2. asks the prefix directory how many leading blocks each live replica holds
-   (one Lua call; ``DirectoryError`` -> no confirmed cache, load-only), and
-   adds the chains this router itself sent to a replica in the last seconds
-   (``router/recent_sends.py``: the directory learns them only after the
-   replica's step),
-3. builds a ``ReplicaView`` per candidate: its ongoing requests from
-   Serve's queue-length cache (fresh) split into running / waiting /
-   swapped by its routing stats (``record_routing_stats``, about a second
-   old), which alone count when the cache has no entry, and
+2. asks the prefix directory which replicas hold how many leading blocks:
+   by default the router's local copy, kept by an ``IndexFollower`` from the
+   directory's event stream (``directory_lookup="index"``; memory only), or
+   one Lua call per request (``"redis"``). Not in sync / ``DirectoryError``
+   -> no confirmed cache, load-only,
+3. hands the answer to the decision core (``router/decision.py``, shared with
+   ``prefixserve simulate``): chains this router sent in the last seconds are
+   credited, candidates are picked (all replicas of a small fleet), and a
+   ``ReplicaView`` is built per candidate: its ongoing requests from Serve's
+   queue-length cache (fresh) split into running / waiting / swapped by its
+   routing stats (``record_routing_stats``, about a second old), its work in
+   tokens from those stats plus the prompt tokens this router sent since, and
 4. returns the policy's ranking, one replica per rank, so Serve falls back
-   to the next one when a replica rejects (full queue).
+   to the next one when a replica rejects (full queue). Each decision goes to
+   the request it was computed for (no ``FIFOMixin``, see the class).
 
 Requests that are not ``GenerationRequest``s (stats, resets) are routed by
 load alone, ties broken at random (so repeated calls reach every replica).
@@ -75,7 +79,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self,
         redis_url: Optional[str] = None,
         namespace: str = "default",
-        policy: str = "cache_aware",
+        policy: str = "prefix_cost",
         policy_params: Optional[dict[str, Any]] = None,
         block_size: int = 16,
         model_fingerprint: str = "",

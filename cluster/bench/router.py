@@ -53,7 +53,7 @@ APP = "bench-router"
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="echo replicas behind the router")
-    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--policy", default="prefix_cost")
     parser.add_argument("--requests", type=int, default=1500, help="routed requests (and as many baseline ones)")
     parser.add_argument("--concurrency", type=int, default=16, help="client streams in flight")
     parser.add_argument("--decisions", type=int, default=2000, help="isolated routing decisions to time")

@@ -70,7 +70,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("local cluster (when neither --url nor --base-url is given)")
     group.add_argument("--replicas", type=int, default=2)
     group.add_argument("--replica-num-cpus", type=float, default=0.5)
-    group.add_argument("--routing-policy", default="cache_aware",
+    group.add_argument("--routing-policy", default="prefix_cost",
                        choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
 
 

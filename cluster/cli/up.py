@@ -35,7 +35,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     up.add_argument("--namespace", default=None, help="prefix-directory namespace (default 'default')")
     up.add_argument("--max-ongoing-requests", type=int, default=None, help="default: 256")
-    up.add_argument("--routing-policy", default=None, choices=list(ROUTING_POLICIES), help="default: cache_aware")
+    up.add_argument("--routing-policy", default=None, choices=list(ROUTING_POLICIES), help="default: prefix_cost")
     up.add_argument("--grpc-port", type=int, default=None,
                     help="port of the gRPC router (0: pick a free one; default 50051)")
     up.add_argument("--grpc-host", default=None, help="interface the gRPC and HTTP routers bind (default 127.0.0.1)")

@@ -18,7 +18,7 @@ from router.policies.power_of_two import PowerOfTwoPolicy
 from router.policies.prefix_cost import PrefixCostPolicy
 from router.policies.round_robin import RoundRobinPolicy
 
-DEFAULT_POLICY = "cache_aware"
+DEFAULT_POLICY = "prefix_cost"
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "cache_aware": CacheAwarePolicy,

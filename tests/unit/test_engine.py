@@ -153,3 +153,6 @@ def test_stats_count_the_work_in_tokens():
     assert engine.stats().num_decode_tokens == sum(seq.num_tokens for seq in running) > 35
     run(engine)
     assert (engine.stats().num_prefill_tokens, engine.stats().num_decode_tokens) == (0, 0)
+    # A waiting request whose first 16 tokens (one block) are cached queues only the rest.
+    engine.add_request(req("again", list(range(100, 116)) + [7, 8, 9], max_tokens=2))
+    assert engine.stats().num_prefill_tokens == 3

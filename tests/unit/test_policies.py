@@ -16,6 +16,7 @@ from router.policies import (
     LeastLoadPolicy,
     Policy,
     PowerOfTwoPolicy,
+    PrefixCostPolicy,
     ReplicaView,
     RoundRobinPolicy,
     RoutingInput,
@@ -48,9 +49,9 @@ def with_load(inp: RoutingInput, replica_id: str, delta: int = 1, matched=None) 
 
 
 def test_registry_names_default_and_instances():
-    assert DEFAULT_POLICY == "cache_aware"
-    assert policy_names() == ["cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin"]
-    assert isinstance(get_policy(), CacheAwarePolicy)
+    assert DEFAULT_POLICY == "prefix_cost"
+    assert policy_names() == ["prefix_cost", "cache_aware", "least_load", "power_of_two", "round_robin"]
+    assert isinstance(get_policy(), PrefixCostPolicy)
     for name in policy_names():
         policy = get_policy(name)
         assert isinstance(policy, Policy)
@@ -59,7 +60,7 @@ def test_registry_names_default_and_instances():
 
 def test_unknown_policy_name_lists_choices():
     with pytest.raises(
-        ValueError, match="unknown routing policy 'fastest'.*cache_aware, least_load, power_of_two, prefix_cost, round_robin"
+        ValueError, match="unknown routing policy 'fastest'.*prefix_cost, cache_aware, least_load, power_of_two, round_robin"
     ):
         get_policy("fastest")
 

@@ -57,6 +57,8 @@ from workers.engine.validation import Capacity, fit_problem
 
 StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
 
+STATS_EXACT_WAITING = 32  # waiting sequences whose cached prefix the stats look up
+
 
 @dataclass
 class _StepPlan:
@@ -126,10 +128,23 @@ class Scheduler:
     @property
     def num_prefill_tokens(self) -> int:
         """Prompt tokens of waiting and running sequences whose KV is not computed
-        yet (the prefill work queued here; a cached prefix still counts until
-        admission finds it). O(waiting + running)."""
-        return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-                   for seq in (*self.queue.waiting, *self.queue.running))
+        yet: the prefill work queued here. A waiting sequence's leading blocks
+        that are in the prefix cache, or that a running prefill is computing,
+        do not count (it will start from them); past the first
+        ``STATS_EXACT_WAITING`` waiting sequences the whole prompt counts."""
+        total = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.queue.running)
+        size = self.kv_manager.block_size
+        in_flight = self._blocks_in_prefill() if self.queue.waiting and self.kv_manager.enable_prefix_caching else None
+        for i, seq in enumerate(self.queue.waiting):
+            reusable = 0
+            if in_flight is not None and i < STATS_EXACT_WAITING:
+                pool = self.kv_manager.device_pool
+                for block_hash in seq.block_hashes:
+                    if pool.get_cached_block(block_hash) is None and block_hash not in in_flight:
+                        break
+                    reusable += size
+            total += max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, reusable))
+        return total
 
     @property
     def num_decode_tokens(self) -> int:

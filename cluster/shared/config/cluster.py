@@ -183,7 +183,7 @@ class ClusterConfig:
             a ``redis-server`` on a loopback port.
         namespace: Directory namespace (one per model / cluster).
         max_ongoing_requests: Serve's cap of concurrent requests per replica.
-        routing_policy: ``cache_aware`` (default), ``prefix_cost``,
+        routing_policy: ``prefix_cost`` (default), ``cache_aware``,
             ``least_load``, ``power_of_two`` or ``round_robin``
             (``router/policies/``).
         routing_policy_params: The policy's thresholds by name, e.g.
@@ -207,7 +207,7 @@ class ClusterConfig:
     redis_url: Optional[str] = None
     namespace: str = "default"
     max_ongoing_requests: int = 256
-    routing_policy: str = "cache_aware"
+    routing_policy: str = "prefix_cost"
     routing_policy_params: dict = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
