@@ -35,6 +35,10 @@ FULL_RANK_LIMIT = 16  # fleets up to this size are ranked whole
 SAMPLE_SIZE = 4  # replicas drawn at random beyond the holders in a larger fleet
 MAX_HOLDERS = 8  # longest-matching holders considered in a larger fleet
 SENT_HORIZON_S = 60.0  # sends older than this are dropped even without newer stats
+# A router extrapolates a prefix's rate to all routers only from at least this
+# many of its own requests in a rate window: one request at one of 100 routers
+# is not a hot prefix.
+MIN_RATE_SAMPLES = 4.0
 
 ViewOf = Callable[[str, Optional[int]], ReplicaView]  # (replica id, credited match or None) -> view
 
@@ -46,7 +50,8 @@ class RoutingCore:
         policy: The ranking policy.
         block_size: Tokens per block.
         num_routers: Routers sharing the traffic (a prefix's rate is this
-            router's rate times it).
+            router's rate times it, once this router saw ``MIN_RATE_SAMPLES``
+            of its requests in a rate window).
         clock: Wall clock (seconds); replicas stamp their stats with it.
         rng: Draws the sampled candidates.
     """
@@ -87,7 +92,7 @@ class RoutingCore:
                 if counts.get(replica_id, 0) >= 0:
                     counts[replica_id] = max(counts.get(replica_id, 0), sent)
         prefix_key = chain[0] if chain else b""
-        rate = self.rates.observe(prefix_key, now) * self.num_routers if prefix_key else 0.0
+        rate = self.cluster_rate(self.rates.observe(prefix_key, now)) if prefix_key else 0.0
         candidates = self.candidates(replica_ids, counts, prefix_key, rate)
         views = [view_of(rid, None if counts is None else max(0, counts.get(rid, 0))) for rid in candidates]
         ranked = self.policy.choose(RoutingInput(len(chain), num_prompt_tokens, views, block_size=self.block_size,
@@ -98,6 +103,12 @@ class RoutingCore:
                 (now, max(0, num_prompt_tokens - self.block_size * matched)))
             self.recent.record(chain, ranked[0], now)
         return ranked
+
+    def cluster_rate(self, local_rate: float) -> float:
+        """A prefix's request rate over all routers, from this router's share of it."""
+        if local_rate * self.rates.window_s < MIN_RATE_SAMPLES:
+            return local_rate
+        return local_rate * self.num_routers
 
     def candidates(self, replica_ids: Sequence[str], counts: Optional[dict[str, int]], prefix_key: bytes,
                    rate: float) -> list[str]:

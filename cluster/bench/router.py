@@ -5,7 +5,8 @@ everything measured is router work. Three measurements, in one run:
 
 1. **Decision** (in this process): what routing costs one request --
    tokenizing the text prompt (``router.tokenizer``), its block-hash chain,
-   one directory lookup (Lua, real Redis) and the policy's ranking, as
+   the directory lookup in the router's local index (and, for comparison,
+   one Lua lookup in real Redis) and the decision core's ranking, as
    ``router.server`` and ``router.serve_router`` do them -- P50/P99 over
    ``--decisions`` requests. The directory holds
    ``--cached-blocks`` entries per replica, and the requests' system
@@ -225,32 +226,41 @@ def _make_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def _time_decisions(args: argparse.Namespace, tokenizer: Any, redis_url: str, namespace: str,
                     prompts: list[str]) -> dict[str, Any]:
-    """Tokenize + hash chain + one directory lookup + the policy, as a request's routing does it."""
+    """Tokenize + hash chain + directory lookup + the decision core, as a request's
+    routing does it: with the router's local index (the default) and with one
+    Lua lookup per request (``directory_lookup="redis"``)."""
     from cluster.shared.directory import Directory
-    from router.policies import ReplicaView, RoutingInput, get_policy
+    from cluster.shared.directory.follower import IndexFollower
+    from router.decision import RoutingCore
+    from router.policies import ReplicaView, get_policy
 
-    policy = get_policy(args.policy)
-
-    async def main() -> list[float]:
+    async def main() -> dict[str, list[float]]:
         directory = Directory.from_url(redis_url, namespace)
+        follower = IndexFollower(Directory.from_url(redis_url, namespace, socket_timeout_s=5.0))
+        await follower.full_sync()
         ids = sorted(await directory.live_replicas())
-        samples = []
+        samples: dict[str, list[float]] = {"index": [], "redis": []}
         try:
-            for prompt in prompts:
-                began = time.perf_counter()
-                token_ids = tokenizer.encode(prompt)
-                chain = tokenizer.block_hashes(token_ids, FINGERPRINT, "", args.block_size)
-                counts = await directory.lookup(chain)
-                views = [ReplicaView(replica_id=r, matched_blocks=counts.get(r)) for r in ids]
-                policy.choose(RoutingInput(len(chain), len(token_ids), views))
-                samples.append(time.perf_counter() - began)
+            for mode in ("index", "redis"):
+                core = RoutingCore(get_policy(args.policy), args.block_size)
+                for prompt in prompts:
+                    began = time.perf_counter()
+                    token_ids = tokenizer.encode(prompt)
+                    chain = tokenizer.block_hashes(token_ids, FINGERPRINT, "", args.block_size)
+                    counts = follower.lookup(chain) if mode == "index" else await directory.lookup(chain)
+                    core.decide(chain, len(token_ids), ids, counts, lambda rid, m: ReplicaView(rid, matched_blocks=m))
+                    samples[mode].append(time.perf_counter() - began)
         finally:
+            await follower.directory.aclose()
             await directory.aclose()
         return samples
 
-    data = sorted(asyncio.run(main()))
-    return {"count": len(data), "p50_ms": round(percentile(data, 50) * 1e3, 3),
-            "p99_ms": round(percentile(data, 99) * 1e3, 3), "mean_ms": round(statistics.fmean(data) * 1e3, 3)}
+    out = {}
+    for mode, data in asyncio.run(main()).items():
+        data.sort()
+        out[mode] = {"count": len(data), "p50_ms": round(percentile(data, 50) * 1e3, 3),
+                     "p99_ms": round(percentile(data, 99) * 1e3, 3), "mean_ms": round(statistics.fmean(data) * 1e3, 3)}
+    return {**out["index"], "redis_lookup": out["redis"]}
 
 
 def run_router_bench(args: argparse.Namespace) -> int:
@@ -341,7 +351,10 @@ def _publish_all(handle: Any, replicas: int, timeout: float = 60.0) -> None:
 def _print(report: dict[str, Any]) -> None:
     d, r, b, p = report["decision"], report["routed"], report["baseline"], report["serve_default_router"]
     rows = [("measurement", "req/s", "P50 ms", "P99 ms", "errors"),
-            ("routing decision (tokenize + hash + lookup + policy)", "", f"{d['p50_ms']:.3f}", f"{d['p99_ms']:.3f}", ""),
+            ("routing decision (tokenize + hash + local index + policy)", "", f"{d['p50_ms']:.3f}",
+             f"{d['p99_ms']:.3f}", ""),
+            ("routing decision, one Lua lookup instead of the index", "", f"{d['redis_lookup']['p50_ms']:.3f}",
+             f"{d['redis_lookup']['p99_ms']:.3f}", ""),
             ("gRPC front end, answers at once (baseline)", f"{b['requests_per_s']:.0f}",
              f"{b['latency_ms']['p50']:.2f}", f"{b['latency_ms']['p99']:.2f}", str(b["errors"])),
             ("gRPC -> Serve (its default router) -> echo", f"{p['requests_per_s']:.0f}",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from router.decision import RoutingCore
 from router.policies import ReplicaView, get_policy
 
@@ -53,3 +55,10 @@ def test_a_hot_prefix_brings_its_rendezvous_replicas_into_the_candidates():
         ranked = core.decide(CHAIN, 128, ids, {"r0": 8}, idle_view)
     hot = core.hot_set(ids, CHAIN[0], get_policy("prefix_cost", hot_prefix_rps=1.0).num_hot_for(25.0, 200))
     assert len(hot) >= 20 and set(hot) <= set(ranked)
+
+
+def test_one_request_at_one_of_many_routers_is_not_a_hot_prefix():
+    core = RoutingCore(get_policy("prefix_cost"), block_size=16, num_routers=100)
+    window = core.rates.window_s
+    assert core.cluster_rate(1 / window) == 1 / window  # one request in the window: its own rate
+    assert core.cluster_rate(5 / window) == pytest.approx(500 / window)  # enough to extrapolate
