@@ -72,6 +72,7 @@ class RoutingCore:
         self.rates = PrefixRates()
         self._sent: dict[str, list[tuple[float, int]]] = {}
         self._hot_sets: "OrderedDict[tuple, list[str]]" = OrderedDict()
+        self._fleet: tuple = ((), frozenset())  # the last fleet, as a tuple and as a set
 
     def decide(self, chain: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str],
                counts: Optional[dict[str, int]], view_of: ViewOf) -> list[str]:
@@ -115,7 +116,7 @@ class RoutingCore:
         """Every replica of a small fleet; holders, hot set and a sample of a large one."""
         if len(replica_ids) <= self.full_rank_limit or getattr(self.policy, "name", "") == "round_robin":
             return list(replica_ids)
-        live = set(replica_ids)
+        live, as_tuple = self._fleet_of(replica_ids)
         chosen: dict[str, None] = {}
         if counts:
             holders = sorted((n, rid) for rid, n in counts.items() if n > 0 and rid in live)
@@ -125,22 +126,36 @@ class RoutingCore:
         if hot_count is not None and prefix_key:
             for rid in self.hot_set(replica_ids, prefix_key, hot_count(rate, len(replica_ids))):
                 chosen[rid] = None
-        for rid in self.rng.sample(list(replica_ids), min(self.sample_size, len(replica_ids))):
+        for rid in self.rng.sample(as_tuple, min(self.sample_size, len(as_tuple))):
             chosen[rid] = None
         return list(chosen)
 
+    def _fleet_of(self, replica_ids: Sequence[str]) -> tuple[frozenset, tuple]:
+        """The fleet as a set and a tuple; the set is rebuilt only when the
+        fleet changed (comparing tuples of the same strings is cheap)."""
+        as_tuple = tuple(replica_ids)
+        cached, live = self._fleet
+        if as_tuple != cached:
+            live = frozenset(as_tuple)
+            self._fleet = (as_tuple, live)
+        return live, as_tuple
+
     def hot_set(self, replica_ids: Sequence[str], prefix_key: bytes, k: int) -> list[str]:
-        """The ``k`` first replicas of the prefix's rendezvous order (cached per fleet)."""
+        """The ``k`` first replicas of the prefix's rendezvous order. The order
+        is computed once per prefix and fleet (O(fleet) hashes) and cached."""
         if k <= 1:
             return []
-        key = (prefix_key, k, id(replica_ids), len(replica_ids))
-        found = self._hot_sets.get(key)
-        if found is None:
-            found = sorted(replica_ids, key=lambda r: rendezvous(prefix_key, r))[:k]
-            self._hot_sets[key] = found
-            while len(self._hot_sets) > 1024:
+        fleet, _ = self._fleet_of(replica_ids)
+        key = (prefix_key, fleet)
+        order = self._hot_sets.get(key)
+        if order is None:
+            order = sorted(replica_ids, key=lambda r: rendezvous(prefix_key, r))
+            self._hot_sets[key] = order
+            while len(self._hot_sets) > 256:
                 self._hot_sets.popitem(last=False)
-        return found
+        else:
+            self._hot_sets.move_to_end(key)
+        return order[:k]
 
     def pending_tokens(self, replica_id: str, stats_at: float) -> int:
         """Prompt tokens this router sent the replica after its stats were taken."""

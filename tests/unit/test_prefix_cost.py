@@ -176,7 +176,7 @@ def test_rates_converge_decay_and_stay_bounded():
 def test_recent_sends_credit_leading_blocks_until_they_expire():
     from router.recent_sends import RecentSends
 
-    recent = RecentSends(ttl_s=5.0, max_entries=100)
+    recent = RecentSends(ttl_s=5.0, max_entries=100, stride=1)
     a, b, c, d = (bytes([i]) * 16 for i in range(4))
     recent.record([a, b, c], "r1", now=0.0)
     recent.record([a, d], "r2", now=1.0)
@@ -192,9 +192,22 @@ def test_recent_sends_credit_leading_blocks_until_they_expire():
 def test_recent_sends_stay_bounded():
     from router.recent_sends import RecentSends
 
-    recent = RecentSends(ttl_s=100.0, max_entries=10)
+    recent = RecentSends(ttl_s=100.0, max_entries=10, stride=1)
     for i in range(50):
         recent.record([i.to_bytes(16, "little")], "r", now=float(i))
     assert len(recent) == 10
     assert recent.leading([(49).to_bytes(16, "little")], now=50.0) == {"r": 1}
     assert recent.leading([(0).to_bytes(16, "little")], now=50.0) == {}
+
+
+def test_recent_sends_keep_checkpoints_and_round_credits_down_to_them():
+    from router.recent_sends import RecentSends
+
+    recent = RecentSends(ttl_s=5.0, stride=4)
+    chain = [bytes([i]) * 16 for i in range(10)]
+    recent.record(chain, "r", now=0.0)
+    assert len(recent) == 3  # depths 3, 7 and the last, 9
+    assert recent.leading(chain, now=1.0) == {"r": 10}
+    assert recent.leading(chain[:9] + [b"x" * 16], now=1.0) == {"r": 8}  # rounded down to depth 7
+    assert recent.leading(chain + [bytes([i]) * 16 for i in range(10, 14)], now=1.0) == {"r": 8}
+    assert recent.leading(chain[:2], now=1.0) == {}

@@ -127,17 +127,29 @@ class PrefixIndex:
                 if declared and declared != contract:
                     counts.update((rid, -1) for rid in ids)
         alive: Optional[set[str]] = None
+        depth = 0
         for depth, block in enumerate(chain):
             self.lookup_ops += 1
             holders = self._holders.get(block)
             if not holders:
                 break
-            alive = {r for r in holders if r not in counts} if alive is None else alive & holders
-            self.lookup_ops += len(holders) if depth == 0 else len(alive)
+            if alive is None:
+                alive = {r for r in holders if r not in counts}
+                self.lookup_ops += len(holders)
+            else:
+                # Set operations run in C; Python touches each replica once,
+                # when it drops out (its count is the depth it reached).
+                kept = alive & holders
+                self.lookup_ops += len(alive)
+                for replica_id in alive - kept if len(kept) < len(alive) else ():
+                    counts[replica_id] = depth
+                alive = kept
             if not alive:
                 break
-            for replica_id in alive:
-                counts[replica_id] = depth + 1
+        else:
+            depth = len(chain)
+        for replica_id in alive or ():
+            counts[replica_id] = depth
         return counts
 
     def replica(self, replica_id: str) -> Optional[ReplicaEntry]:
