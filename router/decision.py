@@ -6,7 +6,8 @@ Given a request's block-hash chain and the directory's answer (holders only,
 or every live replica; ``None`` when the directory is unavailable) the core
 
 1. credits the chains this router sent in the last seconds
-   (``router/recent_sends.py``),
+   (``router/recent_sends.py``) where they go past the longest match the
+   directory confirms,
 2. picks the candidates: every replica in a small fleet; in a large one
    (more than ``full_rank_limit``) only the replicas that hold a prefix of the
    chain (the ``max_holders`` longest matches), the prefix's rendezvous
@@ -88,10 +89,15 @@ class RoutingCore:
         """
         now = self.clock()
         if counts is not None:
+            # A recent send is credited only past what the directory confirms
+            # anywhere: it bridges the publish lag of a prefix the directory
+            # does not know yet, and never outweighs a confirmed holder (a send
+            # made while the directory was down may since have been evicted).
             counts = dict(counts)
+            confirmed = max(counts.values(), default=0)
             for replica_id, sent in self.recent.leading(chain, now).items():
-                if counts.get(replica_id, 0) >= 0:
-                    counts[replica_id] = max(counts.get(replica_id, 0), sent)
+                if sent > confirmed and counts.get(replica_id, 0) >= 0:
+                    counts[replica_id] = sent
         prefix_key = chain[0] if chain else b""
         rate = self.cluster_rate(self.rates.observe(prefix_key, now)) if prefix_key else 0.0
         candidates = self.candidates(replica_ids, counts, prefix_key, rate)

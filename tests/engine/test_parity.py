@@ -84,7 +84,7 @@ def default_model_case() -> Case:
     prompts = [tok.encode(t).ids for t in texts]
     prompts[-1] = prompts[5][:32] + prompts[-1]  # shares 2 blocks of 16 with prompt 5
     max_tokens = [16, 12, 20, 8, 14, 10, 18, 9, 13]
-    return Case(model_dir, prompts, max_tokens, hf_greedy(model_dir, prompts, max_tokens), 16, 12)
+    return Case(model_dir, prompts, max_tokens, hf_greedy(model_dir, prompts, max_tokens), 16, 11)
 
 
 @pytest.fixture(scope="module", params=FAMILIES + ["default_model"])

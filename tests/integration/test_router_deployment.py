@@ -131,7 +131,9 @@ def test_a_misspelled_router_limit_fails_at_build_time():
 def test_routing_policy_params_reach_the_policy_and_typos_are_named():
     from cluster.app import request_router_config
 
-    config = ClusterConfig(routing_policy_params={"balance_abs_threshold": 2})
-    assert request_router_config(config).request_router_kwargs["policy_params"] == {"balance_abs_threshold": 2}
-    with pytest.raises(ValueError, match="balance_abs_treshold"):
-        request_router_config(ClusterConfig(routing_policy_params={"balance_abs_treshold": 2}))
+    config = ClusterConfig(routing_policy_params={"new_prefill_weight": 3.0})
+    assert request_router_config(config).request_router_kwargs["policy_params"] == {"new_prefill_weight": 3.0}
+    with pytest.raises(ValueError, match="new_prefil_weight"):
+        request_router_config(ClusterConfig(routing_policy_params={"new_prefil_weight": 3.0}))
+    cache_aware = ClusterConfig(routing_policy="cache_aware", routing_policy_params={"balance_abs_threshold": 2})
+    assert request_router_config(cache_aware).request_router_kwargs["policy_params"] == {"balance_abs_threshold": 2}

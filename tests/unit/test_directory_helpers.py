@@ -88,7 +88,7 @@ class FakeDirectory:
         if self.down:
             raise DirectoryUnavailable("down")
 
-    async def register(self, replica_id):
+    async def register(self, replica_id, contract=""):
         await self._call("register")
         self.epochs += 1
         return self.epochs

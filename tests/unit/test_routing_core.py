@@ -62,3 +62,16 @@ def test_one_request_at_one_of_many_routers_is_not_a_hot_prefix():
     window = core.rates.window_s
     assert core.cluster_rate(1 / window) == 1 / window  # one request in the window: its own rate
     assert core.cluster_rate(5 / window) == pytest.approx(500 / window)  # enough to extrapolate
+
+
+def test_a_recent_send_never_outweighs_a_confirmed_holder():
+    # Sent to "b" while the directory was down; the directory now confirms "a".
+    now = [0.0]
+    core = RoutingCore(get_policy("cache_aware"), block_size=16, clock=lambda: now[0])
+    core.recent.record(CHAIN, "b", now=0.0)
+    now[0] = 1.0
+    assert core.decide(CHAIN, 128, ["a", "b"], {"a": 8}, idle_view)[0] == "a"
+    # ... while past the directory's knowledge it is credited.
+    fresh = RoutingCore(get_policy("cache_aware"), block_size=16, clock=lambda: now[0])
+    fresh.recent.record(CHAIN, "b", now=0.5)
+    assert fresh.decide(CHAIN, 128, ["a", "b"], {"a": 2}, idle_view)[0] == "b"

@@ -341,7 +341,8 @@ return out
 
 # KEYS: replicas   ARGV: prefix   -> replica ids whose entries were dropped
 # Entries of a dead replica expire with its rep: key anyway; gc prunes the
-# index and unlinks any leftover set (belt and braces for skewed expiry).
+# index and unlinks any leftover set (belt and braces for skewed expiry), and
+# the events stream once no replica is left.
 GC = """
 local dropped = {}
 for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -350,6 +351,9 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     redis.call('SREM', KEYS[1], rid)
     dropped[#dropped + 1] = rid
   end
+end
+if redis.call('SCARD', KEYS[1]) == 0 then
+  redis.call('UNLINK', ARGV[1] .. 'events')  -- no replica left: nothing to follow
 end
 return dropped
 """
