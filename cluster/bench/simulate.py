@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import heapq
+import json
 import logging
 import random
 import statistics
@@ -59,6 +60,8 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", default="10,100,1000", help="comma-separated fleet sizes")
     parser.add_argument("--routers", default="1,100", help="comma-separated router counts")
     parser.add_argument("--policies", default="prefix_cost,cache_aware,round_robin")
+    parser.add_argument("--policy-params", type=json.loads, default={}, metavar="JSON",
+                        help='{"policy": {"param": value}}, e.g. {"prefix_cost": {"hot_prefix_rps": 0}}')
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rate-per-replica", type=float, default=0.5, help="arrivals per second per replica")
     parser.add_argument("--tenants", type=int, default=2000)
@@ -239,7 +242,8 @@ def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, nu
     fleet = Fleet(args, num_replicas)
     clock = [0.0]
     rng = random.Random(args.seed + 1)
-    cores = [RoutingCore(get_policy(policy, **({"seed": args.seed} if policy == "power_of_two" else {})),
+    params = {**({"seed": args.seed} if policy == "power_of_two" else {}), **args.policy_params.get(policy, {})}
+    cores = [RoutingCore(get_policy(policy, **params),
                          args.block_size, num_routers=num_routers, clock=lambda: clock[0],
                          rng=random.Random(args.seed + 100 + i)) for i in range(num_routers)]
     decision_s, ops, ttfts = [], [], []
@@ -297,6 +301,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     routers = [int(x) for x in str(args.routers).split(",") if x.strip()]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in policy_names()]
+    if not isinstance(args.policy_params, dict) or not all(isinstance(v, dict) for v in args.policy_params.values()):
+        logger.error('--policy-params must map policy names to parameter mappings, got %r', args.policy_params)
+        return 2
+    for name, params in args.policy_params.items():
+        get_policy(name, **params)  # unknown names or parameters fail here, named
     if unknown or not fleets or not routers or min(fleets + routers) < 1 or args.requests < 2:
         logger.error("bad arguments: policies must be among %s (got %s); --replicas and --routers positive "
                      "integers; --requests >= 2", ", ".join(policy_names()), ", ".join(unknown) or "ok")
@@ -342,7 +351,6 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def write(report: dict[str, Any], args: argparse.Namespace) -> None:
-    import json
     from pathlib import Path
 
     if args.json:

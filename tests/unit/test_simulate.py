@@ -58,3 +58,5 @@ def test_the_command_writes_its_report(tmp_path, capsys):
     assert len(report["runs"]) == 2 * 2 * 2 and report["index_bytes_per_entry"] > 0
     assert "hit rate" in capsys.readouterr().out
     assert simulate.run_simulate(sim_args(tmp_path, policies="fastest")) == 2
+    with pytest.raises(ValueError, match="hot_prefix_rp"):
+        simulate.run_simulate(sim_args(tmp_path, policy_params={"prefix_cost": {"hot_prefix_rp": 0}}))
