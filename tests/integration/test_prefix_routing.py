@@ -32,12 +32,13 @@ async def send_via(handle, ids, request_id):
     return final.replica_id, final.cached_prompt_tokens
 
 
-def deploy(model_dir, redis_url, policy, name):
+def deploy(model_dir, redis_url, policy, name, directory_lookup="index"):
     from ray import serve
 
     engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=4, num_kv_blocks=600)
     config = ClusterConfig(replicas=2, redis_url=redis_url, namespace=f"{name}-{uuid.uuid4().hex[:6]}",
-                           engine=engine, replica_num_cpus=0.25, routing_policy=policy)
+                           engine=engine, replica_num_cpus=0.25, routing_policy=policy,
+                           directory_lookup=directory_lookup)
     serve.start(proxy_location="Disabled")
     return serve.run(build_app(config), name=name, route_prefix=None)
 
@@ -53,16 +54,19 @@ def burst(handle, salt):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("policy", ["cache_aware", "prefix_cost"])
+@pytest.mark.parametrize("policy,lookup", [("cache_aware", "index"), ("prefix_cost", "index"),
+                                           ("prefix_cost", "redis")])
 def test_concurrent_requests_land_on_the_replicas_that_hold_their_prefixes(ray_local, redis_server, model_dir,
-                                                                          policy):
+                                                                          policy, lookup):
+    # "index": each router's local copy of the directory; "redis": one Lua lookup per request.
     from ray import serve
 
-    handle = deploy(model_dir, redis_server.url, policy, f"route-{policy}")
+    name = f"route-{policy}-{lookup}"
+    handle = deploy(model_dir, redis_server.url, policy, name, directory_lookup=lookup)
     try:
         assert_all_hit(burst(handle, salt=1), PREFIX_LEN)
     finally:
-        serve.delete(f"route-{policy}")
+        serve.delete(name)
 
 
 @pytest.mark.parametrize("policy", ["round_robin"])

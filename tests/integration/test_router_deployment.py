@@ -135,5 +135,8 @@ def test_routing_policy_params_reach_the_policy_and_typos_are_named():
     assert request_router_config(config).request_router_kwargs["policy_params"] == {"new_prefill_weight": 3.0}
     with pytest.raises(ValueError, match="new_prefil_weight"):
         request_router_config(ClusterConfig(routing_policy_params={"new_prefil_weight": 3.0}))
-    cache_aware = ClusterConfig(routing_policy="cache_aware", routing_policy_params={"balance_abs_threshold": 2})
-    assert request_router_config(cache_aware).request_router_kwargs["policy_params"] == {"balance_abs_threshold": 2}
+    cache_aware = ClusterConfig(routing_policy="cache_aware", routing_policy_params={"balance_abs_threshold": 2},
+                                directory_lookup="redis")
+    kwargs = request_router_config(cache_aware).request_router_kwargs
+    assert kwargs["policy_params"] == {"balance_abs_threshold": 2} and kwargs["directory_lookup"] == "redis"
+    assert request_router_config(config).request_router_kwargs["directory_lookup"] == "index"

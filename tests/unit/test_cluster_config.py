@@ -84,6 +84,7 @@ def test_unknown_keys_are_named_with_their_path_and_closest_key(mapping, message
         ({"autoscaling": {"min_replicas": 2}}, r"replicas \(1\) is the initial replica count.*set replicas: 2"),
         ({"autoscaling": {"downscale_headroom": 1.0}}, "downscale_headroom must be in"),
         ({"routing_policy": "cache-aware"}, "did you mean 'cache_aware'"),
+        ({"directory_lookup": "lua"}, r"directory_lookup must be one of \('index', 'redis'\)"),
     ],
 )
 def test_bad_values_name_the_key_and_what_to_change(mapping, message):

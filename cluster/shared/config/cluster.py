@@ -18,6 +18,7 @@ from cluster.shared.config.engine import EngineConfig
 from cluster.shared.config.loading import build_strict, from_env, read_yaml_mapping
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin")
+DIRECTORY_LOOKUPS = ("index", "redis")
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ class ClusterConfig:
             ``{balance_abs_threshold: 16}`` for ``cache_aware`` (each
             policy file's header lists them with their defaults); unknown
             names are errors.
+        directory_lookup: ``index`` (default): each router follows the
+            prefix directory into a local index and decides without a Redis
+            call; ``redis``: one Lua lookup per request (docs/DIRECTORY.md).
         engine: The engine of every replica.
         router: The gRPC / HTTP front ends.
         autoscaling: ``None`` keeps ``replicas`` replicas; set, Serve scales
@@ -209,6 +213,7 @@ class ClusterConfig:
     max_ongoing_requests: int = 256
     routing_policy: str = "prefix_cost"
     routing_policy_params: dict = field(default_factory=dict)
+    directory_lookup: str = "index"
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     autoscaling: Optional[AutoscalingConfig] = None
@@ -218,6 +223,8 @@ class ClusterConfig:
             close = difflib.get_close_matches(self.routing_policy, ROUTING_POLICIES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}{hint}")
+        if self.directory_lookup not in DIRECTORY_LOOKUPS:
+            raise ValueError(f"directory_lookup must be one of {DIRECTORY_LOOKUPS}, got {self.directory_lookup!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.replica_num_cpus <= 0 or self.rank_num_cpus <= 0:
