@@ -98,6 +98,7 @@ class RoutingCore:
             for replica_id, sent in self.recent.leading(chain, now).items():
                 if sent > confirmed and counts.get(replica_id, 0) >= 0:
                     counts[replica_id] = sent
+        self._fleet_of(replica_ids)  # forgets the sends to replicas that left
         prefix_key = chain[0] if chain else b""
         rate = self.cluster_rate(self.rates.observe(prefix_key, now)) if prefix_key else 0.0
         candidates = self.candidates(replica_ids, counts, prefix_key, rate)
@@ -120,7 +121,7 @@ class RoutingCore:
     def candidates(self, replica_ids: Sequence[str], counts: Optional[dict[str, int]], prefix_key: bytes,
                    rate: float) -> list[str]:
         """Every replica of a small fleet; holders, hot set and a sample of a large one."""
-        if len(replica_ids) <= self.full_rank_limit or getattr(self.policy, "name", "") == "round_robin":
+        if len(replica_ids) <= self.full_rank_limit or getattr(self.policy, "ranks_every_replica", False):
             return list(replica_ids)
         live, as_tuple = self._fleet_of(replica_ids)
         chosen: dict[str, None] = {}
@@ -138,12 +139,15 @@ class RoutingCore:
 
     def _fleet_of(self, replica_ids: Sequence[str]) -> tuple[frozenset, tuple]:
         """The fleet as a set and a tuple; the set is rebuilt only when the
-        fleet changed (comparing tuples of the same strings is cheap)."""
+        fleet changed (comparing tuples of the same strings is cheap), and
+        then the sends to replicas that left are forgotten."""
         as_tuple = tuple(replica_ids)
         cached, live = self._fleet
         if as_tuple != cached:
             live = frozenset(as_tuple)
             self._fleet = (as_tuple, live)
+            for gone in [rid for rid in self._sent if rid not in live]:
+                del self._sent[gone]
         return live, as_tuple
 
     def hot_set(self, replica_ids: Sequence[str], prefix_key: bytes, k: int) -> list[str]:
@@ -172,8 +176,3 @@ class RoutingCore:
         kept = [(t, n) for t, n in sent if t > horizon]
         self._sent[replica_id] = kept
         return sum(n for _, n in kept)
-
-    def forget(self, live: set[str]) -> None:
-        """Drops the send records of replicas that are gone."""
-        for gone in [rid for rid in self._sent if rid not in live]:
-            del self._sent[gone]

@@ -43,7 +43,6 @@ the chosen replica's matched / request blocks into
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -144,7 +143,6 @@ class PrefixAwareRequestRouter(RequestRouter):
             counts = {rid: n for rid, n in counts.items() if n >= 0}
         candidate_replicas = self._compatible(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self._core.forget(set(by_id))
         ranked = self._core.decide(chain, len(request.prompt_token_ids), list(by_id), counts,
                                    lambda rid, matched: self._view(by_id[rid], matched))
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
@@ -152,23 +150,22 @@ class PrefixAwareRequestRouter(RequestRouter):
         return [[by_id[replica_id]] for replica_id in ranked]
 
     async def _note_contracts(self, counts: dict[str, int]) -> None:
-        """Updates the refused set from a lookup's answer (-1: contract differs)."""
-        for replica_id, hits in counts.items():
-            if hits >= 0:
-                if replica_id in self._refused:
-                    self._refused.discard(replica_id)
-                    logger.info("replica %s now declares our cache contract: routing to it again", replica_id)
-            elif replica_id not in self._refused:
-                self._refused.add(replica_id)
-                try:
-                    theirs = await self._directory.replica_contract(replica_id)
-                except DirectoryError:
-                    theirs = "(unreadable)"
-                differs = CacheContract.decode(self._contract).differences(theirs) if theirs else ["(gone)"]
-                logger.warning("refusing replica %s: its cache contract differs from this router's (%s); "
-                               "deploy routers and replicas with the same model, tokenizer and block_size",
-                               replica_id, "; ".join(differs))
-        self._metrics.refused_replicas.set(len(self._refused))
+        """Sets the refused replicas from a lookup's answer, which names every
+        replica whose contract differs (-1) whatever the chain."""
+        refused = {replica_id for replica_id, hits in counts.items() if hits < 0}
+        for replica_id in self._refused - refused:
+            logger.info("replica %s no longer declares another cache contract: routing to it again", replica_id)
+        for replica_id in refused - self._refused:
+            try:
+                theirs = await self._directory.replica_contract(replica_id)
+            except DirectoryError:
+                theirs = "(unreadable)"
+            differs = CacheContract.decode(self._contract).differences(theirs) if theirs else ["(gone)"]
+            logger.warning("refusing replica %s: its cache contract differs from this router's (%s); "
+                           "deploy routers and replicas with the same model, tokenizer and block_size",
+                           replica_id, "; ".join(differs))
+        self._refused = refused
+        self._metrics.refused_replicas.set(len(refused))
 
     def _compatible(self, candidates: List[RunningReplica]) -> List[RunningReplica]:
         if not self._refused:
@@ -187,9 +184,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             if self._follower is not None:
                 self._follower.start()  # on the routing loop, once
                 if not self._follower.num_full_syncs:  # just started: give the first sync a moment
-                    deadline = time.monotonic() + FIRST_SYNC_WAIT_S
-                    while not self._follower.in_sync and time.monotonic() < deadline:
-                        await asyncio.sleep(0.01)
+                    await self._follower.wait_in_sync(FIRST_SYNC_WAIT_S)
                 counts = self._follower.lookup(chain, self._contract)
                 if counts is None:
                     raise DirectoryUnavailable("the local index is not in sync with the directory")

@@ -34,6 +34,7 @@ entries and bytes, KV event batches per second per replica. JSON and a PNG.
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import heapq
 import json
@@ -101,7 +102,6 @@ def zipf_sampler(n: int, s: float, rng: random.Random):
         cumulative.append(total)
 
     def draw() -> int:
-        import bisect
         return bisect.bisect_left(cumulative, rng.random() * total)
 
     return draw

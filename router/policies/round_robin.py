@@ -29,6 +29,7 @@ class RoundRobinPolicy:
     """
 
     name = "round_robin"
+    ranks_every_replica = True  # a rotation over a sample would not be round robin (router/decision.py)
 
     def __init__(self, start: int = 0) -> None:
         if not isinstance(start, int) or start < 0:

@@ -138,10 +138,8 @@ class Scheduler:
         for i, seq in enumerate(self.queue.waiting):
             reusable = 0
             if in_flight is not None and i < STATS_EXACT_WAITING:
-                pool = self.kv_manager.device_pool
-                for block_hash in seq.block_hashes:
-                    if pool.get_cached_block(block_hash) is None and block_hash not in in_flight:
-                        break
+                _, reusable = self.kv_manager.get_computed_blocks(seq)
+                while reusable // size < len(seq.block_hashes) and seq.block_hashes[reusable // size] in in_flight:
                     reusable += size
             total += max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, reusable))
         return total

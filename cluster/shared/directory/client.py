@@ -200,9 +200,7 @@ class Directory:
 
     async def live_replicas(self) -> dict[str, int]:
         """Returns ``{replica_id: epoch}`` of every replica with a live TTL."""
-        keys = [lua.replicas_key(self.prefix)]
-        flat = await self._run("live_replicas", lambda: self._scripts["LIVE_REPLICAS"](keys, [self.prefix]))
-        return {rid: int(epoch) for rid, epoch in zip(self._decode_ids(flat[0::3]), flat[1::3])}
+        return {rid: epoch for rid, (epoch, _) in (await self.live_replica_seqs()).items()}
 
     async def replica_stats(self) -> dict[str, dict[str, float]]:
         """Returns ``{replica_id: {name: number}}`` of every live replica.

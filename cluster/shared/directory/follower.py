@@ -83,12 +83,14 @@ class IndexFollower:
         self._next_poll = 0.0
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
+        self._synced: Optional[asyncio.Event] = None  # set by each full sync (made on the follower's loop)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Starts following on the running event loop (idempotent)."""
         if self._task is None or self._task.done():
             self._stopping = False
+            self._synced = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="directory-follower")
 
     async def stop(self) -> None:
@@ -100,6 +102,16 @@ class IndexFollower:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
             self._task = None
+
+    async def wait_in_sync(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the first full sync after ``start``."""
+        if self.in_sync or self._synced is None:
+            return self.in_sync
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.in_sync
 
     # --------------------------------------------------------------- query
     def lookup(self, chain: Sequence[bytes], contract: str = "") -> Optional[dict[str, int]]:
@@ -150,6 +162,8 @@ class IndexFollower:
         self.num_full_syncs += 1
         self._next_poll = time.monotonic() + self.poll_s
         self.in_sync = True
+        if self._synced is not None:
+            self._synced.set()
         logger.info("directory follower %s: in sync with %d replicas, %d blocks, in %.3f s",
                     self.directory.namespace, len(live), self.index.num_entries, time.perf_counter() - began)
 
