@@ -82,9 +82,12 @@ class RouterDeployment:
         limits = Limits.from_kwargs(**cfg.limits)
         security = Security.from_options(
             tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
-            api_key_file=cfg.api_key_file, auth_health=cfg.auth_health, auth_metrics=cfg.auth_metrics)
+            api_key_file=cfg.api_key_file, tenants_file=cfg.tenants_file, auth_health=cfg.auth_health,
+            auth_metrics=cfg.auth_metrics)
         tokenizer = RouterTokenizer.from_model_dir(Path(options.model_dir))
         router_metrics = get_router_metrics(options.namespace, options.routing_policy)
+        if security is not None:
+            security.tenant_gate.metrics = router_metrics
         backend = RouterBackend(replicas, tokenizer, ModelInfo(options.model_name, options.max_model_len),
                                 max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
                                 migration_limit=cfg.migration_limit)

@@ -15,6 +15,13 @@ Router series (prefix ``prefixserve:``, like the replicas' in
     router_refused_replicas                  live replicas refused: their cache contract differs
     router_directory_degraded_seconds_total  time spent routing on load only (counted while an
                                              outage lasts, at each failed lookup, and when it ends)
+    router_tenant_requests_total{tenant,outcome}  with API keys: requests per tenant (router/tenants.py)
+                                             by admission: admitted | rate_limited | concurrency_limited
+    router_tenant_tokens_total{tenant,kind}  tokens of finished requests per tenant:
+                                             prompt | completion | cached_prompt
+
+The ``tenant`` label takes only names of the tenants file (or ``default``),
+so its cardinality is bounded by the configuration, never by clients.
 
 One scrape of the router's HTTP port sees the whole cluster: ``ClusterMetrics``
 renders the router's registry, then the live replicas' series. Replicas
@@ -54,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("ok", "invalid", "overloaded", "unavailable", "cancelled", "error")
+TENANT_OUTCOMES = ("admitted", "rate_limited", "concurrency_limited")
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 
@@ -91,6 +99,12 @@ class RouterMetrics:
             PREFIX + "router_refused_replicas",
             "Live replicas this router refuses because their cache contract (block size, hash scheme, model, "
             "tokenizer) differs from its own.", registry=self.registry)
+        self.tenant_requests = Counter(PREFIX + "router_tenant_requests",
+                                       "Requests per tenant (API key), by admission outcome.",
+                                       ("tenant", "outcome"), registry=self.registry)
+        self.tenant_tokens = Counter(PREFIX + "router_tenant_tokens",
+                                     "Tokens of finished requests per tenant: prompt, completion, cached_prompt.",
+                                     ("tenant", "kind"), registry=self.registry)
         self._degraded_since: Optional[float] = None
         for outcome in OUTCOMES:  # export zeros, so rate() and alerts see every outcome at once
             self.requests.labels(policy, outcome)
@@ -102,6 +116,17 @@ class RouterMetrics:
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
         self.requests.labels(self.policy, outcome).inc()
+
+    def record_tenant_request(self, tenant: str, outcome: str) -> None:
+        """Counts one request of ``tenant`` by admission ``outcome``."""
+        if outcome not in TENANT_OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(TENANT_OUTCOMES)}")
+        self.tenant_requests.labels(tenant, outcome).inc()
+
+    def record_tenant_tokens(self, tenant: str, prompt: int, completion: int, cached_prompt: int) -> None:
+        """Adds one finished request's token counts to ``tenant``'s."""
+        for kind, count in (("prompt", prompt), ("completion", completion), ("cached_prompt", cached_prompt)):
+            self.tenant_tokens.labels(tenant, kind).inc(max(0, count))
 
     def record_decision(self, seconds: float, matched_blocks: Optional[int], num_blocks: int) -> None:
         """Records one routing decision and, when known, the chosen replica's prefix match."""

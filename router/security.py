@@ -15,6 +15,8 @@ With API keys set, a gRPC call needs the metadata ``authorization: Bearer
 ``WWW-Authenticate: Bearer``). Health (``grpc.health.v1.Health``, HTTP
 ``/health``) and ``/metrics`` stay open unless ``auth_health`` /
 ``auth_metrics`` say otherwise, so probes and Prometheus need no key.
+With a tenants file (``router.tenants``) each key names its tenant, which
+sets the request's cache namespace, priority cap and limits.
 
 Keys are kept only as SHA-256 digests and compared with
 ``hmac.compare_digest`` against every configured key (no early exit), so the
@@ -30,11 +32,13 @@ import hashlib
 import hmac
 import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
 import grpc
+
+from router.tenants import DEFAULT_TENANT, Tenant, TenantGate, load_tenants
 
 logger = logging.getLogger(__name__)
 
@@ -87,42 +91,52 @@ class TLSFiles:
 
 
 class ApiKeys:
-    """The accepted bearer tokens, as SHA-256 digests.
+    """The accepted bearer tokens, as SHA-256 digests, each with its tenant.
 
     Args:
-        keys: The tokens (non-empty, no whitespace).
+        keys: The tokens (non-empty, no whitespace); they belong to the
+            ``default`` tenant (``router.tenants``), which changes nothing.
+        tenant_keys: ``(SHA-256 digest, Tenant)`` pairs of a tenants file.
 
     Raises:
-        ValueError: No key, or an empty / whitespace-containing one.
+        ValueError: No key at all, or an empty / whitespace-containing one.
     """
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        digests = []
+    def __init__(self, keys: Iterable[str] = (), tenant_keys: Iterable[tuple[bytes, Tenant]] = ()) -> None:
+        entries = []
         for i, key in enumerate(keys):
             if not isinstance(key, str) or not key or any(c.isspace() for c in key):
                 raise ValueError(f"API key #{i + 1} is empty or contains whitespace: use a non-empty token")
-            digests.append(hashlib.sha256(key.encode()).digest())
-        if not digests:
-            raise ValueError("no API key given: pass --api-key or a non-empty --api-key-file")
-        self._digests = tuple(digests)
+            entries.append((hashlib.sha256(key.encode()).digest(), DEFAULT_TENANT))
+        entries += list(tenant_keys)
+        if not entries:
+            raise ValueError("no API key given: pass --api-key, a non-empty --api-key-file or --tenants-file")
+        self._entries = tuple(entries)
 
     def __len__(self) -> int:
-        return len(self._digests)
+        return len(self._entries)
 
     def __repr__(self) -> str:
         return f"ApiKeys({len(self)} keys)"
 
+    @property
+    def tenants(self) -> list[Tenant]:
+        """Every tenant a key belongs to (each once)."""
+        return list({id(t): t for _, t in self._entries}.values())
+
     @classmethod
-    def load(cls, keys: Sequence[str] = (), key_file: Optional[str] = None) -> Optional["ApiKeys"]:
-        """Keys from the command line and a file (one per line; blank lines and ``#`` comments skipped).
+    def load(cls, keys: Sequence[str] = (), key_file: Optional[str] = None,
+             tenants_file: Optional[str] = None) -> Optional["ApiKeys"]:
+        """Keys from the command line, a file (one per line; blank lines and
+        ``#`` comments skipped) and a tenants file (``router.tenants``).
 
         Returns:
-            None when neither gives a key source (authentication off).
+            None when none of them is given (authentication off).
 
         Raises:
-            ValueError: The file is unreadable or holds no key.
+            ValueError: A file is unreadable, holds no key, or is invalid.
         """
-        if not keys and key_file is None:
+        if not keys and key_file is None and tenants_file is None:
             return None
         all_keys = list(keys)
         if key_file is not None:
@@ -132,22 +146,33 @@ class ApiKeys:
             if not from_file:
                 raise ValueError(f"--api-key-file {key_file} holds no key: put one key per line")
             all_keys += from_file
-        return cls(all_keys)
+        tenant_keys = load_tenants(tenants_file) if tenants_file is not None else []
+        known = {digest for digest, _ in tenant_keys}
+        if any(hashlib.sha256(k.encode()).digest() in known for k in all_keys if isinstance(k, str)):
+            raise ValueError("a key of --api-key / --api-key-file is also in --tenants-file: "
+                             "list it once, under its tenant")
+        return cls(all_keys, tenant_keys)
 
-    def allows(self, authorization: Any) -> bool:
-        """Whether an ``Authorization`` value (``Bearer <key>``, str or bytes) carries a valid key."""
+    def identify(self, authorization: Any) -> Optional[Tenant]:
+        """The tenant of an ``Authorization`` value (``Bearer <key>``, str or
+        bytes); None when it carries no valid key."""
         if isinstance(authorization, bytes):
             authorization = authorization.decode("latin-1")
         if not isinstance(authorization, str):
-            return False
+            return None
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return False
+            return None
         digest = hashlib.sha256(token.strip().encode("utf-8", errors="replace")).digest()
-        matched = False
-        for known in self._digests:  # all of them: no early exit
-            matched |= hmac.compare_digest(known, digest)
-        return matched
+        found = None
+        for known, tenant in self._entries:  # all of them: no early exit
+            if hmac.compare_digest(known, digest):
+                found = tenant
+        return found
+
+    def allows(self, authorization: Any) -> bool:
+        """Whether an ``Authorization`` value carries a valid key."""
+        return self.identify(authorization) is not None
 
 
 @dataclass(frozen=True)
@@ -159,12 +184,29 @@ class Security:
         api_keys: Require one of these bearer tokens; None requires none.
         auth_health: Require a key for health checks too.
         auth_metrics: Require a key for ``/metrics`` too.
+        tenant_gate: Admits each tenant's requests (rate, open streams) in
+            this router, shared by both front ends.
     """
 
     tls: Optional[TLSFiles] = None
     api_keys: Optional[ApiKeys] = None
     auth_health: bool = False
     auth_metrics: bool = False
+    tenant_gate: TenantGate = field(default_factory=TenantGate, compare=False)
+
+    def tenant_of(self, authorization: Any) -> Optional[Tenant]:
+        """The caller's tenant (None without API keys: requests run as sent).
+
+        Raises:
+            PermissionError: Keys are required and ``authorization`` carries none
+                (the interceptor / middleware refuse such calls first).
+        """
+        if self.api_keys is None:
+            return None
+        tenant = self.api_keys.identify(authorization)
+        if tenant is None:
+            raise PermissionError(UNAUTHENTICATED_MESSAGE)
+        return tenant
 
     @classmethod
     def from_options(
@@ -176,23 +218,26 @@ class Security:
         api_key_file: Optional[str] = None,
         auth_health: bool = False,
         auth_metrics: bool = False,
+        tenants_file: Optional[str] = None,
     ) -> Optional["Security"]:
         """The front ends' security from plain settings (flags or the config's
         ``router`` section); None when nothing is set.
 
         Raises:
             ValueError: Only one of cert / key, a client CA without TLS, auth
-                options without keys, or an unreadable file / empty key file.
+                options without keys, or an unreadable file / empty key file /
+                invalid tenants file.
         """
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key (tls_cert and tls_key)")
         if tls_client_ca is not None and tls_cert is None:
             raise ValueError("--tls-client-ca (tls_client_ca) needs TLS: set --tls-cert and --tls-key too")
         tls = TLSFiles(tls_cert, tls_key, tls_client_ca) if tls_cert else None
-        keys = ApiKeys.load(api_keys or (), api_key_file)
+        keys = ApiKeys.load(api_keys or (), api_key_file, tenants_file)
         if tls is None and keys is None:
             if auth_health or auth_metrics:
-                raise ValueError("--auth-health / --auth-metrics need API keys: set --api-key or --api-key-file")
+                raise ValueError("--auth-health / --auth-metrics need API keys: set --api-key, --api-key-file "
+                                 "or --tenants-file")
             return None
         if keys is not None and tls is None:
             logger.warning("API keys without TLS travel in plaintext: set --tls-cert and --tls-key")

@@ -16,7 +16,16 @@ Errors map as the backend documents them (``router/backend.py``):
     OverloadedError     RESOURCE_EXHAUSTED  trailing metadata retry-after-ms: when to retry
     NoReplicaError      UNAVAILABLE
     deadline passed     DEADLINE_EXCEEDED
-    anything else       INTERNAL            logged; the server keeps serving
+    PermissionError     UNAUTHENTICATED     no valid API key (the interceptor refuses first)
+    anything else       INTERNAL            logged with the request id, which the details
+                                            name (never the exception's text); the server
+                                            keeps serving
+
+Requests of at least ``OFFLOAD_BYTES`` are validated and tokenized in a
+worker thread, not on the event loop. With API keys, each call runs as its
+key's tenant (``router.tenants``): its rate and stream limits are checked
+before the request is parsed, then its token cap, cache namespace and
+priority cap apply.
 
 Cancellation: when the client cancels or its deadline passes, gRPC cancels the
 handler task; the ``async for`` over ``backend.stream()`` is interrupted, and
@@ -36,7 +45,9 @@ The server is stateless: several routers on one Redis behave as one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import uuid
 from typing import Any, AsyncIterator, Optional
 
 import grpc
@@ -58,8 +69,14 @@ DEFAULT_PORT = 50051
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: milliseconds to wait
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and details for an error raised while serving a request."""
+OFFLOAD_BYTES = 64 * 1024  # requests at least this large are converted (tokenized) off the event loop
+
+
+def status_for(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and details for an error raised while serving a request
+    (an unexpected error's text stays in the log: the client gets the request id)."""
+    if isinstance(exc, PermissionError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OverloadedError):
@@ -68,7 +85,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, (f"internal error serving request {request_id or '(unassigned)'}: "
+                                      "the router logged the cause under this id")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -79,12 +97,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         directory: The prefix directory (``cluster.shared.directory.Directory``) whose
             replica stats answer ``ListReplicas``; None answers UNAVAILABLE.
         limits: Input limits (default ``Limits()``).
+        security: ``router.security.Security``: with API keys, each call runs
+            as its key's tenant (``router.tenants``); None runs requests as sent.
     """
 
-    def __init__(self, backend: Backend, directory: Any = None, limits: Optional[Limits] = None) -> None:
+    def __init__(self, backend: Backend, directory: Any = None, limits: Optional[Limits] = None,
+                 security: Any = None) -> None:
         self.backend = backend
         self.directory = directory
         self.limits = limits or Limits()
+        self.security = security
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> Any:
+        """The caller's ``(tenant, admission)``; ``(None, None)`` without API keys.
+
+        Raises:
+            OverloadedError: The tenant is over its rate or stream limit.
+        """
+        if self.security is None or self.security.api_keys is None:
+            return None, None
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        tenant = self.security.tenant_of(authorization)
+        return tenant, self.security.tenant_gate.admit(tenant)
+
+    def _convert(self, request: pb.GenerateRequest, limits: Limits) -> Any:
+        return convert.request_from_proto(request, self.backend.tokenizer, self.backend.model.max_model_len, limits)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -92,12 +129,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """Validates the request and streams its chunks (see the module docstring)."""
         failure: Optional[tuple[grpc.StatusCode, str]] = None
         trailers: tuple[tuple[str, str], ...] = ()
-        request_id = request.request_id or "(unassigned)"
+        request_id = request.request_id or uuid.uuid4().hex  # names the request in logs and INTERNAL errors
+        admission = None
         try:
-            engine_request = convert.request_from_proto(request, self.backend.tokenizer,
-                                                        self.backend.model.max_model_len, self.limits)
+            tenant, admission = self._admit(context)  # limits before any parsing or tokenizing
+            limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
+            if request.ByteSize() >= OFFLOAD_BYTES:
+                engine_request = await asyncio.to_thread(self._convert, request, limits)
+            else:
+                engine_request = self._convert(request, limits)
+            if not request.request_id:
+                engine_request = dataclasses.replace(engine_request, request_id=request_id)
+            if tenant is not None:
+                engine_request = tenant.apply(engine_request)
             request_id = engine_request.request_id
             stream = self.backend.stream(engine_request)
+            if admission is not None:
+                stream = admission.meter(stream)
             try:
                 while True:
                     # Bound each wait by the deadline (None: no deadline); not the
@@ -114,13 +162,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             logger.info("request %s cancelled by the client", request_id)
             raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, never a crash
-            failure = status_for(exc)
+            failure = status_for(exc, request_id)
             if isinstance(exc, OverloadedError):
                 trailers = ((RETRY_AFTER_KEY, str(max(1, round(exc.retry_after_s * 1000)))),)
             if failure[0] is grpc.StatusCode.INTERNAL:
                 logger.exception("request %s failed", request_id)
             else:
                 logger.info("request %s: %s: %s", request_id, failure[0].name, failure[1])
+        finally:
+            if admission is not None:
+                admission.release()
         if failure is not None:
             await context.abort(*failure, trailing_metadata=trailers)
 
@@ -134,7 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             stats = await self.directory.replica_stats()
         except Exception as exc:  # noqa: BLE001 - DirectoryError and bugs alike
             logger.warning("ListReplicas: directory unavailable: %s", exc)
-            failure = (grpc.StatusCode.UNAVAILABLE, f"the replica directory is unavailable: {exc}")
+            failure = (grpc.StatusCode.UNAVAILABLE, "the replica directory is unavailable: retry later")
         else:
             return pb.ListReplicasResponse(replicas=[_replica_info(rid, s) for rid, s in sorted(stats.items())])
         await context.abort(*failure)
@@ -210,7 +261,7 @@ class RouterServer:
             interceptors=security.grpc_interceptors() if security is not None else None,
             options=[("grpc.max_receive_message_length", self.limits.max_request_bytes)],
         )
-        servicer = GenerationServicer(self.backend, self.directory, self.limits)
+        servicer = GenerationServicer(self.backend, self.directory, self.limits, security)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

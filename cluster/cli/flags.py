@@ -64,6 +64,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     sec.add_argument("--api-key", action="append", default=None,
                      help="require 'Authorization: Bearer <key>' with this key (repeatable)")
     sec.add_argument("--api-key-file", default=None, help="file of accepted keys, one per line")
+    sec.add_argument("--tenants-file", default=None,
+                     help="YAML binding keys to tenants: cache namespace, max_priority, requests_per_s, "
+                          "max_concurrent_streams, max_tokens_per_request (router/tenants.py)")
     sec.add_argument("--auth-health", action="store_true", help="require a key for health checks too")
     sec.add_argument("--auth-metrics", action="store_true", help="require a key for /metrics too")
 
@@ -93,7 +96,7 @@ def security_from_args(args: argparse.Namespace, router: Any = None) -> Any:
     return Security.from_options(
         tls_cert=pick("tls_cert"), tls_key=pick("tls_key"), tls_client_ca=pick("tls_client_ca"),
         api_keys=getattr(args, "api_key", None) or (), api_key_file=pick("api_key_file"),
-        auth_health=bool(pick("auth_health")), auth_metrics=bool(pick("auth_metrics")),
+        tenants_file=pick("tenants_file"), auth_health=bool(pick("auth_health")), auth_metrics=bool(pick("auth_metrics")),
     )
 
 

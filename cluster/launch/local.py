@@ -132,6 +132,8 @@ class LocalCluster:
         tokenizer = RouterTokenizer.from_model_dir(Path(model_dir))
         model = ModelInfo(name, max_len)
         router_metrics = get_router_metrics(self.config.namespace, self.config.routing_policy)
+        if self.security is not None:
+            self.security.tenant_gate.metrics = router_metrics
         from router.limits import Limits
 
         limits = self.limits or Limits()

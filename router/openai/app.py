@@ -16,8 +16,11 @@ Both generation routes stream server-sent events with ``"stream": true``
 prefix-cache hit. Errors are OpenAI bodies ``{"error": {...}}``: 400 bad
 input (a limit of ``router.limits`` is named with the value allowed), 401
 missing or wrong API key (``router.security``), 404 unknown model, 413 body
-over ``max_request_bytes``, 429 overloaded (with ``Retry-After``), 503 no
-replica.
+over ``max_request_bytes``, 429 overloaded or over the tenant's limits (with
+``Retry-After``), 500 an unexpected error (the body names the request id
+the router logged the cause under, never the exception's text), 503 no
+replica. With API keys each request runs as its key's tenant
+(``router.tenants``), whose limits are checked before the body is read.
 
 When a streaming client disconnects, the response task is cancelled and the
 backend's stream is closed, which makes the replica abort the sequence and
@@ -26,6 +29,8 @@ free its blocks.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -37,11 +42,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.backend import Backend
+from router.errors import OverloadedError
 from router.limits import Limits
-from router.openai.protocol import APIError, backend_error, bad_request, error_response, parse_request
+from router.openai.protocol import (APIError, ParsedRequest, backend_error, bad_request, error_response,
+                                    internal_error, parse_request)
 from router.openai.responses import EventStream, close_stream, event_stream, whole_response
 
 logger = logging.getLogger(__name__)
+
+OFFLOAD_BYTES = 64 * 1024  # bodies at least this large are parsed and tokenized off the event loop
 
 
 class OpenAIServer:
@@ -49,11 +58,15 @@ class OpenAIServer:
 
     Args:
         backend: Where requests go.
+        limits: Input limits (default ``Limits()``).
+        security: ``router.security.Security``: with API keys, each request
+            runs as its key's tenant (``router.tenants``); None runs requests as sent.
     """
 
-    def __init__(self, backend: Backend, limits: Optional[Limits] = None) -> None:
+    def __init__(self, backend: Backend, limits: Optional[Limits] = None, security: Any = None) -> None:
         self.backend = backend
         self.limits = limits or Limits()
+        self.security = security
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``."""
@@ -74,17 +87,47 @@ class OpenAIServer:
         """``POST /v1/chat/completions``."""
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    def _admit(self, request: Request) -> Any:
+        """The caller's ``(tenant, admission)``; ``(None, None)`` without API keys."""
+        security = self.security
+        if security is None or security.api_keys is None:
+            return None, None
+        tenant = security.tenant_of(request.headers.get("authorization"))
+        return tenant, security.tenant_gate.admit(tenant)
+
+    def _parse(self, raw: bytes, chat: bool, limits: Limits) -> ParsedRequest:
         try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
+        return parse_request(body, chat, self.backend.tokenizer, self.backend.model, limits)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        admission = None
+        try:
+            tenant, admission = self._admit(request)  # limits before reading, parsing or tokenizing
+            limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
             raw = await self._read_body(request)
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-                raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
-            parsed = parse_request(body, chat, self.backend.tokenizer, self.backend.model, self.limits)
-        except APIError as err:
-            return error_response(err)
-        stream = self.backend.stream(parsed.request).__aiter__()
+            if len(raw) >= OFFLOAD_BYTES:  # parse and tokenize big bodies off the event loop
+                parsed = await asyncio.to_thread(self._parse, raw, chat, limits)
+            else:
+                parsed = self._parse(raw, chat, limits)
+            if tenant is not None:
+                parsed = dataclasses.replace(parsed, request=tenant.apply(parsed.request))
+        except (APIError, OverloadedError, PermissionError) as err:
+            if admission is not None:
+                admission.release()
+            if isinstance(err, PermissionError):
+                err = APIError(401, str(err), code="invalid_api_key")
+            return error_response(err if isinstance(err, APIError) else backend_error(err))
+        except BaseException:
+            if admission is not None:
+                admission.release()
+            raise
+        stream = self.backend.stream(parsed.request)
+        if admission is not None:
+            stream = admission.meter(stream)  # releases the admission when the stream ends
+        stream = stream.__aiter__()
         try:
             first = await stream.__anext__()  # errors before any output get a proper status
         except StopAsyncIteration:
@@ -93,8 +136,9 @@ class OpenAIServer:
             await close_stream(stream)
             err = backend_error(exc)
             if err is None:
-                logger.exception("request %s failed", parsed.request.request_id)
-                err = APIError(500, f"internal error: {exc}", type_="internal_error")
+                request_id = parsed.request.request_id
+                logger.exception("request %s failed", request_id)
+                err = internal_error(request_id)
             return error_response(err)
         except BaseException:
             await close_stream(stream)
@@ -140,7 +184,7 @@ def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[
     Returns:
         A Starlette app (serve it with :func:`serve_openai` or any ASGI server).
     """
-    server = OpenAIServer(backend, limits)
+    server = OpenAIServer(backend, limits, security)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

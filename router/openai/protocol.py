@@ -359,6 +359,13 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+def internal_error(request_id: str) -> APIError:
+    """The 500 of an unexpected error: names the request id the cause was logged
+    under, never the exception's text (which may hold internal detail)."""
+    return APIError(500, f"internal error serving request {request_id}: the router logged the cause under this id",
+                    type_="internal_error")
+
+
 def backend_error(exc: BaseException) -> Optional[APIError]:
     """The API error of an exception ``Backend.stream`` raised, or None if unexpected."""
     if isinstance(exc, ValueError):

@@ -20,13 +20,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.shared.types import StreamChunk
 from router.openai.protocol import (
-    APIError,
     ParsedRequest,
     backend_error,
     chat_logprobs,
     completion_logprobs,
     error_response,
     finish_reason,
+    internal_error,
     usage_body,
 )
 
@@ -90,7 +90,7 @@ async def whole_response(
         err = backend_error(exc)
         if err is None:
             logger.error("request %s failed", parsed.request.request_id, exc_info=exc)
-            err = APIError(500, f"internal error: {exc}", type_="internal_error")
+            err = internal_error(parsed.request.request_id)
         return error_response(err)
     result: _Result = consumer.result()
     reason = finish_reason(result.last) if result.last else None
@@ -168,7 +168,7 @@ async def event_stream(
         err = backend_error(exc)
         if err is None:
             logger.error("stream %s failed", parsed.request.request_id, exc_info=exc)
-            err = APIError(500, f"internal error: {exc}", type_="internal_error")
+            err = internal_error(parsed.request.request_id)
         yield "data: " + json.dumps(err.body()) + "\n\n"
     finally:
         if last is None or not last.finished:

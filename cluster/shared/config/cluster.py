@@ -52,6 +52,9 @@ class RouterConfig:
         tls_client_ca: PEM CA: require client certificates it signed (mTLS).
         api_key_file: File with one accepted bearer token per line (a
             mounted Secret); unset: no authentication.
+        tenants_file: YAML file binding keys to tenants (cache namespace,
+            priority cap, rate / stream / token limits; ``router/tenants.py``),
+            a mounted Secret; usable with or without ``api_key_file``.
         auth_health: Require a token for health checks too.
         auth_metrics: Require a token for ``GET /metrics`` too.
     """
@@ -69,6 +72,7 @@ class RouterConfig:
     tls_key: Optional[str] = None
     tls_client_ca: Optional[str] = None
     api_key_file: Optional[str] = None
+    tenants_file: Optional[str] = None
     auth_health: bool = False
     auth_metrics: bool = False
 
