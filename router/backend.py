@@ -10,7 +10,8 @@ map errors to their status codes:
     ValueError             bad input            INVALID_ARGUMENT / HTTP 400
     OverloadedError        queues are full      RESOURCE_EXHAUSTED / HTTP 429
                                                 (+ retry-after-ms / Retry-After)
-    NoReplicaError         no live replica      UNAVAILABLE / HTTP 503
+    NoReplicaError         no live replica,     UNAVAILABLE / HTTP 503
+                           or this router drains
 
 Overload has three sources: this router already streams
 ``max_inflight_requests``; Serve cannot queue the request (its
@@ -25,6 +26,7 @@ mid-stream, the stream continues on another one (``router/migration.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Protocol
@@ -35,6 +37,8 @@ from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migra
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
+
+DRAINING_MESSAGE = "this router is draining (its pod is stopping): retry, another router takes the request"
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,17 @@ class RouterBackend:
         self.num_inflight = 0
         self.metrics = metrics
         self.migration_limit = migration_limit
+        self.draining = False  # set by a drain (router/drain.py): new requests are refused
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Refuses new requests and waits up to ``timeout_s`` for the running
+        streams to finish; returns how many still run."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.num_inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return self.num_inflight
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """Yields the request's chunks; the last one has a finish reason
@@ -98,6 +113,8 @@ class RouterBackend:
             NoReplicaError: No replica is available, or the request's replicas
                 died more often than ``migration_limit``.
         """
+        if self.draining:
+            raise NoReplicaError(DRAINING_MESSAGE)
         cap = self.max_inflight_requests
         if cap is not None and self.num_inflight >= cap:
             raise OverloadedError(f"this router is streaming {self.num_inflight} requests, its "

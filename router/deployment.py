@@ -15,13 +15,16 @@ lookup per request) happens in the router's process, exactly as in the local
 launcher, where the same front ends run inside ``prefixserve up``.
 
 Serve calls ``check_health`` every few seconds: a router whose servers
-stopped is restarted. On shutdown (scale-down, upgrade, SIGTERM of the pod)
-the health service reports NOT_SERVING first, then in-flight streams get
-``router.drain_timeout_s`` seconds to finish.
+stopped is restarted. On shutdown by Serve (scale-down, upgrade) the health
+service reports NOT_SERVING first, then in-flight streams get
+``router.drain_timeout_s`` seconds to finish. A pod that Kubernetes stops
+drains the same way through its preStop hook (``router.admin_socket``,
+``router/drain.py``), before SIGTERM reaches Ray.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -92,9 +95,11 @@ class RouterDeployment:
                                 max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
                                 migration_limit=cfg.migration_limit)
         directory = Directory.from_url(options.redis_url, options.namespace) if options.redis_url else None
+        self._backend = backend
         self._grpc: Any = RouterServer(backend, directory, host=cfg.host, port=cfg.grpc_port,
                                        limits=limits, security=security)
         self._http: Any = None
+        self._drain: Any = None
         await self._grpc.start()
         if cfg.http_port is not None:
             from router.openai import serve_openai
@@ -106,12 +111,30 @@ class RouterDeployment:
             except BaseException:
                 await self._grpc.stop(0)
                 raise
+        if cfg.admin_socket:
+            from router.drain import DrainControl
+
+            self._drain = DrainControl(cfg.admin_socket, self.drain)
+            try:
+                await self._drain.start()
+            except BaseException:
+                await asyncio.gather(*(f.stop(0) for f in (self._grpc, self._http) if f is not None))
+                raise
         logger.info("router replica serving gRPC on %s%s", self._grpc.address,
                     f", HTTP on {self._http.url}" if self._http is not None else "")
 
     async def addresses(self) -> dict[str, Optional[str]]:
         """The bound front ends: ``{"grpc": "host:port", "http": "http://host:port"}``."""
         return {"grpc": self._grpc.address, "http": self._http.url if self._http is not None else None}
+
+    async def drain(self, timeout_s: float) -> int:
+        """NOT_SERVING, new requests refused, running streams get ``timeout_s``;
+        returns the streams still running (``router/drain.py``)."""
+        if self._grpc is not None:
+            await self._grpc.not_serving()
+        left = await self._backend.drain(timeout_s)
+        logger.info("router drained: %d streams still running", left)
+        return left
 
     async def check_health(self) -> None:
         """Serve's health check: fails once a front end has stopped."""
@@ -122,8 +145,9 @@ class RouterDeployment:
 
     async def __del__(self) -> None:
         """Serve's shutdown hook: NOT_SERVING, then in-flight streams get ``router.drain_timeout_s``."""
-        import asyncio
-
+        drain, self._drain = getattr(self, "_drain", None), None
+        if drain is not None:
+            await drain.stop()
         http, self._http = getattr(self, "_http", None), None
         grpc_server, self._grpc = getattr(self, "_grpc", None), None
         grace = self.options.router.drain_timeout_s

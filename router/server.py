@@ -285,6 +285,10 @@ class RouterServer:
                     ", API keys required" if security is not None and security.api_keys is not None else "")
         return port
 
+    async def not_serving(self) -> None:
+        """Reports NOT_SERVING (a drain: the pod's readiness probe fails, calls go elsewhere)."""
+        await self._health.enter_graceful_shutdown()
+
     async def stop(self, grace: Optional[float] = 5.0) -> None:
         """Reports NOT_SERVING, then stops; in-flight RPCs get ``grace`` seconds."""
         server, self._server = self._server, None

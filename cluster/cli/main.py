@@ -13,6 +13,7 @@
     prefixserve bench serve [--url HOST:PORT] [--dataset-name D] ...   serving benchmark (as vllm bench serve)
     prefixserve soak [--duration 300] ...                    mixed load with faults of clients; leak check
     prefixserve status --url HOST:PORT [--watch [SECONDS]]   table of the live replicas
+    prefixserve router-drain [--socket PATH] [--timeout S]   drain this pod's router (preStop hook)
 
 Engine flags are generated from ``EngineConfig`` and named as vLLM names them
 (``--block-size``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
@@ -97,6 +98,8 @@ COMMANDS = (
     # --seed is the dataset's seed there (as in vllm bench serve), not the engine's.
     Command(("bench", "serve"), "serving benchmark: throughput, TTFT/TPOT/ITL, hit rate",
             "cluster.bench.serve", "add_serve_args", "run_serve", exclude=("seed",)),
+    Command(("router-drain",), "drain this pod's router replica: NOT_SERVING, streams finish (a preStop hook)",
+            "cluster.cli.drain", "add_drain_args", "run_drain", engine_flags=False),
     Command(("status",), "table of the live replicas (ListReplicas, /metrics)",
             "cluster.client.status", "add_status_args", "run_status", engine_flags=False),
 )

@@ -5,7 +5,7 @@ Routes::
     POST /v1/completions        prompt (string or token ids) → text
     POST /v1/chat/completions   messages (rendered with the chat template) → message
     GET  /v1/models             the one served model
-    GET  /health                200 while the server runs
+    GET  /health                200 while the server runs, 503 while it drains
     GET  /metrics               Prometheus text: the router's and every live replica's
                                 series (with ``metrics``; see ``router/metrics.py``)
 
@@ -76,7 +76,9 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        """``GET /health``."""
+        """``GET /health``: 200, or 503 while the router drains (``router/drain.py``)."""
+        if getattr(self.backend, "draining", False):
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def completions(self, request: Request) -> Response:

@@ -41,6 +41,9 @@ class RouterConfig:
             past it the request fails with UNAVAILABLE.
         drain_timeout_s: On shutdown (SIGTERM), seconds running streams get
             to finish after the routers stop accepting requests.
+        admin_socket: Unix socket on which a router replica accepts a drain
+            request (``prefixserve router-drain``, a pod's preStop hook;
+            ``router/drain.py``); None opens none.
         limits: Input limits and the in-flight bound of each router, by the
             names of ``router.limits.Limits`` (``max_prompt_tokens``,
             ``max_output_tokens``, ``max_request_bytes``, ``max_messages``,
@@ -67,6 +70,7 @@ class RouterConfig:
     router_resources: dict = field(default_factory=dict)
     migration_limit: int = 3
     drain_timeout_s: float = 30.0
+    admin_socket: Optional[str] = None
     limits: dict = field(default_factory=dict)
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
