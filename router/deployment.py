@@ -95,6 +95,8 @@ class RouterDeployment:
                                 max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
                                 migration_limit=cfg.migration_limit)
         directory = Directory.from_url(options.redis_url, options.namespace) if options.redis_url else None
+        if directory is not None:
+            await directory.check_read_access()  # wrong credentials / ACL: this replica fails to start, saying so
         self._backend = backend
         self._grpc: Any = RouterServer(backend, directory, host=cfg.host, port=cfg.grpc_port,
                                        limits=limits, security=security)

@@ -266,9 +266,14 @@ class ReplicaServer:
             self._publish_wakeup = asyncio.Event()
             loop.run_until_complete(self._publisher_main(ready))
 
+        self._publisher_error: Optional[BaseException] = None
         self._publisher_thread = threading.Thread(target=run, name="kv-publisher", daemon=True)
         self._publisher_thread.start()
         ready.wait(timeout=30)
+        if self._publisher_error is not None:  # wrong Redis credentials / ACL: refuse to start, say why
+            self._closing = True
+            self._front.shutdown()
+            raise RuntimeError(str(self._publisher_error)) from None
 
     async def _publisher_main(self, ready: threading.Event) -> None:
         from cluster.shared.directory import Directory
@@ -279,8 +284,14 @@ class ReplicaServer:
             directory, self.replica_id, self._snapshot, stats_fn=self._directory_stats,
             metrics_fn=self.metrics_text, contract=self._contract,
         )
+        from cluster.shared.directory import DirectoryAuthError
+
         try:
             await self._publisher.start()
+        except DirectoryAuthError as exc:
+            self._publisher_error = exc
+            await directory.aclose()
+            return
         finally:
             ready.set()
         assert self._publish_wakeup is not None

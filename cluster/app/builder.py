@@ -85,7 +85,7 @@ def request_router_config(config: ClusterConfig) -> Any:
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs={
-            "redis_url": config.redis_url,
+            "redis_url": config.router_redis_url,  # the request router runs in the router's process
             "namespace": config.namespace,
             "policy": config.routing_policy,
             "policy_params": dict(config.routing_policy_params),
@@ -160,7 +160,8 @@ def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
 
     Limits.from_kwargs(**config.router.limits)  # a misspelled limit fails here, not in each router replica
     model_dir, name, max_len = model_info(config)
-    front = FrontEndOptions(model_dir=model_dir, model_name=name, max_model_len=max_len, redis_url=config.redis_url,
+    front = FrontEndOptions(model_dir=model_dir, model_name=name, max_model_len=max_len,
+                            redis_url=config.router_redis_url,
                             namespace=config.namespace, routing_policy=config.routing_policy, router=config.router)
     return serve.deployment(RouterDeployment).options(**router_options(config)).bind(replicas, front)
 

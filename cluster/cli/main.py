@@ -14,6 +14,7 @@
     prefixserve soak [--duration 300] ...                    mixed load with faults of clients; leak check
     prefixserve status --url HOST:PORT [--watch [SECONDS]]   table of the live replicas
     prefixserve router-drain [--socket PATH] [--timeout S]   drain this pod's router (preStop hook)
+    prefixserve redis-acl > users.acl                        Redis ACL users: replicas write, routers read
 
 Engine flags are generated from ``EngineConfig`` and named as vLLM names them
 (``--block-size``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
@@ -100,6 +101,8 @@ COMMANDS = (
             "cluster.bench.serve", "add_serve_args", "run_serve", exclude=("seed",)),
     Command(("router-drain",), "drain this pod's router replica: NOT_SERVING, streams finish (a preStop hook)",
             "cluster.cli.drain", "add_drain_args", "run_drain", engine_flags=False),
+    Command(("redis-acl",), "the prefix directory's Redis ACL file: replicas write, routers only read",
+            "cluster.cli.redis_acl", "add_redis_acl_args", "run_redis_acl", engine_flags=False),
     Command(("status",), "table of the live replicas (ListReplicas, /metrics)",
             "cluster.client.status", "add_status_args", "run_status", engine_flags=False),
 )

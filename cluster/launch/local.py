@@ -147,7 +147,8 @@ class LocalCluster:
         async def start() -> tuple[Any, Any]:
             server = http = None
             # On this loop: the async Redis client belongs to it (the gRPC server closes it).
-            directory = Directory.from_url(self.redis_url, self.config.namespace) if self.redis_url else None
+            directory_url = self.config.router.redis_url or self.redis_url
+            directory = Directory.from_url(directory_url, self.config.namespace) if directory_url else None
             if self.grpc_port is not None:
                 server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port,
                                       limits=limits, security=self.security)

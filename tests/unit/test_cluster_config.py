@@ -144,10 +144,20 @@ def test_the_example_config_file_loads():
     assert cfg.autoscaling is not None
 
 
-def test_redis_url_from_the_environment(monkeypatch):
+def test_redis_url_from_the_environment_of_the_process_that_connects(monkeypatch):
+    """``env:NAME`` stays in the config (it travels to every pod as written);
+    each process reads its own variable when it connects, so only the pods
+    given the Secret's variable hold the password."""
+    from cluster.shared.directory import Directory
+
+    cfg = ClusterConfig.from_dict({"redis_url": "env:PREFIXSERVE_TEST_REDIS_URL",
+                                   "router": {"redis_url": "env:PREFIXSERVE_TEST_ROUTER_URL"}})
+    assert cfg.redis_url == "env:PREFIXSERVE_TEST_REDIS_URL"
+    assert cfg.router_redis_url == "env:PREFIXSERVE_TEST_ROUTER_URL"
+    assert ClusterConfig.from_dict({"redis_url": "redis://r:6379"}).router_redis_url == "redis://r:6379"
     monkeypatch.setenv("PREFIXSERVE_TEST_REDIS_URL", "redis://:secret@redis.example:6379/2")
-    cfg = ClusterConfig.from_dict({"redis_url": "env:PREFIXSERVE_TEST_REDIS_URL"})
-    assert cfg.redis_url == "redis://:secret@redis.example:6379/2"
+    directory = Directory.from_url(cfg.redis_url, "ns")  # no I/O yet
+    assert directory._client.connection_pool.connection_kwargs["host"] == "redis.example"
     monkeypatch.delenv("PREFIXSERVE_TEST_REDIS_URL")
     with pytest.raises(ValueError, match="'PREFIXSERVE_TEST_REDIS_URL' is not set"):
-        ClusterConfig.from_dict({"redis_url": "env:PREFIXSERVE_TEST_REDIS_URL"})
+        Directory.from_url(cfg.redis_url, "ns")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from cluster.shared.config.engine import EngineConfig
-from cluster.shared.config.loading import build_strict, from_env, read_yaml_mapping
+from cluster.shared.config.loading import build_strict, read_yaml_mapping
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin")
 DIRECTORY_LOOKUPS = ("index", "redis")
@@ -55,6 +55,10 @@ class RouterConfig:
         tls_client_ca: PEM CA: require client certificates it signed (mTLS).
         api_key_file: File with one accepted bearer token per line (a
             mounted Secret); unset: no authentication.
+        redis_url: The routers' own URL of the prefix directory, for a
+            read-only Redis ACL user (``cluster/shared/directory/acl.py``);
+            None: the cluster's ``redis_url``. ``env:NAME`` reads it from a
+            variable.
         tenants_file: YAML file binding keys to tenants (cache namespace,
             priority cap, rate / stream / token limits; ``router/tenants.py``),
             a mounted Secret; usable with or without ``api_key_file``.
@@ -71,6 +75,7 @@ class RouterConfig:
     migration_limit: int = 3
     drain_timeout_s: float = 30.0
     admin_socket: Optional[str] = None
+    redis_url: Optional[str] = None
     limits: dict = field(default_factory=dict)
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
@@ -262,15 +267,20 @@ class ClusterConfig:
         ``engine:`` the knobs of its sections may be given nested
         (``cache: {block_size: 16}``) or flat as vLLM names them
         (``block_size: 16``), not both for one knob. ``redis_url: env:NAME``
-        reads the URL from environment variable ``NAME`` now (a password
-        kept in a Kubernetes Secret stays out of the manifest).
+        (and ``router.redis_url``) stays as written: each process reads
+        variable ``NAME`` when it connects (``Directory.from_url``), so a
+        password kept in a Kubernetes Secret stays out of the manifest and
+        reaches only the pods given that variable.
 
         Raises:
             ValueError: Says which key to change and how.
         """
-        if isinstance(mapping, Mapping) and isinstance(mapping.get("redis_url"), str):
-            mapping = {**mapping, "redis_url": from_env(mapping["redis_url"], "redis_url")}
         return build_strict(cls, mapping)
+
+    @property
+    def router_redis_url(self) -> Optional[str]:
+        """The URL routers read the directory with (``router.redis_url`` or ``redis_url``)."""
+        return self.router.redis_url or self.redis_url
 
     @classmethod
     def from_yaml(cls, path: Union[str, "os.PathLike[str]"]) -> "ClusterConfig":

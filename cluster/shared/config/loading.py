@@ -126,7 +126,11 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
 
 
 def from_env(value: str, path: str) -> str:
-    """``env:NAME`` -> the value of environment variable NAME; other values as they are."""
+    """``env:NAME`` -> the value of environment variable NAME; other values as they are.
+
+    Raises:
+        ValueError: NAME is not set (the message names ``path`` and NAME).
+    """
     if not value.startswith("env:"):
         return value
     name = value[len("env:"):]

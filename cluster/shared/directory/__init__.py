@@ -16,9 +16,10 @@ from cluster.shared.directory.client import (
     check_block_hashes,
     pairs_to_dict,
 )
-from cluster.shared.directory.errors import DirectoryError, DirectoryUnavailable, PublishStatus
+from cluster.shared.directory.errors import DirectoryAuthError, DirectoryError, DirectoryUnavailable, PublishStatus
 
 __all__ = [
-    "DEFAULT_HEARTBEAT_S", "DEFAULT_TTL_S", "Directory", "DirectoryError", "DirectoryUnavailable",
+    "DEFAULT_HEARTBEAT_S", "DEFAULT_TTL_S", "Directory", "DirectoryAuthError", "DirectoryError",
+    "DirectoryUnavailable",
     "PublishStatus", "check_block_hashes", "pairs_to_dict",
 ]

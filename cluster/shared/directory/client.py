@@ -35,7 +35,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from cluster.shared.directory import lua
-from cluster.shared.directory.errors import UNAVAILABLE_ERRORS, DirectoryError, DirectoryUnavailable, PublishStatus
+from cluster.shared.directory.errors import (UNAVAILABLE_ERRORS, DirectoryAuthError, DirectoryError,
+                                            DirectoryUnavailable, PublishStatus, auth_error_message,
+                                            is_acl_denial)
 from cluster.shared.hashing import DIGEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -130,8 +132,15 @@ class Directory:
 
         Timeouts bound how long a call waits before ``DirectoryUnavailable``:
         a refused connection fails in milliseconds, a hung Redis after about
-        2 x ``socket_timeout_s`` (one immediate retry).
+        2 x ``socket_timeout_s`` (one immediate retry). ``url`` may be
+        ``env:NAME``: the URL is then this process's variable ``NAME``.
+
+        Raises:
+            ValueError: ``env:NAME`` with NAME unset.
         """
+        from cluster.shared.config.loading import from_env
+
+        url = from_env(url, "the directory's redis_url")
         client = aioredis.Redis.from_url(
             url,
             socket_connect_timeout=connect_timeout_s,
@@ -197,6 +206,25 @@ class Directory:
         keys = self._replica_keys(rid) + [lua.replicas_key(self.prefix), lua.stats_key(self.prefix, rid),
                                           lua.metrics_key(self.prefix, rid), lua.events_key(self.prefix)]
         return bool(await self._run("deregister", lambda: self._scripts["DEREGISTER"](keys, [epoch, replica_id])))
+
+    async def check_read_access(self) -> bool:
+        """One read (the live replicas), at a client's start-up.
+
+        Returns:
+            Whether Redis answered (False: unavailable now; callers carry on
+            and retry as usual).
+
+        Raises:
+            DirectoryAuthError: Wrong credentials or a user without read access.
+        """
+        try:
+            await self.live_replica_seqs()
+        except DirectoryAuthError:
+            raise
+        except DirectoryError as exc:
+            logger.warning("directory %s: not reachable at start-up (%s); carrying on", self.namespace, exc)
+            return False
+        return True
 
     async def live_replicas(self) -> dict[str, int]:
         """Returns ``{replica_id: epoch}`` of every replica with a live TTL."""
@@ -405,6 +433,8 @@ class Directory:
             )
         try:
             result = await call()
+        except (rex.AuthenticationError, rex.NoPermissionError) as exc:  # before ConnectionError, its base
+            raise DirectoryAuthError(auth_error_message(what, exc)) from None
         except UNAVAILABLE_ERRORS as exc:
             if not self._down_reason:
                 logger.warning("directory %s: Redis unavailable during %s: %s", self.namespace, what, exc)
@@ -412,6 +442,8 @@ class Directory:
             self._down_until = time.monotonic() + self.unavailable_backoff_s
             raise DirectoryUnavailable(f"directory {what}: Redis unavailable ({self._down_reason})") from exc
         except rex.RedisError as exc:
+            if is_acl_denial(exc):  # a command inside a script: a plain ResponseError
+                raise DirectoryAuthError(auth_error_message(what, exc)) from None
             raise DirectoryError(f"directory {what} failed: {type(exc).__name__}: {exc}") from exc
         if self._down_reason:
             logger.info("directory %s: Redis reachable again", self.namespace)

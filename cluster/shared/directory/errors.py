@@ -1,7 +1,7 @@
 """How directory calls fail, and what a publish, resync or heartbeat did.
 
 Routers treat any ``DirectoryError`` as "no cache information" and route on
-load alone; replicas treat ``PublishStatus`` values other than ``OK`` as
+load alone (a ``DirectoryAuthError`` at start-up stops them instead); replicas treat ``PublishStatus`` values other than ``OK`` as
 instructions (resync, re-register, stop).
 """
 
@@ -26,6 +26,29 @@ UNAVAILABLE_ERRORS = (
 
 class DirectoryError(Exception):
     """A directory call failed; routers treat it as "no cache information"."""
+
+
+class DirectoryAuthError(DirectoryError):
+    """Redis refused the credentials of the URL, or its ACL user may not run a
+    call: a configuration error, not an outage (replicas and routers refuse
+    to start with it; ``cluster/shared/directory/acl.py`` has the ACL)."""
+
+
+def is_acl_denial(exc: Exception) -> bool:
+    """Whether Redis refused a command for the ACL (NOPERM, or a command that
+    a script ran, which Redis reports as a plain error)."""
+    return isinstance(exc, rex.NoPermissionError) or (
+        isinstance(exc, rex.ResponseError) and "user executing the script can't run" in str(exc))
+
+
+def auth_error_message(what: str, exc: Exception) -> str:
+    """What to change when Redis refuses ``what`` for lack of credentials or permission."""
+    if is_acl_denial(exc):
+        return (f"directory {what}: the Redis user of this URL may not do it ({exc}): replicas need the "
+                "'replica' ACL and routers the 'router' ACL (`prefixserve redis-acl`, "
+                "cluster/shared/directory/acl.py)")
+    return (f"directory {what}: Redis refused the credentials ({exc}): put the right user and password in the "
+            "URL, redis://USER:PASSWORD@host:port/0 (`env:NAME` reads the URL from a variable filled from a Secret)")
 
 
 class DirectoryUnavailable(DirectoryError):

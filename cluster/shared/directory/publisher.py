@@ -33,7 +33,7 @@ import logging
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from cluster.shared.directory.client import DEFAULT_HEARTBEAT_S, Directory
-from cluster.shared.directory.errors import DirectoryError, PublishStatus
+from cluster.shared.directory.errors import DirectoryAuthError, DirectoryError, PublishStatus
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +141,13 @@ class DirectoryPublisher:
 
         Returns:
             Whether the directory is in sync now.
+
+        Raises:
+            DirectoryAuthError: Redis refused the credentials or the ACL user
+                may not write (a configuration error: nothing would ever be published).
         """
         async with self._lock:
-            in_sync = await self._repair_locked()
+            in_sync = await self._repair_locked(raise_auth=True)
             await self._publish_metrics_locked()
         if self._heartbeat_task is None:
             name = f"directory-heartbeat-{self.replica_id}"
@@ -224,7 +228,7 @@ class DirectoryPublisher:
         self.needs_resync = True
         self.num_failures += 1
 
-    async def _repair_locked(self) -> bool:
+    async def _repair_locked(self, raise_auth: bool = False) -> bool:
         """(Re)registers if needed and resyncs from a snapshot. Lock held."""
         for _ in range(2):  # a second round if the epoch expired meanwhile
             try:
@@ -234,6 +238,8 @@ class DirectoryPublisher:
                 self._synced_seq_no = seq_no
                 status = await self.directory.resync(self.replica_id, self.epoch, seq_no, hashes)
             except DirectoryError as exc:
+                if raise_auth and isinstance(exc, DirectoryAuthError):
+                    raise
                 self._mark_failed("resync", exc)
                 return False
             if status is PublishStatus.OK:
