@@ -99,7 +99,7 @@ class RouterDeployment:
             await directory.check_read_access()  # wrong credentials / ACL: this replica fails to start, saying so
         self._backend = backend
         self._grpc: Any = RouterServer(backend, directory, host=cfg.host, port=cfg.grpc_port,
-                                       limits=limits, security=security)
+                                       limits=limits, security=security, health_port=cfg.health_port)
         self._http: Any = None
         self._drain: Any = None
         await self._grpc.start()

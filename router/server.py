@@ -221,10 +221,14 @@ class RouterServer:
         limits: Input limits and message size (default ``Limits()``).
         security: TLS and API keys (``router.security.Security``); None
             serves plaintext without authentication.
+        health_port: Also serve ``grpc.health.v1`` alone, in plaintext
+            without a key, on this port (for Kubernetes' gRPC probes, which
+            speak no TLS); it reports what the main port reports. None: none.
     """
 
     def __init__(self, backend: Backend, directory: Any = None, host: str = DEFAULT_HOST,
-                 port: int = DEFAULT_PORT, limits: Optional[Limits] = None, security: Any = None) -> None:
+                 port: int = DEFAULT_PORT, limits: Optional[Limits] = None, security: Any = None,
+                 health_port: Optional[int] = None) -> None:
         self.backend = backend
         self.directory = directory
         self.limits = limits or Limits()
@@ -234,6 +238,9 @@ class RouterServer:
         self.port: Optional[int] = None
         self._server: Optional[grpc.aio.Server] = None
         self._health = health.aio.HealthServicer()
+        self.requested_health_port = health_port
+        self.health_port: Optional[int] = None
+        self._health_server: Optional[grpc.aio.Server] = None
 
     @property
     def address(self) -> str:
@@ -278,12 +285,27 @@ class RouterServer:
             raise RuntimeError(f"cannot bind the gRPC router to {self.host}:{self.requested_port}")
         await server.start()
         self._server, self.port = server, port
+        if self.requested_health_port is not None:
+            await self._start_health_port()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         tls = security is not None and security.tls is not None
         logger.info("gRPC router serving on %s (%s%s)", self.address, "TLS" if tls else "plaintext",
                     ", API keys required" if security is not None and security.api_keys is not None else "")
         return port
+
+    async def _start_health_port(self) -> None:
+        """The plaintext health-only server (same servicer, so the same status)."""
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
+        port = health_server.add_insecure_port(f"{self.host}:{self.requested_health_port}")
+        if port == 0:
+            await self._server.stop(0)
+            self._server = None
+            raise RuntimeError(f"cannot bind the router's health port {self.host}:{self.requested_health_port}")
+        await health_server.start()
+        self._health_server, self.health_port = health_server, port
+        logger.info("gRPC health (plaintext, health only) on %s:%d", self.host, port)
 
     async def not_serving(self) -> None:
         """Reports NOT_SERVING (a drain: the pod's readiness probe fails, calls go elsewhere)."""
@@ -296,6 +318,9 @@ class RouterServer:
             return
         await self._health.enter_graceful_shutdown()
         await server.stop(grace)
+        health_server, self._health_server = self._health_server, None
+        if health_server is not None:
+            await health_server.stop(0)
         if self.directory is not None:
             try:
                 await self.directory.aclose()

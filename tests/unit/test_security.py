@@ -319,3 +319,44 @@ def test_cli_generate_url_uses_tls_and_the_key_from_the_environment(secured, cer
     monkeypatch.delenv("PREFIXSERVE_API_KEY")
     assert asyncio.run(_generate_remote(build_parser().parse_args(argv))) == 4  # UNAUTHENTICATED, logged
     assert capsys.readouterr().out == ""
+
+
+def test_health_port_answers_plaintext_probes_while_the_main_port_speaks_tls(backend, certs):
+    """Kubernetes' gRPC probes speak no TLS: ``health_port`` serves grpc.health.v1
+    alone in plaintext, reporting what the TLS port reports (NOT_SERVING on a
+    drain), and nothing else (no Generation there, so no way around TLS or keys)."""
+    security = Security(tls=TLSFiles(certs["server"] + ".crt", certs["server"] + ".key"), api_keys=ApiKeys([KEY]))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    server = RouterServer(backend, port=0, security=security, health_port=0)
+    run(server.start())
+    try:
+        plain = f"127.0.0.1:{server.health_port}"
+
+        async def probe():
+            async with grpc.aio.insecure_channel(plain) as channel:
+                return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                        timeout=10)).status
+
+        async def generate_on_health_port():
+            async with grpc.aio.insecure_channel(plain) as channel:
+                request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=1))
+                return [c async for c in pb_grpc.GenerationStub(channel).Generate(
+                    request, timeout=10, metadata=bearer_metadata(KEY))]
+
+        assert asyncio.run(probe()) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(generate_on_health_port())
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        run(server.not_serving())
+        assert asyncio.run(probe()) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health(server.address, certs["ca"] + ".crt") == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        run(server.stop(0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

@@ -30,6 +30,9 @@ class RouterConfig:
             in a pod.
         grpc_port: Port of ``prefixserve.v1.Generation`` (fixed per node).
         http_port: Port of the OpenAI-compatible HTTP API; ``None`` serves none.
+        health_port: Port of a plaintext, key-free ``grpc.health.v1`` (only
+            that service), for Kubernetes' gRPC probes when the gRPC port
+            speaks TLS; ``None`` serves none.
         num_routers: Router deployment replicas in a Serve application (at
             most one per node, so each node's fixed ports are bound once).
         router_num_cpus: CPUs reserved per router replica.
@@ -69,6 +72,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: Optional[int] = 8000
+    health_port: Optional[int] = None
     num_routers: int = 1
     router_num_cpus: float = 0.5
     router_resources: dict = field(default_factory=dict)
@@ -86,12 +90,14 @@ class RouterConfig:
     auth_metrics: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("grpc_port", "http_port"):
+        for name in ("grpc_port", "http_port", "health_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be a port in 0..65535, got {port}")
-        if self.grpc_port is not None and self.grpc_port == self.http_port and self.grpc_port != 0:
-            raise ValueError(f"grpc_port and http_port must differ, both are {self.grpc_port}")
+        fixed = [p for p in (self.grpc_port, self.http_port, self.health_port) if p]
+        if len(fixed) != len(set(fixed)):
+            raise ValueError(f"grpc_port, http_port and health_port must differ, got {self.grpc_port}, "
+                             f"{self.http_port} and {self.health_port}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.router_num_cpus <= 0:
