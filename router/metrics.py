@@ -19,12 +19,15 @@ Router series (prefix ``prefixserve:``, like the replicas' in
                                              by admission: admitted | rate_limited | concurrency_limited
     router_tenant_tokens_total{tenant,kind}  tokens of finished requests per tenant:
                                              prompt | completion | cached_prompt
+    router_metrics_exporter                  1 on the one router that exports the replicas' series
 
 The ``tenant`` label takes only names of the tenants file (or ``default``),
 so its cardinality is bounded by the configuration, never by clients.
 
 One scrape of the router's HTTP port sees the whole cluster: ``ClusterMetrics``
-renders the router's registry, then the live replicas' series. Replicas
+renders the router's registry, then the live replicas' series, the latter on
+one router per namespace only (a lease in the directory), so that sums over
+the scrapes of several routers count each replica once. Replicas
 publish their exposition text to the prefix directory with every heartbeat
 (``Directory.publish_metrics``, same liveness TTL); the router reads the texts
 of live replicas in one round trip (``Directory.replica_metrics``) and merges
@@ -42,8 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from typing import Any, AsyncIterator, Mapping, Optional, Union
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -60,6 +66,7 @@ from router.errors import NoReplicaError, OverloadedError
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+DEFAULT_EXPORTER_TTL_S = 45.0  # three 15 s scrapes: one missed scrape does not move the lease
 OUTCOMES = ("ok", "invalid", "overloaded", "unavailable", "cancelled", "error")
 TENANT_OUTCOMES = ("admitted", "rate_limited", "concurrency_limited")
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -105,6 +112,10 @@ class RouterMetrics:
         self.tenant_tokens = Counter(PREFIX + "router_tenant_tokens",
                                      "Tokens of finished requests per tenant: prompt, completion, cached_prompt.",
                                      ("tenant", "kind"), registry=self.registry)
+        self.metrics_exporter = Gauge(
+            PREFIX + "router_metrics_exporter",
+            "1 on the router that exports the replicas' series (one per namespace), 0 on the others.",
+            registry=self.registry)
         self._degraded_since: Optional[float] = None
         for outcome in OUTCOMES:  # export zeros, so rate() and alerts see every outcome at once
             self.requests.labels(policy, outcome)
@@ -208,24 +219,64 @@ def get_router_metrics(namespace: str, policy: str) -> RouterMetrics:
 
 
 class ClusterMetrics:
-    """Renders ``GET /metrics``: the router's series, then every live replica's.
+    """Renders ``GET /metrics``: the router's series, then every live replica's
+    when this router is the namespace's metrics exporter.
+
+    With several routers, each replica series must be exported once, or
+    ``sum()`` over a replica counter counts it once per router. The routers
+    of a namespace share a lease in the directory (``claim_metrics_exporter``):
+    the holder renews it at each scrape and exports the replicas' series; the
+    others export only their own. When the holder stops (or stops being
+    scraped) for ``exporter_ttl_s``, the next router scraped takes over.
+    ``prefixserve:router_metrics_exporter`` is 1 on the holder.
 
     Args:
         router: The router's metrics.
         directory: The prefix directory (``cluster.shared.directory.Directory``) the
             replicas publish to; None renders the router's series only.
+        owner: This router's name in the lease (default: host, pid and a random suffix).
+        exporter_ttl_s: Lease length; keep it above the scrape interval.
     """
 
-    def __init__(self, router: RouterMetrics, directory: Any = None) -> None:
+    def __init__(self, router: RouterMetrics, directory: Any = None, owner: Optional[str] = None,
+                 exporter_ttl_s: float = DEFAULT_EXPORTER_TTL_S) -> None:
         self.router = router
         self.directory = directory
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.exporter_ttl_s = exporter_ttl_s
+        self._warned_no_lease = False
+
+    async def _is_exporter(self) -> bool:
+        from cluster.shared.directory import DirectoryAuthError
+
+        try:
+            held = await self.directory.claim_metrics_exporter(self.owner, self.exporter_ttl_s)
+        except DirectoryAuthError as exc:  # an ACL without the lease key: export, as before leases
+            if not self._warned_no_lease:
+                logger.warning("/metrics: cannot take the exporter lease (%s); exporting the replicas' series "
+                               "from every router", exc)
+                self._warned_no_lease = True
+            held = True
+        self.router.metrics_exporter.set(1 if held else 0)
+        return held
+
+    async def release(self) -> None:
+        """Gives the exporter lease up (a router stopping), so another takes over at once."""
+        if self.directory is None:
+            return
+        try:
+            await self.directory.release_metrics_exporter(self.owner)
+        except DirectoryError as exc:
+            logger.info("/metrics: the exporter lease was not released (it expires): %s", exc)
+        self.router.metrics_exporter.set(0)
 
     async def render(self) -> bytes:
         """The exposition text of the whole cluster (never raises for Redis trouble)."""
         texts: Mapping[str, Union[bytes, str]] = {}
         if self.directory is not None:
             try:
-                texts = await self.directory.replica_metrics()
+                if await self._is_exporter():
+                    texts = await self.directory.replica_metrics()
             except DirectoryError as exc:
                 self.router.record_directory_error()
                 logger.warning("/metrics: replicas' series unavailable (directory): %s", exc)

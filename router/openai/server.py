@@ -26,12 +26,14 @@ class OpenAIServerHandle:
         port: The bound port (the real one when 0 was asked).
     """
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task, host: str, port: int, tls: bool = False) -> None:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task, host: str, port: int, tls: bool = False,
+                 metrics: Any = None) -> None:
         self._server = server
         self._task = task
         self.host = host
         self.port = port
         self.tls = tls
+        self.metrics = metrics  # ClusterMetrics: its exporter lease is released on stop
 
     @property
     def url(self) -> str:
@@ -58,6 +60,9 @@ class OpenAIServerHandle:
             await self._task
         except asyncio.CancelledError:
             pass
+        release = getattr(self.metrics, "release", None)
+        if release is not None:
+            await release()  # the replicas' series move to another router now
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -112,6 +117,6 @@ async def serve_openai(backend: Backend, host: str = "127.0.0.1", port: int = 80
             task.result()  # raises the startup error
             raise RuntimeError("the OpenAI HTTP server exited during startup")
         await asyncio.sleep(0.01)
-    handle = OpenAIServerHandle(server, task, host, bound, tls=tls is not None)
+    handle = OpenAIServerHandle(server, task, host, bound, tls=tls is not None, metrics=metrics)
     logger.info("OpenAI-compatible API on %s", handle.url)
     return handle

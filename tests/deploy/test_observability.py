@@ -24,7 +24,10 @@ NAME = re.compile(r"prefixserve:[A-Za-z0-9_:]+")
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    return sample_names(ReplicaMetrics("r", "m").registry) | sample_names(RouterMetrics("p").registry)
+    router = RouterMetrics("p")
+    router.record_tenant_request("t", "admitted")  # per-tenant series exist once a tenant calls
+    router.record_tenant_tokens("t", 1, 1, 0)
+    return sample_names(ReplicaMetrics("r", "m").registry) | sample_names(router.registry)
 
 
 @pytest.fixture(scope="module")

@@ -278,3 +278,59 @@ def test_directory_returns_metrics_of_live_replicas_only(redis_server):
             await directory.aclose()
 
     asyncio.run(main())
+
+
+def test_with_two_routers_each_replica_series_is_exported_once(cluster):
+    """Prometheus scrapes every router: the replicas' series must come from one
+    of them only, so ``sum()`` over a replica counter across the scrapes equals
+    the replica's own count; when that router stops, another takes over."""
+    from router.metrics import RouterMetrics
+
+    async def traffic(client: Client) -> None:
+        await client.complete([5, 6, 7, 8, 9], 4)
+
+    with_router(cluster, traffic)  # its router released the lease when it stopped
+    _, _, redis_url, namespace = cluster
+
+    def per_replica(text: bytes, name: str = "prefixserve:generation_tokens_total") -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for family in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
+            for s in family.samples:
+                if s.name == name and "replica" in s.labels:
+                    out[s.labels["replica"]] += s.value
+        return dict(out)
+
+    def exporter_flag(text: bytes) -> float:
+        return per_replica(text, "prefixserve:router_metrics_exporter").get("", 0.0) or next(
+            (s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples
+             if s.name == "prefixserve:router_metrics_exporter"), 0.0)
+
+    async def main() -> None:
+        own_dir = Directory.from_url(redis_url, namespace)
+        routers = [ClusterMetrics(RouterMetrics(POLICY), Directory.from_url(redis_url, namespace)) for _ in range(2)]
+        try:
+            own = {}
+            for rid, text in (await own_dir.replica_metrics()).items():
+                own.update(per_replica(text))
+            assert len(own) == 2 and sum(own.values()) > 0
+            texts = [await r.render() for r in routers]
+            summed: dict[str, float] = defaultdict(float)
+            for text in texts:
+                for replica, value in per_replica(text).items():
+                    summed[replica] += value
+            assert dict(summed) == own  # each replica once: the dashboard's sum() is the replica's own count
+            flags = [exporter_flag(t) for t in texts]
+            assert sorted(flags) == [0.0, 1.0]
+            holder = flags.index(1.0)
+            await routers[holder].release()  # that router stops
+            other = routers[1 - holder]
+            again = await other.render()
+            assert per_replica(again) == own and exporter_flag(again) == 1.0
+            assert per_replica(await routers[holder].render()) == {}  # the lease stays with the new holder
+        finally:
+            for r in routers:
+                await r.release()
+                await r.directory.aclose()
+            await own_dir.aclose()
+
+    asyncio.run(main())

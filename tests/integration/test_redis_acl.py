@@ -11,6 +11,7 @@ import asyncio
 import uuid
 
 import pytest
+import redis
 
 from cluster.launch.redis_server import RedisServer
 from cluster.shared.directory import Directory, DirectoryAuthError, PublishStatus
@@ -129,3 +130,23 @@ def test_a_router_with_the_wrong_password_refuses_to_start(redis_acl, tmp_path):
 
     with pytest.raises(DirectoryAuthError, match="refused the credentials"):
         asyncio.run(start())
+
+
+def test_routers_may_hold_the_metrics_exporter_lease_and_nothing_more(redis_acl):
+    namespace = f"acl-{uuid.uuid4().hex[:6]}"
+
+    async def main():
+        router = Directory.from_url(url(redis_acl, "router"), namespace)
+        other = Directory.from_url(url(redis_acl, "router"), namespace)
+        try:
+            assert await router.claim_metrics_exporter("router-a", 30)
+            assert not await other.claim_metrics_exporter("router-b", 30)
+            assert await router.release_metrics_exporter("router-a")
+            assert await other.claim_metrics_exporter("router-b", 30)
+            with pytest.raises(redis.exceptions.NoPermissionError):  # SET elsewhere is still refused
+                await router._client.set(f"ps:{{{namespace}}}:rep:x", b"1")
+        finally:
+            await router.aclose()
+            await other.aclose()
+
+    asyncio.run(main())

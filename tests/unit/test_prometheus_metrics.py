@@ -258,6 +258,11 @@ class FakeDirectory:
             raise self.error
         return self.texts
 
+    async def claim_metrics_exporter(self, owner: str, ttl_s: float) -> bool:
+        if self.error is not None:
+            raise self.error
+        return True
+
 
 def test_cluster_metrics_over_http_and_a_directory_outage():
     router = RouterMetrics("cache_aware")

@@ -9,7 +9,8 @@ channel. Replicas run every directory script (register, publish, resync,
 heartbeat, GC) and nothing administrative. Routers read: the lookup and
 stats scripts (read-only Lua: Redis checks each command a script runs
 against the caller's ACL, so a router's script cannot write), the events
-stream (``XREAD``) and the registry; any write is refused with NOPERM.
+stream (``XREAD``) and the registry; any write is refused with NOPERM, but
+to the one key of the metrics-exporter lease.
 
 ``prefixserve redis-acl`` prints an ACL file for ``redis-server --aclfile``
 (``deploy/kuberay/base/redis.yaml`` mounts one from a Secret); the
@@ -24,8 +25,12 @@ from typing import Mapping
 KEYS = "~ps:*"
 # No @dangerous (KEYS, FLUSHALL, CONFIG, DEBUG, ...), no pub/sub.
 REPLICA_RULES = f"{KEYS} resetchannels -@all +@connection +@read +@write +@scripting +time -@dangerous"
+# Routers read every directory key and write one: the lease of exporting the
+# replicas' series (router/metrics.py), so dashboards count each series once.
+# (A Redis 7 selector: SET / PEXPIRE / DEL on that key only. Read-only key
+# patterns (%R~) would refuse EVALSHA itself, whose declared keys count as written.)
 ROUTER_RULES = (f"{KEYS} resetchannels -@all +@connection +@read +evalsha +eval +script|load +script|exists +time "
-                "-@dangerous")
+                "-@dangerous (~ps:*:metrics-exporter resetchannels -@all +set +pexpire +del)")
 ROLES: Mapping[str, str] = {"replica": REPLICA_RULES, "router": ROUTER_RULES}
 DEFAULT_USERS = {"replica": "prefixserve-replica", "router": "prefixserve-router"}
 _USER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -115,7 +115,8 @@ class Directory:
         self._scripts = {
             name: client.register_script(getattr(lua, name))
             for name in ("REGISTER", "HEARTBEAT", "PUBLISH", "DEREGISTER", "LIVE_REPLICAS", "LOOKUP", "GC",
-                         "REPLICA_STATS", "PUBLISH_METRICS", "REPLICA_METRICS", "SNAPSHOT")
+                         "REPLICA_STATS", "PUBLISH_METRICS", "REPLICA_METRICS", "SNAPSHOT", "CLAIM_EXPORTER",
+                         "RELEASE_EXPORTER")
         }
 
     @classmethod
@@ -263,6 +264,25 @@ class Directory:
         keys = [lua.replicas_key(self.prefix)]
         flat = await self._run("replica_metrics", lambda: self._scripts["REPLICA_METRICS"](keys, [self.prefix]))
         return dict(zip(self._decode_ids(flat[0::2]), flat[1::2]))
+
+    async def claim_metrics_exporter(self, owner: str, ttl_s: float) -> bool:
+        """Takes or renews the lease of exporting the replicas' series (one router
+        of the namespace holds it; ``router/metrics.py``). Mutates only that key.
+
+        Returns:
+            Whether ``owner`` holds the lease for the next ``ttl_s`` seconds.
+        """
+        keys = [lua.exporter_key(self.prefix)]
+        held = await self._run("claim_metrics_exporter",
+                               lambda: self._scripts["CLAIM_EXPORTER"](keys, [owner, max(1, int(ttl_s * 1000))]))
+        return bool(int(held))
+
+    async def release_metrics_exporter(self, owner: str) -> bool:
+        """Drops ``owner``'s exporter lease (if it holds it), so another router
+        takes over at its next scrape instead of after the lease's TTL."""
+        keys = [lua.exporter_key(self.prefix)]
+        return bool(int(await self._run("release_metrics_exporter",
+                                        lambda: self._scripts["RELEASE_EXPORTER"](keys, [owner]))))
 
     async def gc(self) -> list[str]:
         """Drops index entries and leftover sets of dead replicas.

@@ -38,7 +38,7 @@ def is_acl_denial(exc: Exception) -> bool:
     """Whether Redis refused a command for the ACL (NOPERM, or a command that
     a script ran, which Redis reports as a plain error)."""
     return isinstance(exc, rex.NoPermissionError) or (
-        isinstance(exc, rex.ResponseError) and "user executing the script can't run" in str(exc))
+        isinstance(exc, rex.ResponseError) and "user executing the script can't" in str(exc))
 
 
 def auth_error_message(what: str, exc: Exception) -> str:

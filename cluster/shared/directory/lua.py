@@ -87,6 +87,10 @@ def events_key(prefix: str) -> str:
     return prefix + "events"
 
 
+def exporter_key(prefix: str) -> str:
+    return prefix + "metrics-exporter"
+
+
 # Appends one event to the stream (KEYS index ``ev``), trimmed approximately.
 _XADD = f"""
 local function xadd(ev, ...)
@@ -356,4 +360,28 @@ if redis.call('SCARD', KEYS[1]) == 0 then
   redis.call('UNLINK', ARGV[1] .. 'events')  -- no replica left: nothing to follow
 end
 return dropped
+"""
+
+# KEYS: exporter   ARGV: owner, ttl_ms   -> 1 when ``owner`` holds (or now took)
+# the lease of exporting the replicas' series, 0 when another router holds it.
+CLAIM_EXPORTER = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: exporter   ARGV: owner   -> 1 when ``owner``'s lease was dropped.
+RELEASE_EXPORTER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
 """
