@@ -82,6 +82,48 @@ def _number(raw: Union[bytes, str]) -> float:
             return float("nan")
 
 
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+def sentinel_client(url: str, options: dict) -> aioredis.Redis:
+    """A client of the master that Redis Sentinel names, from
+    ``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB][?sentinel_password=P]``.
+
+    The user and password are the master's (the directory's ACL user); the
+    sentinels take ``sentinel_password`` if they need one. After a failover
+    the next connection asks the sentinels again, so calls fail (the
+    directory is unavailable: routing on load, replicas retry) only until the
+    new master is known.
+
+    Raises:
+        ValueError: The URL lacks a sentinel address or the service name.
+    """
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    from redis.asyncio.sentinel import Sentinel
+
+    parts = urlsplit(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = auth.partition(":")
+    sentinels = []
+    for host in filter(None, hosts.split(",")):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"{url!r}: each sentinel is HOST:PORT, got {host!r}")
+        sentinels.append((name.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not sentinels or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"{url!r}: write redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT]/SERVICE[/DB]")
+    query = parse_qs(parts.query)
+    sentinel_kwargs = {"socket_connect_timeout": options["socket_connect_timeout"],
+                       "socket_timeout": options["socket_timeout"]}
+    if "sentinel_password" in query:
+        sentinel_kwargs["password"] = query["sentinel_password"][0]
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(path[0], redis_class=aioredis.Redis, db=int(path[1]) if len(path) == 2 else 0,
+                               username=unquote(user) or None, password=unquote(password) or None, **options)
+
+
 class Directory:
     """Async client of one namespace of the prefix directory.
 
@@ -142,13 +184,12 @@ class Directory:
         from cluster.shared.config.loading import from_env
 
         url = from_env(url, "the directory's redis_url")
-        client = aioredis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            decode_responses=False,
-        )
+        options = dict(socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
+                       retry=Retry(NoBackoff(), 1), decode_responses=False)
+        if url.startswith(SENTINEL_SCHEME):
+            client = sentinel_client(url, options)
+        else:
+            client = aioredis.Redis.from_url(url, **options)
         return cls(client, namespace, ttl_s=ttl_s, unavailable_backoff_s=unavailable_backoff_s)
 
     async def aclose(self) -> None:
