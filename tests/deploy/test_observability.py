@@ -4,6 +4,7 @@ they parse, and every ``prefixserve:*`` series they query is one the replicas
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -119,3 +120,55 @@ def test_alert_rules_are_complete_and_query_exported_series(rules, exported):
                    "router_directory_errors_total"):
         assert "prefixserve:" + needed in used, needed
     assert any(r["expr"].startswith("absent(") for r in rules), "an alert for 'no replica reports'"
+
+
+# ------------------------------------------------- schemas and PromQL
+def validate_monitoring(obj: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    from tests.deploy.monitoring_schemas import SCHEMAS
+
+    validator = jsonschema.Draft7Validator(SCHEMAS[obj["kind"]])
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def test_pod_monitors_and_the_prometheus_rule_match_their_schemas():
+    from tests.deploy.kustomize import render
+
+    objects = [o for t in ("base", "overlays/cpu", "overlays/gpu")
+               for o in render(ROOT / "deploy" / "kuberay" / t) if o["kind"] == "PodMonitor"]
+    objects.append(yaml.safe_load(ALERTS.read_text()))
+    assert len(objects) == 7
+    for obj in objects:
+        errors = validate_monitoring(obj)
+        assert not errors, f"{obj['kind']} {obj['metadata']['name']}: " + "\n".join(errors)
+    # The schemas catch what the API server would silently drop or refuse.
+    monitor = objects[0]
+    bad = {**monitor, "spec": {**monitor["spec"], "podMetricsEndpoints": [
+        {**monitor["spec"]["podMetricsEndpoints"][0], "intervall": "15s"}]}}
+    assert any("'intervall' was unexpected" in e for e in validate_monitoring(bad))
+    rule_doc = copy.deepcopy(objects[-1])
+    rule_doc["spec"]["groups"][0]["rules"][0]["for"] = "10 minutes"
+    assert any("does not match" in e for e in validate_monitoring(rule_doc))
+
+
+def promql(expr: str) -> Any:
+    """The parsed expression (Grafana's variables replaced by what they expand to)."""
+    import promql_parser
+
+    for variable, value in (("$__rate_interval", "5m"), ("$__interval", "1m"), ("$model", ".*")):
+        expr = expr.replace(variable, value)
+    return promql_parser.parse(expr)
+
+
+def test_every_expression_parses_as_promql(dashboard, rules):
+    pytest.importorskip("promql_parser", reason="pip install promql-parser (the dev extra)")
+    exprs = [r["expr"] for r in rules] + dashboard_exprs(dashboard)
+    for expr in exprs:
+        if expr.startswith("label_values("):  # a Grafana templating function, not PromQL
+            expr = expr[len("label_values("):].rsplit(",", 1)[0]
+        promql(expr)  # raises on a syntax error
+    with pytest.raises(Exception):
+        promql("sum(rate(prefixserve:generation_tokens_total[5m])")
+    with pytest.raises(Exception):
+        promql("sum by (le) rate(x[5m])")
