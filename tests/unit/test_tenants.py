@@ -242,6 +242,7 @@ def test_grpc_refuses_a_tenant_over_its_limits_before_parsing(servers):
 
 def test_concurrent_streams_are_capped_per_tenant_across_both_front_ends(servers):
     backend, loop = servers["backend"], servers["loop"]
+    backend.seen.clear()
     loop.call_soon_threadsafe(backend.hold.clear)
     box: dict = {}
 
