@@ -309,11 +309,23 @@ def test_with_two_routers_each_replica_series_is_exported_once(cluster):
         own_dir = Directory.from_url(redis_url, namespace)
         routers = [ClusterMetrics(RouterMetrics(POLICY), Directory.from_url(redis_url, namespace)) for _ in range(2)]
         try:
-            own = {}
-            for rid, text in (await own_dir.replica_metrics()).items():
-                own.update(per_replica(text))
+            async def own_counts() -> dict[str, float]:
+                own: dict[str, float] = {}
+                for text in (await own_dir.replica_metrics()).values():
+                    own.update(per_replica(text))
+                return own
+
+            # Read the replicas' own counts before and after the two scrapes: the last
+            # request's tokens reach the directory with a heartbeat (1 s), so retry until
+            # nothing moved in between.
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                own = await own_counts()
+                texts = [await r.render() for r in routers]
+                if own == await own_counts() or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
             assert len(own) == 2 and sum(own.values()) > 0
-            texts = [await r.render() for r in routers]
             summed: dict[str, float] = defaultdict(float)
             for text in texts:
                 for replica, value in per_replica(text).items():
