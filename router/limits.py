@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 from cluster.shared.types import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+OFFLOAD_BYTES = 64 * 1024  # requests at least this large are parsed and tokenized off the event loop
 
 
 class LimitError(ValueError):

@@ -57,7 +57,7 @@ from grpc_reflection.v1alpha import reflection
 from router import convert
 from router.backend import Backend
 from router.errors import NoReplicaError, OverloadedError
-from router.limits import Limits
+from router.limits import OFFLOAD_BYTES, Limits
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 
@@ -67,9 +67,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # prefixs
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: milliseconds to wait
-
-
-OFFLOAD_BYTES = 64 * 1024  # requests at least this large are converted (tokenized) off the event loop
 
 
 def status_for(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode, str]:

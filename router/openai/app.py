@@ -43,14 +43,12 @@ from starlette.routing import Route
 
 from router.backend import Backend
 from router.errors import OverloadedError
-from router.limits import Limits
+from router.limits import OFFLOAD_BYTES, Limits
 from router.openai.protocol import (APIError, ParsedRequest, backend_error, bad_request, error_response,
                                     internal_error, parse_request)
 from router.openai.responses import EventStream, close_stream, event_stream, whole_response
 
 logger = logging.getLogger(__name__)
-
-OFFLOAD_BYTES = 64 * 1024  # bodies at least this large are parsed and tokenized off the event loop
 
 
 class OpenAIServer:
