@@ -208,6 +208,17 @@ class Security:
             raise PermissionError(UNAUTHENTICATED_MESSAGE)
         return tenant
 
+    def admit(self, authorization: Any) -> tuple[Optional[Tenant], Any]:
+        """The caller's tenant and its admission (``TenantGate.admit``), for
+        both front ends; ``(None, None)`` without API keys.
+
+        Raises:
+            PermissionError: No valid key (see ``tenant_of``).
+            OverloadedError: The tenant is over its rate or stream limit.
+        """
+        tenant = self.tenant_of(authorization)
+        return (None, None) if tenant is None else (tenant, self.tenant_gate.admit(tenant))
+
     @classmethod
     def from_options(
         cls,

@@ -106,16 +106,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.security = security
 
     def _admit(self, context: grpc.aio.ServicerContext) -> Any:
-        """The caller's ``(tenant, admission)``; ``(None, None)`` without API keys.
-
-        Raises:
-            OverloadedError: The tenant is over its rate or stream limit.
-        """
-        if self.security is None or self.security.api_keys is None:
+        """The caller's ``(tenant, admission)`` (``Security.admit``); ``(None, None)`` without security."""
+        if self.security is None:
             return None, None
-        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-        tenant = self.security.tenant_of(authorization)
-        return tenant, self.security.tenant_gate.admit(tenant)
+        return self.security.admit(
+            next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None))
 
     def _convert(self, request: pb.GenerateRequest, limits: Limits) -> Any:
         return convert.request_from_proto(request, self.backend.tokenizer, self.backend.model.max_model_len, limits)

@@ -88,12 +88,10 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     def _admit(self, request: Request) -> Any:
-        """The caller's ``(tenant, admission)``; ``(None, None)`` without API keys."""
-        security = self.security
-        if security is None or security.api_keys is None:
+        """The caller's ``(tenant, admission)`` (``Security.admit``); ``(None, None)`` without security."""
+        if self.security is None:
             return None, None
-        tenant = security.tenant_of(request.headers.get("authorization"))
-        return tenant, security.tenant_gate.admit(tenant)
+        return self.security.admit(request.headers.get("authorization"))
 
     def _parse(self, raw: bytes, chat: bool, limits: Limits) -> ParsedRequest:
         try:
