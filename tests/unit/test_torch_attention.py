@@ -53,3 +53,23 @@ def test_native_decode_kernel_is_built_here():
     from workers.model.attention import cpu_decode
 
     assert cpu_decode.load() is not None
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 12], ids=["d64", "d72_tail_chunk", "d12_generic"])
+@pytest.mark.parametrize("num_reqs", [1, 2, 9], ids=["one_head_per_task", "heads_split", "all_heads_per_task"])
+@pytest.mark.parametrize("window", [None, 21])
+def test_native_decode_kernel_shapes(head_dim, num_reqs, window):
+    # The native kernel's vectorized path (head_dim a multiple of 8; value
+    # chunks of 64 plus a tail) and its generic one, with requests split over
+    # tasks by head ranges of every size, 16-token blocks, lengths that end
+    # mid-block and a window that starts mid-block.
+    from workers.model.attention import cpu_decode
+
+    rng = random.Random(num_reqs * 100 + head_dim)
+    seq_lens = [rng.randint(1, 70) for _ in range(num_reqs - 1)] + [67]
+    case = make_paged_case(seq_lens, [1] * num_reqs, 16, 9, 3, head_dim, seed=head_dim + num_reqs)
+    scale = 1 / math.sqrt(head_dim)
+    lib = cpu_decode.load()
+    out = cpu_decode.paged_decode(lib, case.q, case.kv_cache, case.meta.block_tables, case.meta.seq_lens, scale,
+                                  window, new_kv=(case.k, case.v, case.meta.slot_mapping))
+    torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)

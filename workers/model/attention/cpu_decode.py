@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <float.h>
 #include <string.h>
+#include <omp.h>
 
 #define MAX_GROUP 32
 #define MAX_DIM 256
@@ -143,6 +144,179 @@ static const attend_fn ATTEND_64[9] = {0, attend_1_64, attend_2_64, attend_3_64,
 static const attend_fn ATTEND_128[9] = {0, attend_1_128, attend_2_128, attend_3_128, attend_4_128,
                                         attend_5_128, attend_6_128, attend_7_128, attend_8_128};
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KV_INT8)
+#include <immintrin.h>
+#define FAST_F32 1
+#ifndef PF_MODE
+#define PF_MODE 1  /* 1: values of this block, keys of the next; 0: PF_BLOCKS ahead */
+#endif
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 2  /* blocks of this head prefetched ahead */
+#endif
+
+/* exp(x) of eight floats: Cephes' polynomial on the reduced argument (within
+   ~1 ulp of expf); the same instructions for every lane. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The sums of four vectors, as the four lanes of one. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* The query heads of KV heads [h0, h1) of one request (q row at qr, output
+   row at orow) for a float32 cache and head_dim a multiple of 8, vectorized
+   by hand. Per block: the block's rows of all these KV heads are read
+   together (one contiguous stretch of the cache when [h0, h1) is every
+   head); scores of four keys at a time per query head (four independent FMA
+   chains, reduced together); exp eight scores at a time; each value chunk
+   of up to 64 floats accumulated in registers over the whole block. Blocks
+   PF_BLOCKS ahead are prefetched so the memory stays busy meanwhile. A
+   query head's arithmetic is the same whatever the head range or batch. */
+static void attend_fast(const float* qr, float* orow, const float* k_cache, const float* v_cache,
+                        const int* table, int len, int lo, int h0, int h1, int G, int D, int block_size,
+                        long row, float scale) {
+    const int NQ = (h1 - h0) * G;               /* query heads handled here */
+    const float* qh = qr + (long)h0 * G * D;
+    float* oh = orow + (long)h0 * G * D;
+    float acc[NQ * D] __attribute__((aligned(32)));
+    float m[NQ], l[NQ];
+    float s[NQ][MAX_BLOCK + 16] __attribute__((aligned(32)));
+    for (int g = 0; g < NQ; ++g) { m[g] = -FLT_MAX; l[g] = 0.0f; }
+    memset(acc, 0, sizeof(float) * NQ * D);
+    const __m128 vscale = _mm_set1_ps(scale);
+    const long span = (long)(h1 - h0) * D;      /* floats of a row read here */
+    const int first = lo - lo % block_size;
+    for (int start = first; start < len; start += block_size) {
+        const int bi = start / block_size;
+        const int j0 = start < lo ? lo - start : 0;
+        const int j1 = (len - start) < block_size ? (len - start) : block_size;
+        const long base = ((long)table[bi] * block_size) * row + (long)h0 * D;
+        const int rows_here = j1;
+#if PF_MODE == 1
+        for (int j = 0; j < rows_here; ++j)   /* this block's values arrive while its scores are computed */
+            for (long d = 0; d < span; d += 16)
+                _mm_prefetch((const char*)(v_cache + base + (long)j * row + d), _MM_HINT_T0);
+#else
+        const int ahead = start + PF_BLOCKS * block_size;
+        if (ahead < len) {
+            const long nb = (long)table[bi + PF_BLOCKS] * block_size * row + (long)h0 * D;
+            const int rows = (len - ahead) < block_size ? (len - ahead) : block_size;
+            for (int j = 0; j < rows; ++j)
+                for (long d = 0; d < span; d += 16) {
+                    _mm_prefetch((const char*)(k_cache + nb + (long)j * row + d), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(v_cache + nb + (long)j * row + d), _MM_HINT_T0);
+                }
+        }
+#endif
+        /* scores s[g][j] for j in [j0, j1), four keys at a time (a short tail repeats the last key);
+           the block's rows are read in order */
+        for (int j = j0; j < j1; j += 4) {
+            for (int h = 0; h < h1 - h0; ++h) {
+                const float* kb = k_cache + base + (long)h * D;
+                const float* k0 = kb + (long)j * row;
+                const float* k1 = kb + (long)(j + 1 < j1 ? j + 1 : j1 - 1) * row;
+                const float* k2 = kb + (long)(j + 2 < j1 ? j + 2 : j1 - 1) * row;
+                const float* k3 = kb + (long)(j + 3 < j1 ? j + 3 : j1 - 1) * row;
+                for (int g = h * G; g < (h + 1) * G; ++g) {
+                    const float* qg = qh + (long)g * D;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int d = 0; d < D; d += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qg + d);
+                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+                    }
+                    _mm_storeu_ps(&s[g][j], _mm_mul_ps(hsum4(a0, a1, a2, a3), vscale));
+                }
+            }
+        }
+#if PF_MODE == 1
+        if (start + block_size < len) {  /* the next block's keys arrive while these values are summed */
+            const long nb = (long)table[bi + 1] * block_size * row + (long)h0 * D;
+            const int rows = (len - start - block_size) < block_size ? (len - start - block_size) : block_size;
+            for (int j = 0; j < rows; ++j)
+                for (long d = 0; d < span; d += 16)
+                    _mm_prefetch((const char*)(k_cache + nb + (long)j * row + d), _MM_HINT_T0);
+        }
+#endif
+        for (int g = 0; g < NQ; ++g) {
+            const float* vb = v_cache + base + (long)(g / G) * D;
+            float mx = m[g];
+            for (int j = j0; j < j1; ++j) mx = s[g][j] > mx ? s[g][j] : mx;
+            const float corr = expf(m[g] - mx);
+            m[g] = mx;
+            const __m256 vmx = _mm256_set1_ps(mx);
+            for (int j = j0; j < j1; j += 8)
+                _mm256_storeu_ps(&s[g][j], exp8(_mm256_sub_ps(_mm256_loadu_ps(&s[g][j]), vmx)));
+            float sum = 0.0f;
+            for (int j = j0; j < j1; ++j) sum += s[g][j];
+            l[g] = l[g] * corr + sum;
+            /* acc[g] = acc[g] * corr + sum_j p_j V_j, one chunk of up to 64 floats in registers */
+            float* ag = acc + (long)g * D;
+            const __m256 vc = _mm256_set1_ps(corr);
+            for (int c = 0; c < D; c += 64) {
+                const int w = (D - c) < 64 ? (D - c) / 8 : 8;
+                if (w == 8) {
+                    __m256 r0 = _mm256_mul_ps(_mm256_load_ps(ag + c), vc);
+                    __m256 r1 = _mm256_mul_ps(_mm256_load_ps(ag + c + 8), vc);
+                    __m256 r2 = _mm256_mul_ps(_mm256_load_ps(ag + c + 16), vc);
+                    __m256 r3 = _mm256_mul_ps(_mm256_load_ps(ag + c + 24), vc);
+                    __m256 r4 = _mm256_mul_ps(_mm256_load_ps(ag + c + 32), vc);
+                    __m256 r5 = _mm256_mul_ps(_mm256_load_ps(ag + c + 40), vc);
+                    __m256 r6 = _mm256_mul_ps(_mm256_load_ps(ag + c + 48), vc);
+                    __m256 r7 = _mm256_mul_ps(_mm256_load_ps(ag + c + 56), vc);
+                    for (int j = j0; j < j1; ++j) {
+                        const __m256 p = _mm256_set1_ps(s[g][j]);
+                        const float* vj = vb + (long)j * row + c;
+                        r0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), r0);
+                        r1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), r1);
+                        r2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), r2);
+                        r3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), r3);
+                        r4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 32), r4);
+                        r5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 40), r5);
+                        r6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 48), r6);
+                        r7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 56), r7);
+                    }
+                    _mm256_store_ps(ag + c, r0); _mm256_store_ps(ag + c + 8, r1);
+                    _mm256_store_ps(ag + c + 16, r2); _mm256_store_ps(ag + c + 24, r3);
+                    _mm256_store_ps(ag + c + 32, r4); _mm256_store_ps(ag + c + 40, r5);
+                    _mm256_store_ps(ag + c + 48, r6); _mm256_store_ps(ag + c + 56, r7);
+                } else {
+                    for (int i = 0; i < w; ++i) {
+                        __m256 r = _mm256_mul_ps(_mm256_load_ps(ag + c + 8 * i), vc);
+                        for (int j = j0; j < j1; ++j)
+                            r = _mm256_fmadd_ps(_mm256_set1_ps(s[g][j]), _mm256_loadu_ps(vb + (long)j * row + c + 8 * i), r);
+                        _mm256_store_ps(ag + c + 8 * i, r);
+                    }
+                }
+            }
+        }
+    }
+    for (int g = 0; g < NQ; ++g) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(oh + (long)g * D + d, _mm256_mul_ps(_mm256_load_ps(acc + (long)g * D + d), inv));
+    }
+}
+#endif
+
 static void attend(const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache,
                    const int* table, int len, int lo, int h, int G, int D, int block_size,
                    long row, float scale) {
@@ -195,6 +369,29 @@ void paged_decode_f32(
     long work = 0;
     for (int r = 0; r < num_reqs; ++r) work += seq_lens[r];
     work *= (long)num_heads * head_dim;
+#ifdef FAST_F32
+    if (head_dim % 8 == 0) {
+        /* Tasks of `per` KV heads of one request: every head together (one
+           contiguous read per block) when there are requests enough to keep
+           the threads busy, else fewer heads per task. */
+        int threads = omp_get_max_threads();
+        int per = num_kv_heads;
+        while (per > 1 && (long)num_reqs * ((num_kv_heads + per - 1) / per) < 2L * threads) per = (per + 1) / 2;
+        const int parts = (num_kv_heads + per - 1) / per;
+        #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work > 16384)
+        for (int r = 0; r < num_reqs; ++r) {
+            for (int p = 0; p < parts; ++p) {
+                const int len = seq_lens[r];
+                const int lo = (window > 0 && len > window) ? len - window : 0;
+                const int h0 = p * per, h1 = (h0 + per) < num_kv_heads ? h0 + per : num_kv_heads;
+                attend_fast(q + (long)r * ldq, out + (long)r * ldo, k_cache, v_cache,
+                            block_tables + (long)r * table_width, len, lo, h0, h1, G, head_dim,
+                            block_size, row, scale);
+            }
+        }
+        return;
+    }
+#endif
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work > 16384)
     for (int r = 0; r < num_reqs; ++r) {
         for (int h = 0; h < num_kv_heads; ++h) {
