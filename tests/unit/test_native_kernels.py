@@ -115,6 +115,28 @@ def test_silu_and_mul_matches_torch():
     assert torch.equal(act(x[2:3]), act(x)[2:3])
 
 
+def test_silu_and_norm_vector_and_tail_agree_bitwise():
+    # Widths that are not multiples of the vector loops: the scalar tail must
+    # give the same bits as a vector lane (exp8 is exp_poly lane by lane), and
+    # both must match torch.
+    lib = _ops()
+    gate, up = torch.randn(3, 13) * 6, torch.randn(3, 13)
+    gate[:, 8:] = gate[:, :5]  # the tail repeats the first vector's lanes
+    up[:, 8:] = up[:, :5]
+    act = SiluAndMul()
+    act.native = lib
+    out = act(torch.cat([gate, up], dim=1))
+    assert torch.equal(out[:, 8:], out[:, :5])
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    norm = RMSNorm(70, 1e-5)  # two 32-wide vector rounds and a tail of 6
+    norm.weight.data.normal_()
+    x = torch.randn(5, 70)
+    expected = RMSNorm.forward(_torch_norm(norm), x)
+    norm.native = lib
+    torch.testing.assert_close(norm(x), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(norm(x[4:5]), norm(x)[4:5])
+
+
 def test_gemm_avx2_build_is_exact_and_invariant_too():
     """The AVX2 + FMA code path (the CPUs without AVX-512), built explicitly here."""
     import ctypes

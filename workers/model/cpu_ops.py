@@ -27,19 +27,61 @@ import torch
 
 from workers.model import native
 
+# exp(x) of eight floats with AVX2, shared by the kernels that need it (SiLU
+# here, the softmax of ``attention/cpu_decode.py``): the same Cephes
+# polynomial, instruction for instruction, as ``exp_poly`` below, so a lane
+# and the scalar tail agree bit for bit.
+EXP8_AVX2 = r"""
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+"""
+
 _SOURCE = r"""
 #include <math.h>
-
+""" + EXP8_AVX2 + r"""
+/* 1 / rms(x): the sum of squares in a fixed order for any row (eight lanes
+   of four vector accumulators over the multiples of 32, then the lanes in
+   order, then the tail), so a row's value never depends on the batch. */
 static inline float row_inv_rms(const float* x, long n, float eps) {
     float sum = 0.0f;
-    for (long i = 0; i < n; ++i) sum += x[i] * x[i];
+    long i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+        a0 = _mm256_fmadd_ps(x0, x0, a0); a1 = _mm256_fmadd_ps(x1, x1, a1);
+        a2 = _mm256_fmadd_ps(x2, x2, a2); a3 = _mm256_fmadd_ps(x3, x3, a3);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+#endif
+    for (; i < n; ++i) sum += x[i] * x[i];
     return 1.0f / sqrtf(sum / (float)n + eps);
 }
 
 /* residual[t] += x[t] (x may be NULL), out[t] = rms_norm(residual[t]) * weight */
 void add_rms_norm_f32(const float* x, float* residual, const float* weight, float* out,
                       long tokens, long hidden, float eps) {
-    #pragma omp parallel for schedule(static) if (tokens * hidden > 65536)
+    #pragma omp parallel for schedule(static) if (tokens >= 16)
     for (long t = 0; t < tokens; ++t) {
         float* r = residual + t * hidden;
         if (x) {
@@ -94,15 +136,25 @@ static inline float exp_poly(float x) {
     return p * scale.f;
 }
 
-/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i] */
+/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; eight at a time with AVX2
+   (exp8 is exp_poly lane by lane, so every element gets the same bits
+   whichever loop computes it) */
 void silu_and_mul_f32(const float* gu, float* out, long tokens, long inter) {
-    #pragma omp parallel for schedule(static) if (tokens * inter > 16384)
+    #pragma omp parallel for schedule(static) if (tokens * inter > 8192)
     for (long t = 0; t < tokens; ++t) {
         const float* g = gu + t * 2 * inter;
         const float* u = g + inter;
         float* o = out + t * inter;
-        #pragma omp simd
-        for (long i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+        long i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(zero, gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
 }
 """
