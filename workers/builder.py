@@ -4,6 +4,7 @@ scheduler and runner. Shared by the offline ``LLM`` and the replica.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -93,6 +94,22 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
     runner.medusa = heads.to(device=runner.device, dtype=next(runner.model.parameters()).dtype)
     logger.info("Medusa heads from %s: %d heads of %d block(s)", folder, heads.num_heads, heads.num_layers)
     return RunnerProposer()
+
+
+def freeze_heap() -> None:
+    """Takes every object alive now out of the cyclic garbage collector's
+    reach (``gc.freeze()``, as vLLM and SGLang do after start-up).
+
+    Loading builds hundreds of thousands of long-lived objects (modules,
+    parameters, tokenizer tables); each full collection while serving would
+    walk them all on the engine thread, a stall of milliseconds in the middle
+    of a step. For processes that build one engine for their life (a
+    replica, ``prefixserve generate`` / ``chat`` / ``bench``): frozen
+    objects in reference cycles are never reclaimed, so a process that
+    builds and drops many engines should not call it.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def build_engine(config: EngineConfig) -> EngineParts:

@@ -74,6 +74,9 @@ class ReplicaServer:
         engine: A ready engine (tests inject one).
         model_name: The ``model`` label of the metrics; defaults to the
             served name of the configured model.
+        freeze_heap: After building the engine, take the objects alive
+            then out of the cyclic collector's reach (``builder.freeze_heap``);
+            the Serve deployment sets it, its process holds this one engine.
     """
 
     def __init__(
@@ -84,16 +87,20 @@ class ReplicaServer:
         replica_id: Optional[str] = None,
         engine: Optional[LLMEngine] = None,
         model_name: Optional[str] = None,
+        freeze_heap: bool = False,
     ) -> None:
         self._parts = None
         config_model = None
         self._contract = ""  # declared to the directory when the engine was built here
         if engine is None:
             from workers.builder import build_engine
+            from workers.builder import freeze_heap as freeze_process_heap
 
             config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_kwargs(
                 **(engine_config or {}))
             self._parts = build_engine(config)
+            if freeze_heap:  # a Serve replica process: this one engine for its life
+                freeze_process_heap()
             engine = self._parts.engine
             config_model = config.model
             self._contract = contract_for(engine.scheduler.kv_manager.block_size, engine.model_fingerprint,

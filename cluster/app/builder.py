@@ -152,7 +152,7 @@ def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
     from workers.replica import ReplicaServer
 
     deployment = serve.deployment(ReplicaServer).options(**replica_options(config))
-    replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace)
+    replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace, freeze_heap=True)
     if not with_router:
         return replicas
     from router.deployment import FrontEndOptions, RouterDeployment

@@ -99,6 +99,7 @@ def engine_prefill_seconds(llm: Any, prompt: list[int]) -> float:
 def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import torch
 
+    from workers.builder import freeze_heap
     from workers.llm import LLM
 
     if engine_args.get("speculative_config") is not None:
@@ -112,6 +113,7 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                    "max_num_batched_tokens": max(2048, args.prefill_len, max_batch * args.input_len), **engine_args}
     load_start = time.perf_counter()
     llm = LLM(**engine_args)
+    freeze_heap()  # one engine for this process's life
     load_s = time.perf_counter() - load_start
     vocab = llm.engine.vocab_size
     skip = set(llm.engine.scheduler.eos_token_ids) | {0, 1, 2}

@@ -187,9 +187,11 @@ def prefix_ttft(llm: Any, prefix_len: int, vocab_ids: list[int], seed: int) -> d
 
 def run_offline(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from cluster.shared.types import SamplingParams
+    from workers.builder import freeze_heap
     from workers.llm import LLM
 
     llm = LLM(**engine_args)
+    freeze_heap()  # one engine for this process's life
     vocab = llm.engine.vocab_size
     special = set(llm.engine.scheduler.eos_token_ids) | {0, 1, 2}
     work = make_workload(args, vocab, special)

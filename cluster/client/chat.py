@@ -67,9 +67,11 @@ def _echo(pieces: Iterator[str]) -> Iterator[str]:
 def _offline_replier(args: argparse.Namespace, engine_args: dict[str, Any]) -> Callable[[list], Iterator[str]]:
     from cluster.shared.chat_template import ChatTemplate
     from cluster.shared.types import SamplingParams
+    from workers.builder import freeze_heap
     from workers.llm import LLM
 
     llm = LLM(**engine_args)
+    freeze_heap()  # one engine for this process's life
     template = ChatTemplate.from_model_dir(llm.model_dir)
     if template is None:
         raise ValueError(f"{llm.model_dir} has no chat template: use 'prefixserve generate' instead")

@@ -66,9 +66,11 @@ async def stream_remote(args: argparse.Namespace, request: Any) -> AsyncIterator
 def _generate_offline(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from cluster.shared.chat_template import ChatTemplate
     from cluster.shared.types import SamplingParams
+    from workers.builder import freeze_heap
     from workers.llm import LLM
 
     llm = LLM(**engine_args)
+    freeze_heap()  # one engine for this process's life
     prompt = args.prompt
     if args.chat:
         template = ChatTemplate.from_model_dir(llm.model_dir)

@@ -15,20 +15,22 @@ from workers.model.attention.torch_backend import TorchAttentionBackend
 from workers.model.loader import load_model
 
 CASES = {
-    "llama_bias_tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
-    "mistral_sliding": ("mistral", {"sliding_window": 8}),
-    "qwen2": ("qwen2", {}),
+    "llama_bias_tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, None),
+    "mistral_sliding": ("mistral", {"sliding_window": 8}, None),
+    "qwen2": ("qwen2", {}, None),
+    "llama_int4": ("llama", {}, "int4"),  # quantized linears: the step driver's qgemm calls
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_native_decoder_matches_the_module_path_bitwise(name, tmp_path):
-    family, overrides = CASES[name]
+    family, overrides, quantization = CASES[name]
     folder = save_hf_model(make_hf_model(make_hf_config(family, **overrides)), tmp_path)
-    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
+    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend(), quantization=quantization)
     fast = model.native_decoder
     if fast is None:
         pytest.skip("a native kernel did not build here")
+    assert fast._driver is not None  # decode-only steps below run as one C call
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(n)] for i, n in enumerate([5, 13, 1, 22])}
     drivers = [PagedDriver(model, block_size=4), PagedDriver(model, block_size=4)]
