@@ -38,8 +38,8 @@ def test_gemm_rows_do_not_depend_on_their_batch(n, k):
     packed = gemm.PackedWeight(w, b, gemm.load())
     full = packed.matmul(x)
     # Every batch size from 1 up, across the row-block, K-blocking and packing
-    # thresholds (12 / 128 rows), at several offsets.
-    for size in list(range(1, 30)) + [40, 63, 127, 128, 129, 160]:
+    # thresholds (MR = 6 or 12 rows; packed from 32), at several offsets.
+    for size in list(range(1, 34)) + [40, 63, 127, 128, 129, 160]:
         for start in {0, 1, 160 - size}:
             if start + size <= 160:
                 assert torch.equal(packed.matmul(x[start : start + size]), full[start : start + size]), (size, start)
@@ -158,5 +158,5 @@ def test_gemm_avx2_build_is_exact_and_invariant_too():
     packed = gemm.PackedWeight(w, b, lib)
     full = packed.matmul(x)
     torch.testing.assert_close(full, (x.double() @ w.double().T + b.double()).float(), atol=1e-4, rtol=1e-5)
-    for size in (1, 5, 6, 7, 13, 127, 128, 129):
+    for size in (1, 5, 6, 7, 13, 31, 32, 33, 127, 128, 129):
         assert torch.equal(packed.matmul(x[3 : 3 + size]), full[3 : 3 + size]), size

@@ -148,13 +148,21 @@ static const ukr_fn UKRPS[MR + 1] = {
    bias: NULL or ceil(N / NR) * NR floats (zero-padded).
 
    Up to MR rows (decode steps): each thread streams its panels once, K whole.
-   More rows: K is cut in blocks of KC so a panel's KC x NR block (16 KiB) stays
-   in L1 while every row block uses it; from PACK_ROWS rows (prefill) each block
-   of x is first packed in MR-row strips ([M / MR][KC][MR]) so a step's
-   broadcasts come from one cache line. The partial sums pass through y between K blocks as
-   float32: the FMA chain of an element is the same either way. */
+   Up to PACK_ROWS rows: K is cut in blocks of KC so a panel's KC x NR block
+   (8 KiB) stays in L1 while every row block uses it; the partial sums pass
+   through y between K blocks as float32 (y is small here).
+   From PACK_ROWS rows (large decode batches, prefill) x is first packed whole
+   in MR-row strips ([M / MR][K][MR]), so a step's broadcasts come from one
+   cache line; then each task, a panel and SB strips, runs the whole K with the
+   accumulators in registers and writes y once (the panel, at most a few
+   hundred KiB, stays in L2). Tasks are taken dynamically, so a thread that
+   the machine slows down holds no one up. Measured on the model's shapes
+   against K blocks at every size (AMD EPYC, AVX2): 1.3-1.5x faster from 32
+   rows up, because a large y no longer crosses memory once per K block.
+   The FMA chain of an element is the same on every path. */
 #define KC 128
-#define PACK_ROWS 128
+#define PACK_ROWS 32
+#define SB 8
 void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
               const float* bias, float* y, long ldy) {
     const long P = (N + NR - 1) / NR;
@@ -178,28 +186,30 @@ void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
         return;
     }
     const long strips = (M + MR - 1) / MR;
-    float* xp = (float*)aligned_alloc(64, sizeof(float) * strips * KC * MR + 64);
+    /* x packed whole ([strips][K][MR]); each panel then runs every strip over the whole K with the
+       accumulators in registers: y is written once. */
+    float* xp = (float*)aligned_alloc(64, sizeof(float) * strips * K * MR + 64);
     #pragma omp parallel if (parallel)
     {
-        for (long k0 = 0; k0 < K; k0 += KC) {
-            const long kc = k0 + KC < K ? KC : K - k0;
-            #pragma omp for schedule(static)
-            for (long s = 0; s < strips; ++s) {
-                float* dst = xp + s * KC * MR;
-                for (long k = 0; k < kc; ++k)
-                    for (int r = 0; r < MR; ++r) {
-                        const long m = s * MR + r;
-                        dst[k * MR + r] = m < M ? x[m * ldx + k0 + k] : 0.0f;
-                    }
-            }
-            #pragma omp for schedule(static)
-            for (long p = 0; p < P; ++p) {
-                const float* w = wp + p * K * NR + k0 * NR;
+        #pragma omp for schedule(static)
+        for (long s = 0; s < strips; ++s) {
+            float* dst = xp + s * K * MR;
+            for (long k = 0; k < K; ++k)
+                for (int r = 0; r < MR; ++r) {
+                    const long m = s * MR + r;
+                    dst[k * MR + r] = m < M ? x[m * ldx + k] : 0.0f;
+                }
+        }
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (long p = 0; p < P; ++p) {
+            for (long sb = 0; sb < strips; sb += SB) {
+                const float* w = wp + p * K * NR;
                 const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
-                const float* b = (bias && k0 + kc == K) ? bias + p * NR : 0;
-                for (long s = 0; s < strips; ++s) {
+                const float* b = bias ? bias + p * NR : 0;
+                const long se = sb + SB < strips ? sb + SB : strips;
+                for (long s = sb; s < se; ++s) {
                     const int rows = (M - s * MR) < MR ? (int)(M - s * MR) : MR;
-                    UKRPS[rows](xp + s * KC * MR, 0, w, kc, y + s * MR * ldy + p * NR, ldy, nvalid, b, k0 == 0);
+                    UKRPS[rows](xp + s * K * MR, 0, w, K, y + s * MR * ldy + p * NR, ldy, nvalid, b, 1);
                 }
             }
         }
