@@ -147,12 +147,6 @@ static const attend_fn ATTEND_128[9] = {0, attend_1_128, attend_2_128, attend_3_
 #if defined(__AVX2__) && defined(__FMA__) && !defined(KV_INT8)
 #include <immintrin.h>
 #define FAST_F32 1
-#ifndef PF_MODE
-#define PF_MODE 1  /* 1: values of this block, keys of the next; 0: PF_BLOCKS ahead */
-#endif
-#ifndef PF_BLOCKS
-#define PF_BLOCKS 2  /* blocks of this head prefetched ahead */
-#endif
 
 """ + cpu_ops.EXP8_AVX2 + r"""
 /* The sums of four vectors, as the four lanes of one. */
@@ -167,8 +161,9 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
    together (one contiguous stretch of the cache when [h0, h1) is every
    head); scores of four keys at a time per query head (four independent FMA
    chains, reduced together); exp eight scores at a time; each value chunk
-   of up to 64 floats accumulated in registers over the whole block. Blocks
-   PF_BLOCKS ahead are prefetched so the memory stays busy meanwhile. A
+   of up to 64 floats accumulated in registers over the whole block. The
+   block's values are prefetched while its scores are computed, and the next
+   block's keys while its values are summed, so the memory stays busy. A
    query head's arithmetic is the same whatever the head range or batch. */
 static void attend_fast(const float* qr, float* orow, const float* k_cache, const float* v_cache,
                         const int* table, int len, int lo, int h0, int h1, int G, int D, int block_size,
@@ -189,23 +184,9 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
         const int j0 = start < lo ? lo - start : 0;
         const int j1 = (len - start) < block_size ? (len - start) : block_size;
         const long base = ((long)table[bi] * block_size) * row + (long)h0 * D;
-        const int rows_here = j1;
-#if PF_MODE == 1
-        for (int j = 0; j < rows_here; ++j)   /* this block's values arrive while its scores are computed */
+        for (int j = j0; j < j1; ++j)   /* this block's values arrive while its scores are computed */
             for (long d = 0; d < span; d += 16)
                 _mm_prefetch((const char*)(v_cache + base + (long)j * row + d), _MM_HINT_T0);
-#else
-        const int ahead = start + PF_BLOCKS * block_size;
-        if (ahead < len) {
-            const long nb = (long)table[bi + PF_BLOCKS] * block_size * row + (long)h0 * D;
-            const int rows = (len - ahead) < block_size ? (len - ahead) : block_size;
-            for (int j = 0; j < rows; ++j)
-                for (long d = 0; d < span; d += 16) {
-                    _mm_prefetch((const char*)(k_cache + nb + (long)j * row + d), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(v_cache + nb + (long)j * row + d), _MM_HINT_T0);
-                }
-        }
-#endif
         /* scores s[g][j] for j in [j0, j1), four keys at a time (a short tail repeats the last key);
            the block's rows are read in order */
         for (int j = j0; j < j1; j += 4) {
@@ -229,7 +210,6 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                 }
             }
         }
-#if PF_MODE == 1
         if (start + block_size < len) {  /* the next block's keys arrive while these values are summed */
             const long nb = (long)table[bi + 1] * block_size * row + (long)h0 * D;
             const int rows = (len - start - block_size) < block_size ? (len - start - block_size) : block_size;
@@ -237,7 +217,6 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                 for (long d = 0; d < span; d += 16)
                     _mm_prefetch((const char*)(k_cache + nb + (long)j * row + d), _MM_HINT_T0);
         }
-#endif
         for (int g = 0; g < NQ; ++g) {
             const float* vb = v_cache + base + (long)(g / G) * D;
             float mx = m[g];
