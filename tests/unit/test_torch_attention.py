@@ -73,3 +73,25 @@ def test_native_decode_kernel_shapes(head_dim, num_reqs, window):
     out = cpu_decode.paged_decode(lib, case.q, case.kv_cache, case.meta.block_tables, case.meta.seq_lens, scale,
                                   window, new_kv=(case.k, case.v, case.meta.slot_mapping))
     torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize("num_reqs", [1, 5])
+def test_native_decode_long_sequences_split_into_chunks(num_reqs, window):
+    # Sequences past the kernel's 512-position chunk are attended chunk by
+    # chunk and merged; one request with 3 KV heads also splits heads 2 + 1
+    # (uneven head ranges). A request's output must not depend on its
+    # batch-mates: the chunk cuts follow its own positions.
+    from workers.model.attention import cpu_decode
+
+    rng = random.Random(num_reqs)
+    seq_lens = [1300] + [rng.choice([1, 511, 512, 513, 1025]) for _ in range(num_reqs - 1)]
+    case = make_paged_case(seq_lens, [1] * num_reqs, 16, 9, 3, 64, seed=5 + num_reqs)
+    scale = 0.125
+    lib = cpu_decode.load()
+    out = cpu_decode.paged_decode(lib, case.q, case.kv_cache, case.meta.block_tables, case.meta.seq_lens, scale,
+                                  window, new_kv=(case.k, case.v, case.meta.slot_mapping))
+    torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)
+    alone = cpu_decode.paged_decode(lib, case.q[:1], case.kv_cache, case.meta.block_tables[:1],
+                                    case.meta.seq_lens[:1], scale, window)
+    assert torch.equal(alone, out[:1])

@@ -16,6 +16,15 @@ One call per layer can also write the step's new keys and values into their
 slots first, reading q, k and v straight out of the fused projection's rows
 (no copies, no separate scatter).
 
+With AVX2 and a float32 cache (head_dim a multiple of 8) a hand-vectorized
+path serves instead: a task is a request, a range of its KV heads (all of
+them unless tasks are too few for the threads) and a chunk of 512 positions;
+each block's rows of the range are read together, and a sequence longer than
+a chunk is attended chunk by chunk in parallel and merged in order
+(flash-decoding). Chunks are cut at the request's own positions and a query
+head's arithmetic never depends on the head range, so a request's output is
+the same whatever its batch-mates.
+
 It is plain C built on first use (``workers/model/native.py``): no compiler,
 or a failed build, leaves ``load()`` returning None and the torch path in
 use; nothing else changes.
@@ -36,6 +45,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <math.h>
 #include <float.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -167,7 +177,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
    query head's arithmetic is the same whatever the head range or batch. */
 static void attend_fast(const float* qr, float* orow, const float* k_cache, const float* v_cache,
                         const int* table, int len, int lo, int h0, int h1, int G, int D, int block_size,
-                        long row, float scale) {
+                        long row, float scale, float* part) {
     const int NQ = (h1 - h0) * G;               /* query heads handled here */
     const float* qh = qr + (long)h0 * G * D;
     float* oh = orow + (long)h0 * G * D;
@@ -270,10 +280,43 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
             }
         }
     }
+    if (part) {  /* one chunk of a split sequence: m, l and the unnormalized acc, merged later */
+        memcpy(part, m, sizeof(float) * NQ);
+        memcpy(part + NQ, l, sizeof(float) * NQ);
+        memcpy(part + 2 * NQ, acc, sizeof(float) * NQ * D);
+        return;
+    }
     for (int g = 0; g < NQ; ++g) {
         const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
         for (int d = 0; d < D; d += 8)
             _mm256_storeu_ps(oh + (long)g * D + d, _mm256_mul_ps(_mm256_load_ps(acc + (long)g * D + d), inv));
+    }
+}
+
+/* Positions [lo, len) of a request cut at multiples of CHUNK (absolute
+   positions, so the cut depends on the request alone, never on the batch). */
+#define CHUNK 512
+static inline int num_chunks(int lo, int len) { return (len - 1) / CHUNK - lo / CHUNK + 1; }
+
+/* The query heads' outputs from their chunks' (m, l, acc) (chunk c at parts + c * stride), in
+   chunk order. */
+static void merge_chunks(const float* parts, long stride, int nc, int NQ, int D, float* oh) {
+    for (int g = 0; g < NQ; ++g) {
+        float mx = -FLT_MAX;
+        for (int c = 0; c < nc; ++c) mx = parts[c * stride + g] > mx ? parts[c * stride + g] : mx;
+        float lsum = 0.0f;
+        __m256 acc[MAX_DIM / 8];
+        for (int i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int c = 0; c < nc; ++c) {
+            const float* pc = parts + c * stride;
+            const float w = expf(pc[g] - mx);
+            lsum += pc[NQ + g] * w;
+            const __m256 vw = _mm256_set1_ps(w);
+            const float* ac = pc + 2 * NQ + (long)g * D;
+            for (int i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(ac + 8 * i), vw, acc[i]);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / lsum);
+        for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(oh + (long)g * D + 8 * i, _mm256_mul_ps(acc[i], inv));
     }
 }
 #endif
@@ -332,24 +375,64 @@ void paged_decode_f32(
     work *= (long)num_heads * head_dim;
 #ifdef FAST_F32
     if (head_dim % 8 == 0) {
-        /* Tasks of `per` KV heads of one request: every head together (one
-           contiguous read per block) when there are requests enough to keep
-           the threads busy, else fewer heads per task. */
-        int threads = omp_get_max_threads();
-        int per = num_kv_heads;
-        while (per > 1 && (long)num_reqs * ((num_kv_heads + per - 1) / per) < 2L * threads) per = (per + 1) / 2;
-        const int parts = (num_kv_heads + per - 1) / per;
-        #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work > 16384)
+        /* Tasks: (request, a range of `per` KV heads, a chunk of CHUNK positions). Every head of a
+           request together (one contiguous read per block) when there are tasks enough to keep the
+           threads busy, else fewer heads per task. A sequence longer than a chunk is attended chunk
+           by chunk in parallel (flash-decoding) and the chunks merged in order; one chunk writes
+           its output directly. A query head's arithmetic depends only on its request. */
+        const int threads = omp_get_max_threads();
+        long chunks = 0;
         for (int r = 0; r < num_reqs; ++r) {
-            for (int p = 0; p < parts; ++p) {
+            const int len = seq_lens[r];
+            chunks += num_chunks((window > 0 && len > window) ? len - window : 0, len);
+        }
+        int per = num_kv_heads;
+        while (per > 1 && chunks * ((num_kv_heads + per - 1) / per) < 2L * threads) per = (per + 1) / 2;
+        const int parts = (num_kv_heads + per - 1) / per;
+        const long ntasks = chunks * parts;
+        int* tasks = (int*)malloc(sizeof(int) * 3 * ntasks);   /* (request, head part, chunk) */
+        long* slot = (long*)malloc(sizeof(long) * ntasks);      /* where a split task's (m, l, acc) go */
+        long t = 0, nsplit = 0;
+        const long part_floats = (long)per * G * (head_dim + 2);
+        for (int r = 0; r < num_reqs; ++r) {
+            const int len = seq_lens[r];
+            const int nc = num_chunks((window > 0 && len > window) ? len - window : 0, len);
+            for (int p = 0; p < parts; ++p)
+                for (int c = 0; c < nc; ++c, ++t) {
+                    tasks[3 * t] = r; tasks[3 * t + 1] = p; tasks[3 * t + 2] = c;
+                    slot[t] = nc > 1 ? (nsplit++) * part_floats : -1;
+                }
+        }
+        float* partial = nsplit ? (float*)malloc(sizeof(float) * nsplit * part_floats) : 0;
+        #pragma omp parallel if (work > 16384)
+        {
+            #pragma omp for schedule(dynamic, 1)
+            for (long i = 0; i < ntasks; ++i) {
+                const int r = tasks[3 * i], p = tasks[3 * i + 1], c = tasks[3 * i + 2];
                 const int len = seq_lens[r];
                 const int lo = (window > 0 && len > window) ? len - window : 0;
                 const int h0 = p * per, h1 = (h0 + per) < num_kv_heads ? h0 + per : num_kv_heads;
+                const int first = (lo / CHUNK + c) * CHUNK;
+                const int c_lo = first > lo ? first : lo;
+                const int c_hi = first + CHUNK < len ? first + CHUNK : len;
                 attend_fast(q + (long)r * ldq, out + (long)r * ldo, k_cache, v_cache,
-                            block_tables + (long)r * table_width, len, lo, h0, h1, G, head_dim,
-                            block_size, row, scale);
+                            block_tables + (long)r * table_width, c_hi, c_lo, h0, h1, G, head_dim,
+                            block_size, row, scale, slot[i] >= 0 ? partial + slot[i] : 0);
+            }
+            if (nsplit) {
+                #pragma omp for schedule(dynamic, 1)
+                for (long i = 0; i < ntasks; ++i) {
+                    if (slot[i] < 0 || tasks[3 * i + 2] != 0) continue;   /* each split (request, part) once */
+                    const int r = tasks[3 * i], p = tasks[3 * i + 1];
+                    const int len = seq_lens[r];
+                    const int nc = num_chunks((window > 0 && len > window) ? len - window : 0, len);
+                    const int h0 = p * per, h1 = (h0 + per) < num_kv_heads ? h0 + per : num_kv_heads;
+                    merge_chunks(partial + slot[i], part_floats, nc, (h1 - h0) * G, head_dim,
+                                 out + (long)r * ldo + (long)h0 * G * head_dim);
+                }
             }
         }
+        free(tasks); free(slot); free(partial);
         return;
     }
 #endif
