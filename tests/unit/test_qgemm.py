@@ -49,7 +49,7 @@ def test_quantized_gemm_rows_do_not_depend_on_their_batch(bits, group, n, k, min
     weight = qgemm.QuantWeight(q, scales, lows, bits, group, None, qgemm.load())
     x = torch.randn(140, k)
     full = weight.matmul(x)
-    for size in list(range(1, 14)) + [31, 63, 64, 65, 127]:
+    for size in list(range(1, 18)) + [31, 63, 64, 65, 127]:  # across the decoded-panel path (16 rows)
         for start in (0, 1, 140 - size):
             assert torch.equal(weight.matmul(x[start : start + size]), full[start : start + size]), (size, start)
     threads = torch.get_num_threads()
@@ -89,7 +89,7 @@ def test_quantized_gemm_avx2_build_is_exact_and_invariant_too():
         x = torch.randn(70, k)
         full = weight.matmul(x)
         torch.testing.assert_close(full, (x.double() @ dense.double().T).float(), atol=1e-5 * k**0.5, rtol=1e-5)
-        for size in (1, 5, 6, 7, 13, 64, 65):
+        for size in (1, 5, 6, 7, 13, 15, 16, 17, 64, 65):
             assert torch.equal(weight.matmul(x[2 : 2 + size]), full[2 : 2 + size]), (bits, size)
         ids = torch.tensor([0, n - 1, 17])
         assert torch.equal(weight.dequantized_rows(ids), dense[ids])

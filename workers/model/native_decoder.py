@@ -70,6 +70,7 @@ def _weight(linear: Any) -> tuple:
     bias = packed.bias.data_ptr() if packed.bias is not None else 0
     return None, packed.panels.data_ptr(), bias, packed.out_features, packed.in_features
 
+
 _DRIVER_SOURCE = r"""
 #include <stddef.h>
 
@@ -199,8 +200,11 @@ class NativeDecoder:
         """The one-call decode step (module doc), or None when a piece is missing."""
         lib = native.build("decoder_step", _DRIVER_SOURCE, signatures=_DRIVER_SIGNATURES)
         lins = [[_lin_struct(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] for layer in self.layers]
-        dims = {(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in self.layers}
-        if lib is None or len(dims) != 1 or any(lin is None for row in lins for lin in row) or (
+        if lib is None or any(lin is None for row in lins for lin in row):
+            return None
+        dims = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, row[0].n, row[3].k)  # same shapes everywhere
+                for layer, row in zip(self.layers, lins, strict=True)}
+        if len(dims) != 1 or (
                 self._qgemm is None and any(lin.kind == 1 for row in lins for lin in row)):
             return None
         self._fns = _Fns(_address(self._gemm), _address(self._qgemm) if self._qgemm is not None else None,

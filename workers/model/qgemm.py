@@ -36,6 +36,12 @@ like the float GEMM. It is not the float GEMM on dequantized weights (that
 sums ``x * (scale * q + min)`` term by term): results agree to float rounding
 (``tests/unit/test_qgemm.py``). Per weight it costs one int-to-float
 conversion and one FMA per row, on 4 or 8 bits read from memory instead of 32.
+
+From 16 rows (prefill, large decode batches) each panel's q is first decoded
+to floats once (exact small integers, K x NR floats, in L2) and the rows run
+on that with the same operations in the same order, so the same bits; the
+conversion is then paid once per panel instead of once per 3 rows (AVX2),
+1.3x faster at 64-512 rows on the AVX2 EPYC.
 """
 
 from __future__ import annotations
@@ -109,6 +115,9 @@ typedef __m256 vec;
 #define NR (2 * VL)
 
 int qgemm_panel_width(void) { return NR; }
+#ifndef DECODE_ROWS
+#define DECODE_ROWS 16
+#endif
 
 /* R rows of x against one panel; xs: the rows' group sums [R][G] (stride G). */
 #define QUKR(R)                                                                             \
@@ -186,6 +195,73 @@ static const qukr_fn QUKRS[MRQ + 1] = {
 #endif
 };
 
+/* A panel's q as exact small-integer floats, [K][NR] (4-bit: inputs 2kk and
+   2kk + 1 from byte row kk, as the microkernel reads them). */
+static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
+    if (bits == 4) {
+        for (long kk = 0; kk < K / 2; ++kk) {
+            vec l0, l1, h0, h1;
+            LOAD_U4(q + kk * NR, l0, l1, h0, h1);
+            VSTORE(wf + (2 * kk) * NR, l0); VSTORE(wf + (2 * kk) * NR + VL, l1);
+            VSTORE(wf + (2 * kk + 1) * NR, h0); VSTORE(wf + (2 * kk + 1) * NR + VL, h1);
+        }
+    } else {
+        for (long k = 0; k < K; ++k) {
+            vec w0, w1;
+            LOAD_S8((const signed char*)q + k * NR, w0, w1);
+            VSTORE(wf + k * NR, w0); VSTORE(wf + k * NR + VL, w1);
+        }
+    }
+}
+
+/* Up to FR rows against a decoded panel wf: the same operations in the same
+   order as qukr (per group an FMA chain from zero over the group's inputs,
+   then scale, then min), so the same bits; the running sums wait in acc
+   (L1) between groups, leaving the registers to FR rows of group sums. */
+#define FR (2 * MRQ)
+static void fukr(int R, const float* x, long ldx, const float* xs, long G, const float* wf,
+                 const float* sc, const float* mn, int bits, long K, long gs, float* y, long ldy,
+                 int nvalid, const float* bias) {
+    float acc[FR][NR] __attribute__((aligned(64)));
+    for (long g = 0; g < G; ++g) {
+        const long k0 = g * gs;
+        const long len = k0 + gs <= K ? gs : K - k0;
+        const long k1 = k0 + (bits == 4 ? (len / 2) * 2 : len);
+        vec ga[FR][2];
+        for (int r = 0; r < FR; ++r) { ga[r][0] = VZERO(); ga[r][1] = VZERO(); }
+        for (long k = k0; k < k1; ++k) {
+            const vec w0 = VLOAD(wf + k * NR), w1 = VLOAD(wf + k * NR + VL);
+            for (int r = 0; r < FR; ++r) {
+                if (r < R) {
+                    const vec xa = VSET1(x[r * ldx + k]);
+                    ga[r][0] = VFMA(w0, xa, ga[r][0]); ga[r][1] = VFMA(w1, xa, ga[r][1]);
+                }
+            }
+        }
+        const vec s0 = VLOAD(sc + g * NR), s1 = VLOAD(sc + g * NR + VL);
+        for (int r = 0; r < R; ++r) {
+            vec a0 = g ? VLOAD(acc[r]) : VZERO(), a1 = g ? VLOAD(acc[r] + VL) : VZERO();
+            a0 = VFMA(s0, ga[r][0], a0); a1 = VFMA(s1, ga[r][1], a1);
+            if (mn) {
+                const vec xsum = VSET1(xs[r * G + g]);
+                a0 = VFMA(VLOAD(mn + g * NR), xsum, a0); a1 = VFMA(VLOAD(mn + g * NR + VL), xsum, a1);
+            }
+            VSTORE(acc[r], a0); VSTORE(acc[r] + VL, a1);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        vec a0 = VLOAD(acc[r]), a1 = VLOAD(acc[r] + VL);
+        if (bias) { a0 = VADD(a0, VLOAD(bias)); a1 = VADD(a1, VLOAD(bias + VL)); }
+        if (nvalid == NR) {
+            VSTORE(y + r * ldy, a0); VSTORE(y + r * ldy + VL, a1);
+        } else {
+            float tmp[NR];
+            VSTORE(tmp, a0); VSTORE(tmp + VL, a1);
+            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);
+        }
+    }
+}
+
 /* y[M, ldy] = x[M, ldx] @ W.T (+ bias) for a quantized W (module doc).
    q: panels, each K * bits / 8 * NR bytes; scales / mins: panels of ceil(K / gs) * NR
    floats (mins NULL: none); bias: NULL or ceil(N / NR) * NR floats. */
@@ -203,6 +279,28 @@ void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q,
             xs[m * G + g] = s;
         }
     const int parallel = (double)M * (double)N * (double)K > 262144.0;
+    if (M >= DECODE_ROWS) {
+        /* Many rows (prefill): each panel's q decoded to floats once, then FR rows at a time on them
+           (the small-batch kernel below converts q for every MRQ rows). Same bits either way. */
+        #pragma omp parallel if (parallel)
+        {
+            float* wf = (float*)aligned_alloc(64, sizeof(float) * (K + 1) * NR);
+            #pragma omp for schedule(dynamic, 1)
+            for (long p = 0; p < P; ++p) {
+                const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+                const float* b = bias ? bias + p * NR : 0;
+                decode_panel(q + p * qbytes, bits, K, wf);
+                for (long m = 0; m < M; m += FR) {
+                    const int rows = (M - m) < FR ? (int)(M - m) : FR;
+                    fukr(rows, x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
+                         mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+                }
+            }
+            free(wf);
+        }
+        free(xs);
+        return;
+    }
     #pragma omp parallel for schedule(static) if (parallel)
     for (long p = 0; p < P; ++p) {
         const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
