@@ -48,6 +48,9 @@ def add_perplexity_args(parser: argparse.ArgumentParser) -> None:
                              "(what kv_cache_dtype int8 changes); default: a window in one step")
     parser.add_argument("--agreement", action="store_true",
                         help="also compare greedy outputs with the float run (loads the model twice)")
+    parser.add_argument("--reference-model", default=None,
+                        help="the float model --agreement compares with (needed when --model is a GPTQ / AWQ "
+                             "checkpoint; default: --model without --quantization)")
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts of the agreement check")
     parser.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens per agreement prompt")
     parser.add_argument("--json", default="perplexity.json", help="where to write the results")
@@ -105,13 +108,20 @@ def run_perplexity(args: argparse.Namespace, engine_args: dict[str, Any]) -> int
         engine_args.update(max_num_batched_tokens=args.prefill_chunk,
                            max_num_seqs=min(args.prefill_chunk, engine_args.get("max_num_seqs", 64)))
     llm = LLM(**engine_args)
-    report: dict[str, Any] = {"model": str(llm.model_dir), "quantization": engine_args.get("quantization"),
+    quantization = getattr(llm.runner, "quantization", None)  # the --quantization's, or the checkpoint's (gptq-g128)
+    if args.agreement and quantization and not engine_args.get("quantization") and not args.reference_model:
+        llm.shutdown()
+        raise ValueError(f"{llm.model_dir} is a quantized checkpoint ({quantization}): --agreement needs the float "
+                         "model to compare with, pass --reference-model FOLDER")
+    report: dict[str, Any] = {"model": str(llm.model_dir), "quantization": quantization,
                               **perplexity(llm, args.window, args.max_tokens)}
     if args.agreement:
         prompts = agreement_prompts(llm, args.num_prompts)
         ours = greedy_tokens(llm, prompts, args.agree_tokens)
         llm.shutdown()
         float_args = {k: v for k, v in engine_args.items() if not k.startswith("quantization")}
+        if args.reference_model:
+            float_args["model"] = args.reference_model
         with LLM(**float_args) as reference:
             report["agreement"] = agreement(ours, greedy_tokens(reference, prompts, args.agree_tokens))
     else:

@@ -125,3 +125,24 @@ def test_checkpoints_that_do_not_match_fail_naming_the_tensor(tmp_path):
         LLM(str(out))
     with pytest.raises(ValueError, match="has no such quantization_config"):
         LLM(str(tiny), quantization="gptq")
+
+
+def test_gptq_checkpoint_evaluated_against_its_float_model(tmp_path, caplog):
+    # `eval perplexity` names the checkpoint's quantization, and its greedy
+    # agreement needs the float model: without --reference-model it says so.
+    from cluster.cli.main import main
+
+    tiny = make_tiny_model_dir("llama", tmp_path / "tiny")
+    out = tmp_path / "gptq"
+    assert main(["quantize", "--model", str(tiny), "--method", "gptq", "--group-size", "32",
+                 "--calibration-tokens", "256", "--output", str(out)]) == 0
+    report = tmp_path / "ppl.json"
+    assert main(["eval", "perplexity", "--model", str(out), "--agreement", "--max-tokens", "64", "--window", "32",
+                 "--json", str(report)]) != 0
+    assert "pass --reference-model" in caplog.text and not report.exists()
+    assert main(["eval", "perplexity", "--model", str(out), "--agreement", "--reference-model", str(tiny),
+                 "--max-tokens", "64", "--window", "32", "--num-prompts", "2", "--agree-tokens", "4",
+                 "--json", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert result["quantization"] == "gptq-g32" and result["perplexity"] > 1
+    assert "agreement" in result

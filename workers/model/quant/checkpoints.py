@@ -201,8 +201,9 @@ def _awq_pack(values: np.ndarray) -> np.ndarray:
 
 
 def pack_layer(decoded: DecodedWeight, method: str) -> dict[str, torch.Tensor]:
-    """A 4-bit asymmetric weight (``quantize_int4``) in the method's layout.
-    Zeros are the integers nearest to ``-min / scale`` (exact for RTN, whose min is a grid point)."""
+    """A 4-bit asymmetric weight in the method's layout. Zeros are the integers
+    nearest to ``-min / scale``: exact for GPTQ's grid (``quant/gptq.py``), whose
+    zero points are integers and scales float16 values."""
     q = decoded.q.T  # [K, N]
     k, n = q.shape
     if k % 8 or n % 8:
@@ -220,32 +221,40 @@ def pack_layer(decoded: DecodedWeight, method: str) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], src: Path, dst: Path, method: str,
-                     group_size: int) -> dict[str, Any]:
+                     group_size: int, hessians: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """Writes ``src`` (a float folder; ``weights``: its tensors, ``loader.iter_weights``)
-    as a ``method`` checkpoint in ``dst``: every
-    decoder linear layer 4-bit asymmetric per group (round to nearest, from the
-    float weights), the rest as it was; config.json gets the quantization_config.
+    as a ``method`` checkpoint in ``dst``: every decoder linear layer 4-bit on
+    GPTQ's asymmetric grid per group (``quant/gptq.py``), the rest as it was;
+    config.json gets the quantization_config.
 
-    Returns: ``{"layers": n, "bytes": size of the weights written}``.
+    Args:
+        hessians: By layer name (``model.layers.3.self_attn.q_proj``), the
+            Hessian of its inputs: those layers are quantized with GPTQ,
+            the others (and all without it) rounded to nearest.
+
+    Returns: ``{"layers": n, "gptq_layers": m, "bytes": size of the weights written}``.
     """
     from safetensors.torch import save_file
 
-    from workers.model.quant.methods import quantize_int4
+    from workers.model.quant import gptq
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     dst.mkdir(parents=True, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
-    layers = 0
+    layers = with_gptq = 0
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
         if part == "weight" and prefix.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and ".layers." in f".{prefix}":
-            decoded = quantize_int4(tensor.float().numpy(), group_size)
+            h = (hessians or {}).get(prefix)
+            w = tensor.float().numpy()
+            decoded = gptq.gptq(w, h, group_size) if h is not None else gptq.rtn(w, group_size)
             for key, value in pack_layer(decoded, method).items():
                 out[f"{prefix}.{key}"] = value.contiguous()
             layers += 1
+            with_gptq += h is not None
             if layers % 20 == 0:
-                logger.info("quantized %d layers", layers)
+                logger.info("quantized %d layers (%d with GPTQ)", layers, with_gptq)
         else:
             out[name] = tensor.contiguous()
     save_file(out, str(dst / "model.safetensors"))
@@ -261,4 +270,4 @@ def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], src: Path, dst
             (dst / extra.name).write_bytes(extra.read_bytes())
     size = (dst / "model.safetensors").stat().st_size
     logger.info("wrote %s: %d layers as %s (group %d), %.1f MiB", dst, layers, method, group_size, size / 2**20)
-    return {"layers": layers, "bytes": size}
+    return {"layers": layers, "gptq_layers": with_gptq, "bytes": size}

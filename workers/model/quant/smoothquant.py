@@ -41,17 +41,29 @@ WINDOW = 256
 def calibrate(model: Any, token_ids: list[int], num_tokens: int = CALIBRATION_TOKENS) -> dict[Any, torch.Tensor]:
     """Per linear layer: the max |x| of each input channel over ``num_tokens``
     calibration tokens (windows of ``WINDOW``, each on a fresh KV cache)."""
+    stats: dict[Any, torch.Tensor] = {}
+
+    def record(module: Any, x: torch.Tensor) -> None:
+        amax = x.abs().amax(dim=0)
+        stats[module] = torch.maximum(stats[module], amax) if module in stats else amax
+
+    start = time.monotonic()
+    n = run_calibration(model, token_ids, num_tokens, record)
+    logger.info("w8a8: calibrated on %d tokens in %.1f s", n, time.monotonic() - start)
+    return stats
+
+
+def run_calibration(model: Any, token_ids: list[int], num_tokens: int, record: Any) -> int:
+    """Runs the float model (module path) over ``num_tokens`` of ``token_ids`` in
+    windows of ``WINDOW`` tokens, each on a fresh KV cache, calling
+    ``record(linear, x)`` with every decoder linear layer's input rows
+    ``x [T, in_features]`` (the LM head left out). Returns the tokens run."""
     from workers.model.attention.base import AttentionMetadata
     from workers.model.linear import Linear
 
-    stats: dict[Any, torch.Tensor] = {}
-
-    def record(module: Any, inputs: tuple) -> None:
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
-        stats[module] = torch.maximum(stats[module], x) if module in stats else x
-
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, Linear)
-             and m is not model.lm_head]
+    hooks = [m.register_forward_pre_hook(lambda module, inputs: record(
+        module, inputs[0].detach().reshape(-1, inputs[0].shape[-1]))) for m in model.modules()
+        if isinstance(m, Linear) and m is not model.lm_head]
     arch = model.arch
     block = 16
     blocks = -(-WINDOW // block)
@@ -59,7 +71,6 @@ def calibrate(model: Any, token_ids: list[int], num_tokens: int = CALIBRATION_TO
     caches = [torch.zeros(2, blocks, block, arch.num_key_value_heads, arch.head_dim, dtype=dtype)
               for _ in range(arch.num_hidden_layers)]
     ids = token_ids[:num_tokens]
-    start = time.monotonic()
     try:
         with torch.inference_mode():
             for i in range(0, len(ids) - 1, WINDOW):
@@ -70,8 +81,7 @@ def calibrate(model: Any, token_ids: list[int], num_tokens: int = CALIBRATION_TO
     finally:
         for hook in hooks:
             hook.remove()
-    logger.info("w8a8: calibrated on %d tokens in %.1f s", len(ids), time.monotonic() - start)
-    return stats
+    return len(ids)
 
 
 def smooth(model: Any, stats: dict[Any, torch.Tensor], alpha: float = ALPHA) -> None:
