@@ -55,3 +55,57 @@ def test_gptq_grid_is_what_the_checkpoint_layouts_store(method):
 def test_gptq_rejects_groups_that_straddle_its_blocks():
     with pytest.raises(ValueError, match="divide 128"):
         gptq.gptq(np.zeros((8, 256), dtype=np.float32), torch.eye(256, dtype=torch.float64), 96)
+
+
+def test_awq_search_never_loses_to_rounding_and_wins_on_salient_channels():
+    from workers.model.quant import awq
+
+    k = 128
+    x = _inputs(k, seed=9)
+    w = (torch.randn(32, k, generator=torch.Generator().manual_seed(4)) * 0.05).numpy()
+    h = x.T @ x / x.shape[0]
+    s = awq.search_scales([w[:16], w[16:]], h, x.abs().mean(dim=0), 32)
+
+    def output_error(scales):
+        wt = torch.from_numpy(w).double()
+        d = wt - torch.from_numpy(gptq.rtn((wt * scales).float().numpy(), 32).dequantize()).double() / scales
+        return float(((d @ h) * d).sum())
+
+    assert output_error(s) < 0.9 * output_error(torch.ones(k, dtype=torch.float64))
+    assert s[:3].mean() > s[3:].mean()  # the outlier channels are the ones protected
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen2", {}), ("llama", {"num_key_value_heads": 4})])
+def test_awq_scaling_leaves_the_float_model_unchanged(tmp_path, family, overrides):
+    # Folded scales (norms, up rows and bias, v rows without GQA) cancel in
+    # float: the scaled checkpoint computes what the original does.
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.factories import make_tiny_model_dir
+    from workers.model.quant import awq
+
+    src = make_tiny_model_dir(family, tmp_path / "src", with_tokenizer=False, **overrides)
+    tensors = load_file(str(src / "model.safetensors"))
+    config = AutoModelForCausalLM.from_pretrained(src).config
+    gen = torch.Generator().manual_seed(0)
+    stats = {}
+    for name in tensors:
+        if name.endswith("_proj.weight") and ".layers." in name:
+            k = tensors[name].shape[1]
+            x = torch.randn(64, k, generator=gen, dtype=torch.float64) * torch.rand(k, generator=gen, dtype=torch.float64) * 4
+            stats[name[: -len(".weight")]] = (x.T @ x / 64, x.abs().mean(dim=0))
+    gqa = config.num_key_value_heads != config.num_attention_heads
+    scaled = awq.apply(tensors, stats, config.num_hidden_layers, 32, grouped_query=gqa)
+    assert scaled == config.num_hidden_layers * (3 if gqa else 4)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 8, 64]])
+    with torch.no_grad():
+        before = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)(ids).logits
+        after = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(load_file(str(src / "model.safetensors"))["model.layers.0.input_layernorm.weight"],
+                           tensors["model.layers.0.input_layernorm.weight"])

@@ -221,7 +221,8 @@ def pack_layer(decoded: DecodedWeight, method: str) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], src: Path, dst: Path, method: str,
-                     group_size: int, hessians: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+                     group_size: int, hessians: Optional[dict[str, torch.Tensor]] = None,
+                     awq_stats: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None) -> dict[str, Any]:
     """Writes ``src`` (a float folder; ``weights``: its tensors, ``loader.iter_weights``)
     as a ``method`` checkpoint in ``dst``: every decoder linear layer 4-bit on
     GPTQ's asymmetric grid per group (``quant/gptq.py``), the rest as it was;
@@ -231,16 +232,25 @@ def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], src: Path, dst
         hessians: By layer name (``model.layers.3.self_attn.q_proj``), the
             Hessian of its inputs: those layers are quantized with GPTQ,
             the others (and all without it) rounded to nearest.
+        awq_stats: By layer name, ``(X^T X / n, mean |x|)`` of its inputs:
+            AWQ's scales are searched and folded first (``quant/awq.py``).
 
     Returns: ``{"layers": n, "gptq_layers": m, "bytes": size of the weights written}``.
     """
     from safetensors.torch import save_file
 
-    from workers.model.quant import gptq
+    from workers.model.quant import awq, gptq
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    if awq_stats is not None:  # every tensor at hand: scales move between layers
+        tensors = dict(weights)
+        heads = config["num_attention_heads"]
+        awq.apply(tensors, awq_stats, config["num_hidden_layers"], group_size,
+                  grouped_query=config.get("num_key_value_heads", heads) != heads)
+        weights = iter(tensors.items())
     out: dict[str, torch.Tensor] = {}
     layers = with_gptq = 0
     for name, tensor in weights:
@@ -258,7 +268,6 @@ def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], src: Path, dst
         else:
             out[name] = tensor.contiguous()
     save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": False,
          "checkpoint_format": "gptq"} if method == "gptq" else
