@@ -9,8 +9,8 @@ when ``llama_cpp`` is importable (``--peers``; not a dependency).
 
 Methods: ``none`` (float32), ``w8a8``, ``int8``, ``int4-g32`` / ``int4-g64`` /
 ``int4-g128``, ``gguf``, ``gptq`` / ``awq`` (the default model written as a
-group-128 checkpoint by ``prefixserve quantize``, once, into the cache; see
-``workers/model/quant/``), and ``kv-int8``
+group-128 checkpoint as ``prefixserve quantize`` does, GPTQ and AWQ calibrated
+on 4096 tokens, once, into the cache; see ``workers/model/quant/``), and ``kv-int8``
 (float weights, ``kv_cache_dtype="int8"``; its perplexity is computed in
 prefill chunks of 64 tokens so that tokens attend to the int8 cache; the KV
 block bytes column shows what each block costs). Speed figures use the
@@ -148,18 +148,18 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 def _checkpoint(method: str) -> Path:
     """The default model as a ``method`` checkpoint (``prefixserve quantize``), written once into the cache."""
     from cluster.shared.cache import cache_root
-    from workers.model.loader import iter_weights, resolve_model
-    from workers.model.quant.checkpoints import write_checkpoint
+    from workers.model.loader import resolve_model
+    from workers.quantize import quantize_checkpoint
 
-    folder = cache_root() / "quantized" / f"default-{method}-g{CHECKPOINT_GROUP}"
+    # "calibrated": written by GPTQ / AWQ themselves (earlier versions rounded to nearest)
+    folder = cache_root() / "quantized" / f"default-{method}-g{CHECKPOINT_GROUP}-calibrated"
     if not (folder / "config.json").is_file():
         tmp = folder.with_name(folder.name + ".tmp")
         if tmp.exists():
             import shutil
 
             shutil.rmtree(tmp)
-        src = resolve_model(None)
-        write_checkpoint(iter_weights(src), src, tmp, method, CHECKPOINT_GROUP)
+        quantize_checkpoint(resolve_model(None), tmp, method, CHECKPOINT_GROUP)
         tmp.rename(folder)
     return folder
 

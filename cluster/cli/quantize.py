@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +38,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from workers.model.loader import iter_weights, resolve_model
-    from workers.model.quant.checkpoints import QuantSpec, write_checkpoint
+    from workers.model.loader import resolve_model
+    from workers.model.quant.checkpoints import QuantSpec
+    from workers.quantize import quantize_checkpoint
 
     src = resolve_model(args.model)
     if QuantSpec.from_config(src) is not None:
@@ -48,45 +48,9 @@ def run_quantize(args: argparse.Namespace) -> int:
     dst = Path(args.output)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} exists and is not empty: pass a new --output folder")
-    hessians = awq_stats = None
-    if not args.rtn:
-        stats = layer_statistics(src, args.calibration_tokens, args.method)
-        hessians, awq_stats = (stats, None) if args.method == "gptq" else (None, stats)
-    result = write_checkpoint(iter_weights(src), src, dst, args.method, args.group_size, hessians, awq_stats)
-    how = (f"GPTQ on {result['gptq_layers']} of them" if hessians else "AWQ-scaled, rounded to nearest"
-           if awq_stats else "rounded to nearest")
+    result = quantize_checkpoint(src, dst, args.method, args.group_size, args.calibration_tokens, args.rtn)
+    how = ("rounded to nearest" if args.rtn else f"GPTQ on {result['gptq_layers']} of them" if args.method == "gptq"
+           else "AWQ-scaled, rounded to nearest")
     print(f"{dst}: {result['layers']} layers as {args.method} (group {args.group_size}), {how}, "
           f"{result['bytes'] / 2**20:.1f} MiB")  # the command's output
     return 0
-
-
-def layer_statistics(src: Path, calibration_tokens: int, method: str) -> dict[str, Any]:
-    """What ``method`` calibrates on, for every decoder linear layer of the float
-    model in ``src``, by checkpoint layer name (fused projections share theirs):
-    GPTQ's input Hessian, or AWQ's ``(X^T X / n, mean |x|)``."""
-    import time
-
-    from workers.model.attention.torch_backend import TorchAttentionBackend
-    from workers.model.loader import _calibration_ids, load_model
-    from workers.model.quant import awq, gptq
-
-    ids = _calibration_ids(src)
-    if not ids:
-        raise ValueError(f"{method} calibrates on text: {src} needs a tokenizer.json (or pass --rtn)")
-    if calibration_tokens < 2:
-        raise ValueError(f"--calibration-tokens must be at least 2, got {calibration_tokens}")
-    started = time.monotonic()
-    model, _ = load_model(src, "float32", "cpu", TorchAttentionBackend(), linear_backend="torch")
-    by_module = (gptq.hessians if method == "gptq" else awq.statistics)(model, ids, calibration_tokens)
-    out: dict[str, Any] = {}
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            out[f"{prefix}self_attn.{name}"] = by_module[attn.qkv_proj]
-        out[f"{prefix}self_attn.o_proj"] = by_module[attn.o_proj]
-        out[f"{prefix}mlp.gate_proj"] = out[f"{prefix}mlp.up_proj"] = by_module[mlp.gate_up_proj]
-        out[f"{prefix}mlp.down_proj"] = by_module[mlp.down_proj]
-    logger.info("%s: statistics of %d layers from %d calibration tokens in %.1f s", method, len(out),
-                min(calibration_tokens, len(ids)), time.monotonic() - started)
-    return out

@@ -102,5 +102,7 @@ def apply(tensors: dict[str, torch.Tensor], stats: dict[str, tuple[torch.Tensor,
             v = [f"{p}self_attn.v_proj.weight"] + (
                 [f"{p}self_attn.v_proj.bias"] if f"{p}self_attn.v_proj.bias" in tensors else [])
             scale([f"{p}self_attn.o_proj"], v, f"{p}self_attn.o_proj")
+        if (i + 1) % 5 == 0:
+            logger.info("AWQ: searched the scales of %d of %d layers", i + 1, num_layers)
     logger.info("AWQ: scaled %d layer groups", scaled)
     return scaled
