@@ -15,15 +15,22 @@ CALIBRATION_TOKENS = 4096
 
 def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int,
                         calibration_tokens: int = CALIBRATION_TOKENS, rtn: bool = False) -> dict[str, Any]:
-    """Writes the float model in ``src`` as a ``method`` (gptq | awq) checkpoint in
-    ``dst``: GPTQ or AWQ calibrated on ``calibration_tokens`` tokens of the
-    calibration text, or round to nearest with ``rtn``.
+    """Writes the float model in ``src`` as a ``method`` (gptq | awq | w8a8) checkpoint
+    in ``dst``: GPTQ or AWQ calibrated on ``calibration_tokens`` tokens of the
+    calibration text, or round to nearest with ``rtn``; w8a8: SmoothQuant as
+    ``quantization="w8a8"`` does it at load (its own 4096 calibration tokens).
 
     Returns: ``write_checkpoint``'s summary.
     """
     from workers.model.loader import iter_weights
-    from workers.model.quant.checkpoints import write_checkpoint
+    from workers.model.quant.checkpoints import write_checkpoint, write_w8a8_checkpoint
 
+    if method == "w8a8":  # SmoothQuant as quantization="w8a8" runs it at load, written out
+        from workers.model.attention.torch_backend import TorchAttentionBackend
+        from workers.model.loader import load_model
+
+        model, _ = load_model(src, "float32", "cpu", TorchAttentionBackend(), quantization="w8a8")
+        return write_w8a8_checkpoint(iter_weights(src), model, src, dst)
     stats = None if rtn else calibration_statistics(src, calibration_tokens, method)
     return write_checkpoint(iter_weights(src), src, dst, method, group_size,
                             hessians=stats if method == "gptq" else None, awq_stats=stats if method == "awq" else None)

@@ -146,3 +146,45 @@ def test_gptq_checkpoint_evaluated_against_its_float_model(tmp_path, caplog):
     result = json.loads(report.read_text())
     assert result["quantization"] == "gptq-g32" and result["perplexity"] > 1
     assert "agreement" in result
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_w8a8_checkpoint_runs_what_w8a8_computes_at_load(tmp_path, family):
+    # `quantize --method w8a8` writes the int8 weights and smoothed norms that
+    # quantization="w8a8" computes at load, in compressed-tensors' format: the
+    # checkpoint loads as w8a8 with no calibration and gives the same logprobs.
+    from safetensors.torch import load_file
+
+    from cluster.cli.main import main
+    from workers.model import i8gemm
+
+    if i8gemm.load() is None:
+        pytest.skip("no native int8 kernel here")
+    tiny = make_tiny_model_dir(family, tmp_path / "tiny")
+    out = tmp_path / "w8a8"
+    assert main(["quantize", "--model", str(tiny), "--method", "w8a8", "--output", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "int-quantized"
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].dtype == torch.int8
+    assert tensors["model.layers.0.self_attn.k_proj.weight_scale"].shape[1] == 1
+    from_checkpoint = LLM(str(out), block_size=4)
+    assert from_checkpoint.runner.quantization == "w8a8"
+    at_load = LLM(str(tiny), block_size=4, quantization="w8a8")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [list(range(3, 30)), list(range(40, 52))]
+    for a, b in zip(from_checkpoint.generate(prompts, params), at_load.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [y.logprob for y in b.logprobs]
+    with pytest.raises(ValueError, match="quantization must be 'w8a8' or None"):
+        LLM(str(out), quantization="int8")
+
+
+def test_compressed_tensors_other_than_w8a8_int8_is_refused(tmp_path):
+    tiny = make_tiny_model_dir("llama", tmp_path / "tiny", with_tokenizer=False)
+    config = json.loads((tiny / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                     "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}
+    (tiny / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="W8A8 int8 only"):
+        QuantSpec.from_config(tiny)

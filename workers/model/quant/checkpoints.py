@@ -22,6 +22,13 @@ consecutive and ``x`` is permuted the same way at run time (one permutation
 per input: GPTQ derives it from the inputs' Hessian, which q/k/v and
 gate/up share). ``write_checkpoint`` writes both layouts from a float model
 (``prefixserve quantize``).
+
+W8A8 (SmoothQuant) checkpoints use compressed-tensors' ``int-quantized``
+format, as llm-compressor writes and vLLM reads: each linear layer's
+``weight`` int8 ``[N, K]`` and ``weight_scale`` ``[N, 1]`` (symmetric, one
+scale per output channel), activations quantized per token at run time
+(``input_activations.dynamic``), the smoothing already folded into the float
+norms and producer rows; ``write_w8a8_checkpoint`` writes one.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from workers.model.quant.gguf_blocks import DecodedWeight
 logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq")
+W8A8 = "w8a8"  # compressed-tensors int-quantized
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset held by nibble i of a packed AWQ int32
 PARTS = ("qweight", "qzeros", "scales")
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,9 +76,11 @@ class QuantSpec:
         if not qc:
             return None
         method = str(qc.get("quant_method", "")).lower()
+        if method == "compressed-tensors":
+            return cls._compressed_tensors(path, qc)
         if method not in METHODS:
             raise ValueError(f"{path}: quantization_config.quant_method {method!r} is not supported; "
-                             f"supported: {METHODS}")
+                             f"supported: gptq, awq, compressed-tensors (W8A8 int8)")
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
         if bits != 4:
@@ -80,6 +90,22 @@ class QuantSpec:
         if method == "gptq" and str(qc.get("checkpoint_format", "gptq")).lower() != "gptq":
             raise ValueError(f"{path}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}: only 'gptq' (v1)")
         return cls(method, bits, group, bool(qc.get("desc_act", False)))
+
+    @classmethod
+    def _compressed_tensors(cls, path: Path, qc: dict) -> "QuantSpec":
+        """compressed-tensors: only W8A8 int8 (weights per channel, activations per token, dynamic)."""
+        groups = list((qc.get("config_groups") or {}).values())
+        supported = ("compressed-tensors is read for W8A8 int8 only (format int-quantized; weights int 8-bit "
+                     "symmetric per channel; input activations int 8-bit symmetric per token, dynamic)")
+        if str(qc.get("format", "")) != "int-quantized" or len(groups) != 1:
+            raise ValueError(f"{path}: compressed-tensors format {qc.get('format')!r} with {len(groups)} config "
+                             f"groups: {supported}")
+        w, a = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
+        if (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy")) != (8, "int", True, "channel") \
+                or (a.get("num_bits"), a.get("type"), a.get("symmetric"), a.get("strategy"), a.get("dynamic")) \
+                != (8, "int", True, "token", True):
+            raise ValueError(f"{path}: compressed-tensors weights {w} and input_activations {a}: {supported}")
+        return cls(W8A8, 8, 0)
 
 
 @dataclass
@@ -169,6 +195,9 @@ def read_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], spec: QuantSpec
                     quantized: dict[str, LoadedQuant]) -> Iterator[tuple[str, torch.Tensor]]:
     """Passes float tensors through, decodes each quantized layer into ``quantized``
     (HF prefix -> layer) and yields its float weight as ``<prefix>.weight``."""
+    if spec.method == W8A8:
+        yield from _read_w8a8(weights, quantized)
+        return
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
@@ -180,6 +209,110 @@ def read_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], spec: QuantSpec
         loaded = decode_layer(prefix, layer, spec)
         quantized[prefix] = loaded
         yield prefix + ".weight", float_weight(loaded)
+
+
+def _read_w8a8(weights: Iterator[tuple[str, torch.Tensor]],
+               quantized: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """compressed-tensors W8A8: each int8 ``weight`` with its ``weight_scale`` into ``quantized``
+    (prefix -> ``(q [N, K] int8, scales [N] float32)``), yielded as ``scale * q`` in float32."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part == "weight_scale" or (part == "weight" and tensor.dtype == torch.int8):
+            pending.setdefault(prefix, {})[part] = tensor
+            continue
+        yield name, tensor
+    for prefix, parts in pending.items():
+        if set(parts) != {"weight", "weight_scale"}:
+            have = ", ".join(f"{prefix}.{p}" for p in sorted(parts))
+            raise ValueError(f"{prefix}: a W8A8 layer needs an int8 {prefix}.weight and its {prefix}.weight_scale, "
+                             f"found only {have}")
+        q, scale = parts["weight"], parts["weight_scale"].float().reshape(-1)
+        if scale.shape[0] != q.shape[0]:
+            raise ValueError(f"{prefix}.weight_scale holds {scale.shape[0]} scales for {q.shape[0]} output channels "
+                             "(one per channel expected)")
+        quantized[prefix] = (q.numpy(), scale.numpy().astype(np.float32))
+        yield prefix + ".weight", q.float() * scale[:, None]
+
+
+def write_w8a8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], model: Any, src: Path, dst: Path) -> dict[str, Any]:
+    """Writes ``model``, loaded from ``src`` with ``quantization="w8a8"`` (smoothed and
+    quantized at load), as a compressed-tensors W8A8 checkpoint in ``dst``, in the names
+    and order of ``src``'s tensors (``weights``): decoder linear layers as the int8
+    rows and scales the model runs, the smoothed norms and biases, the rest as it was.
+    Loading the checkpoint therefore runs the same int8 weights as ``quantization="w8a8"``.
+
+    Returns: ``{"layers": n, "bytes": size of the weights written}``.
+    """
+    from safetensors.torch import save_file
+
+    arch = model.arch
+    q_rows, kv_rows = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    rows = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows), "v_proj": (q_rows + kv_rows, None),
+            "o_proj": (0, None), "down_proj": (0, None)}
+
+    def source(prefix: str) -> tuple[Any, Optional[tuple[int, Optional[int]]]]:
+        """The model module holding the checkpoint layer ``prefix``, and its rows (None: not a decoder layer's)."""
+        head, _, leaf = prefix.rpartition(".")
+        if not head.startswith("model.layers."):
+            return None, None
+        layer = model.model.layers[int(head.split(".")[2])]
+        if leaf in ("input_layernorm", "post_attention_layernorm"):
+            return getattr(layer, leaf), (0, None)
+        inter = layer.mlp.down_proj.in_features
+        modules = {"q_proj": layer.self_attn.qkv_proj, "k_proj": layer.self_attn.qkv_proj,
+                   "v_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                   "gate_proj": layer.mlp.gate_up_proj, "up_proj": layer.mlp.gate_up_proj,
+                   "down_proj": layer.mlp.down_proj}
+        span = {**rows, "gate_proj": (0, inter), "up_proj": (inter, None)}
+        return (modules[leaf], span[leaf]) if leaf in modules else (None, None)
+
+    dst.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    layers = 0
+    int8: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by module: its rows, read back once
+    with torch.no_grad():
+        for name, tensor in weights:
+            prefix, _, part = name.rpartition(".")
+            module, span = source(prefix)
+            if module is None:
+                out[name] = tensor.contiguous()
+                continue
+            lo, hi = span
+            if part == "weight" and prefix.rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+                if id(module) not in int8:
+                    int8[id(module)] = module.quant.int8_rows()
+                q, scales = int8[id(module)]
+                out[name] = torch.from_numpy(np.ascontiguousarray(q[lo:hi]))
+                out[f"{prefix}.weight_scale"] = torch.from_numpy(np.ascontiguousarray(scales[lo:hi])).reshape(-1, 1)
+                layers += 1
+            else:  # a norm's weight or a bias, smoothed
+                out[name] = getattr(module, part)[lo:hi].detach().to(tensor.dtype).contiguous()
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+                        "group_size": None},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True, "group_size": None},
+            "output_activations": None}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_extras(src, dst)
+    size = (dst / "model.safetensors").stat().st_size
+    logger.info("wrote %s: %d layers as W8A8 int8 (compressed-tensors), %.1f MiB", dst, layers, size / 2**20)
+    return {"layers": layers, "bytes": size}
+
+
+def _copy_extras(src: Path, dst: Path) -> None:
+    """The folder's other files (tokenizer, generation config) copied beside the new weights."""
+    for extra in src.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json",) \
+                and not extra.name.endswith(".index.json"):
+            (dst / extra.name).write_bytes(extra.read_bytes())
 
 
 # ------------------------------------------------------------------- packing
@@ -273,10 +406,7 @@ def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], src: Path, dst
          "checkpoint_format": "gptq"} if method == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in src.iterdir():
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json",) \
-                and not extra.name.endswith(".index.json"):
-            (dst / extra.name).write_bytes(extra.read_bytes())
+    _copy_extras(src, dst)
     size = (dst / "model.safetensors").stat().st_size
     logger.info("wrote %s: %d layers as %s (group %d), %.1f MiB", dst, layers, method, group_size, size / 2**20)
     return {"layers": layers, "gptq_layers": with_gptq, "bytes": size}

@@ -67,7 +67,7 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
         raise ValueError(f"quantization={method!r} needs the native quantized kernel (a C compiler and a CPU "
                          "with AVX2 + FMA); it did not build here, see the log")
     if method == "w8a8":
-        return _w8a8(model, lib, calibration_ids)
+        return _w8a8(model, lib, calibration_ids, checkpoint_layers)
     if method in ("gptq", "awq"):
         return _install_plan(method, _checkpoint_plan(model, checkpoint_layers or {}), lib)
     if method == "gguf":
@@ -215,24 +215,41 @@ def _checkpoint_plan(model: Any, layers: dict[str, Any]) -> list[tuple[Any, Deco
 
 
 # ------------------------------------------------------------------------ w8a8
-def _w8a8(model: Any, lib: Any, calibration_ids: Optional[list[int]]) -> QuantSummary:
+def _w8a8(model: Any, lib: Any, calibration_ids: Optional[list[int]],
+          checkpoint_layers: Optional[dict[str, Any]] = None) -> QuantSummary:
     from workers.model.linear import Linear
     from workers.model.quant import smoothquant
 
     from workers.model import i8gemm
 
-    if not calibration_ids:
-        raise ValueError("quantization='w8a8' calibrates on text: the model folder needs a tokenizer.json")
     ilib = i8gemm.load()
     if ilib is None:
         raise ValueError("quantization='w8a8' needs the native int8 kernel (a C compiler and a CPU with AVX2); "
                          "it did not build here, see the log")
-    smoothquant.smooth(model, smoothquant.calibrate(model, calibration_ids))
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    layers: list[Any] = []
     weights: list[Any] = []
-    for linear in layers:  # every weight is quantized before any layer changes
-        q, scales = smoothquant.quantize_per_channel(linear.weight.detach().float().numpy())
-        weights.append(i8gemm.Int8Weight(q, scales, linear.bias, ilib))
+    if checkpoint_layers:  # a W8A8 checkpoint: smoothed and quantized already
+        for i, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{i}."
+            for linear, names in ((layer.self_attn.qkv_proj, [f"self_attn.{p}_proj" for p in "qkv"]),
+                                  (layer.self_attn.o_proj, ["self_attn.o_proj"]),
+                                  (layer.mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"]),
+                                  (layer.mlp.down_proj, ["mlp.down_proj"])):
+                missing = [prefix + n for n in names if prefix + n not in checkpoint_layers]
+                if missing:
+                    raise ValueError(f"the W8A8 checkpoint has no int8 weight for {', '.join(missing)}")
+                parts = [checkpoint_layers[prefix + n] for n in names]
+                layers.append(linear)
+                weights.append(i8gemm.Int8Weight(np.concatenate([q for q, _ in parts]),
+                                                 np.concatenate([sc for _, sc in parts]), linear.bias, ilib))
+    else:
+        if not calibration_ids:
+            raise ValueError("quantization='w8a8' calibrates on text: the model folder needs a tokenizer.json")
+        smoothquant.smooth(model, smoothquant.calibrate(model, calibration_ids))
+        layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+        for linear in layers:  # every weight is quantized before any layer changes
+            q, scales = smoothquant.quantize_per_channel(linear.weight.detach().float().numpy())
+            weights.append(i8gemm.Int8Weight(q, scales, linear.bias, ilib))
     head = model.lm_head
     d = quantize_head(head.weight.detach().float().numpy())
     layers.append(head)
