@@ -15,7 +15,9 @@ input statistics. ``--method gptq`` runs GPTQ (``workers/model/quant/gptq.py``):
 each weight column's rounding error is spread over the columns not yet
 quantized. ``--method awq`` runs AWQ's scale search
 (``workers/model/quant/awq.py``): per-input-channel scales folded into the
-norms and producer rows, then rounding. ``--rtn`` rounds to nearest only.
+norms and producer rows, then rounding. ``--rtn`` rounds to nearest only;
+``--method int4`` is the same as ``--method gptq --rtn`` (int4 weights in
+the GPTQ layout, which every GPTQ reader loads).
 ``--method w8a8`` writes SmoothQuant's int8 weights (what
 ``quantization="w8a8"`` computes at load) in compressed-tensors' W8A8 format,
 which vLLM reads too.
@@ -32,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="float model folder or .gguf (default: the default model)")
-    parser.add_argument("--method", choices=["gptq", "awq", "w8a8"], required=True,
-                        help="checkpoint to write: gptq / awq (4-bit), w8a8 (SmoothQuant int8, compressed-tensors)")
+    parser.add_argument("--method", choices=["gptq", "awq", "int4", "w8a8"], required=True,
+                        help="checkpoint to write: gptq / awq (4-bit, calibrated), int4 (4-bit rounded to nearest, "
+                             "GPTQ layout), w8a8 (SmoothQuant int8, compressed-tensors)")
     parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="inputs per group")
     parser.add_argument("--output", required=True, help="folder to write (created)")
     parser.add_argument("--calibration-tokens", type=int, default=4096,
@@ -52,13 +55,14 @@ def run_quantize(args: argparse.Namespace) -> int:
     dst = Path(args.output)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} exists and is not empty: pass a new --output folder")
-    result = quantize_checkpoint(src, dst, args.method, args.group_size, args.calibration_tokens, args.rtn)
+    method, rtn = ("gptq", True) if args.method == "int4" else (args.method, args.rtn)
+    result = quantize_checkpoint(src, dst, method, args.group_size, args.calibration_tokens, rtn)
     if args.method == "w8a8":
         print(f"{dst}: {result['layers']} layers as w8a8 (SmoothQuant int8 per channel, compressed-tensors), "
               f"{result['bytes'] / 2**20:.1f} MiB")  # the command's output
         return 0
-    how = ("rounded to nearest" if args.rtn else f"GPTQ on {result['gptq_layers']} of them" if args.method == "gptq"
+    how = ("rounded to nearest" if rtn else f"GPTQ on {result['gptq_layers']} of them" if method == "gptq"
            else "AWQ-scaled, rounded to nearest")
-    print(f"{dst}: {result['layers']} layers as {args.method} (group {args.group_size}), {how}, "
+    print(f"{dst}: {result['layers']} layers as {method} (group {args.group_size}), {how}, "
           f"{result['bytes'] / 2**20:.1f} MiB")  # the command's output
     return 0

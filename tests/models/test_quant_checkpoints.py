@@ -130,12 +130,20 @@ def test_checkpoints_that_do_not_match_fail_naming_the_tensor(tmp_path):
 def test_gptq_checkpoint_evaluated_against_its_float_model(tmp_path, caplog):
     # `eval perplexity` names the checkpoint's quantization, and its greedy
     # agreement needs the float model: without --reference-model it says so.
+    from safetensors.torch import load_file
+
     from cluster.cli.main import main
 
     tiny = make_tiny_model_dir("llama", tmp_path / "tiny")
     out = tmp_path / "gptq"
     assert main(["quantize", "--model", str(tiny), "--method", "gptq", "--group-size", "32",
                  "--calibration-tokens", "256", "--output", str(out)]) == 0
+    rounded = tmp_path / "int4"  # --method int4: the same layout, rounded to nearest
+    assert main(["quantize", "--model", str(tiny), "--method", "int4", "--group-size", "32",
+                 "--output", str(rounded)]) == 0
+    assert json.loads((rounded / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+    assert not torch.equal(load_file(str(rounded / "model.safetensors"))["model.layers.0.mlp.down_proj.qweight"],
+                           load_file(str(out / "model.safetensors"))["model.layers.0.mlp.down_proj.qweight"])
     report = tmp_path / "ppl.json"
     assert main(["eval", "perplexity", "--model", str(out), "--agreement", "--max-tokens", "64", "--window", "32",
                  "--json", str(report)]) != 0
