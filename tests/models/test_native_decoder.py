@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.factories import make_hf_config, make_hf_model
+from tests.factories import make_hf_config, make_hf_model, save_tiny_tokenizer
 from tests.models.conftest import PagedDriver, save_hf_model
 from workers.model.attention.torch_backend import TorchAttentionBackend
 from workers.model.loader import load_model
@@ -19,13 +19,17 @@ CASES = {
     "mistral_sliding": ("mistral", {"sliding_window": 8}, None),
     "qwen2": ("qwen2", {}, None),
     "llama_int4": ("llama", {}, "int4"),  # quantized linears: the step driver's qgemm calls
+    "llama_w8a8": ("llama", {}, "w8a8"),  # int8 x int8: the step driver's i8gemm calls
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_native_decoder_matches_the_module_path_bitwise(name, tmp_path):
     family, overrides, quantization = CASES[name]
-    folder = save_hf_model(make_hf_model(make_hf_config(family, **overrides)), tmp_path)
+    hf_model = make_hf_model(make_hf_config(family, **overrides))
+    folder = save_hf_model(hf_model, tmp_path)
+    if quantization == "w8a8":  # calibrated on text at load
+        save_tiny_tokenizer(folder, hf_model.config.vocab_size)
     model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend(), quantization=quantization)
     fast = model.native_decoder
     if fast is None:

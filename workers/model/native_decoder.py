@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from workers.model import cpu_ops, gemm, native, qgemm
+from workers.model import cpu_ops, gemm, i8gemm, native, qgemm
 from workers.model.attention import cpu_decode
 
 
@@ -58,7 +58,8 @@ def _weight(linear: Any) -> tuple:
     panels, bias or 0, out_features, in_features)`` for a packed float weight,
     ``(quant, q, scales, mins or 0, bias or 0, out_features, in_features)``
     for a quantized one (``qgemm.py``), ``(layer kernel, None, out_features,
-    in_features)`` for one that quantizes its input too (``w8a8``)."""
+    in_features)`` for one that quantizes its input too (``w8a8``; the step
+    driver calls its ``i8gemm`` directly)."""
     quant = linear.quant
     if quant is not None and not isinstance(quant, qgemm.QuantWeight):
         return (quant, None, quant.out_features, quant.in_features)
@@ -82,9 +83,13 @@ typedef void (*rotary_fn)(float*, long, long, long, long, const float*, const fl
 typedef void (*silu_fn)(const float*, float*, long, long);
 typedef void (*decode_fn)(const float*, long, const float*, long, const float*, long, const long*, void*, void*,
                           const int*, int, const int*, int, int, int, int, int, float, int, float*, long);
+typedef void (*i8gemm_fn)(const float*, long, long, long, const signed char*, const float*, const int*, long,
+                          const float*, float*, long);
 
-typedef struct { gemm_fn gemm; qgemm_fn qgemm; norm_fn norm; rotary_fn rotary; silu_fn silu; decode_fn decode; } fns_t;
-/* kind 0: packed float panels in w (bias may be NULL); kind 1: quantized (qgemm.py) */
+typedef struct { gemm_fn gemm; qgemm_fn qgemm; norm_fn norm; rotary_fn rotary; silu_fn silu; decode_fn decode;
+                 i8gemm_fn i8gemm; } fns_t;
+/* kind 0: packed float panels in w (bias may be NULL); kind 1: quantized (qgemm.py; mins may be NULL);
+   kind 2: w8a8 int8 panels (i8gemm.py; scales, and the column sums in mins) */
 typedef struct { long kind; const void* w; const float* scales; const float* mins; const float* bias;
                  long bits; long group; long n; long k; } lin_t;
 typedef struct { const float* norm1; const float* norm2; lin_t qkv, o, gate_up, down;
@@ -92,8 +97,10 @@ typedef struct { const float* norm1; const float* norm2; lin_t qkv, o, gate_up, 
 
 static void linear(const fns_t* f, const lin_t* w, const float* x, long T, float* y) {
     if (w->kind == 0) f->gemm(x, T, w->k, w->k, (const float*)w->w, w->n, w->bias, y, w->n);
-    else f->qgemm(x, T, w->k, w->k, (const unsigned char*)w->w, w->scales, w->mins, (int)w->bits, w->group,
-                  w->n, w->bias, y, w->n);
+    else if (w->kind == 1) f->qgemm(x, T, w->k, w->k, (const unsigned char*)w->w, w->scales, w->mins, (int)w->bits,
+                                    w->group, w->n, w->bias, y, w->n);
+    else f->i8gemm(x, T, w->k, w->k, (const signed char*)w->w, w->scales, (const int*)w->mins, w->n, w->bias, y,
+                   w->n);
 }
 
 /* Every layer of a decode-only step, in NativeDecoder.forward's order: residual
@@ -134,7 +141,8 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
 class _Fns(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("qgemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P)]
+    _fields_ = [("gemm", _P), ("qgemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P),
+                ("i8gemm", _P)]
 
 
 class _Lin(ctypes.Structure):
@@ -156,12 +164,17 @@ def _address(fn: Any) -> int:
 
 
 def _lin_struct(weight: tuple) -> Optional[_Lin]:
-    """A linear for the step driver, or None for one it cannot call (``w8a8``)."""
+    """A linear for the step driver, or None for one it cannot call."""
     if weight[0] is None:
         _, panels, bias, n, k = weight
         return _Lin(0, panels, None, None, bias or None, 0, 0, n, k)
     if weight[1] is None:
-        return None
+        quant = weight[0]
+        if not isinstance(quant, i8gemm.Int8Weight):
+            return None
+        bias = quant.bias.data_ptr() if quant.bias is not None else None
+        return _Lin(2, quant.q.data_ptr(), quant.scales.data_ptr(), quant.wsum.data_ptr(), bias, 8, 0,
+                    quant.out_features, quant.in_features)
     quant, q, scales, mins, bias, n, k = weight
     return _Lin(1, q, scales, mins or None, bias or None, quant.bits, quant.group_size, n, k)
 
@@ -204,11 +217,13 @@ class NativeDecoder:
             return None
         dims = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, row[0].n, row[3].k)  # same shapes everywhere
                 for layer, row in zip(self.layers, lins, strict=True)}
-        if len(dims) != 1 or (
-                self._qgemm is None and any(lin.kind == 1 for row in lins for lin in row)):
+        kinds = {lin.kind for row in lins for lin in row}
+        i8lib = i8gemm.load() if 2 in kinds else None
+        if len(dims) != 1 or (self._qgemm is None and 1 in kinds) or (i8lib is None and 2 in kinds):
             return None
         self._fns = _Fns(_address(self._gemm), _address(self._qgemm) if self._qgemm is not None else None,
-                         _address(self._norm), _address(self._rotary), _address(self._silu), _address(self._decode))
+                         _address(self._norm), _address(self._rotary), _address(self._silu), _address(self._decode),
+                         _address(i8lib.i8gemm_f32) if i8lib is not None else None)
         self._layers_c = (_LayerC * len(self.layers))(*[
             _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale)
             for layer, row in zip(self.layers, lins, strict=True)])
