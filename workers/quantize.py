@@ -44,7 +44,7 @@ def calibration_statistics(src: Path, calibration_tokens: int, method: str) -> d
 
     from workers.model.attention.torch_backend import TorchAttentionBackend
     from workers.model.loader import _calibration_ids, load_model
-    from workers.model.quant import awq, gptq
+    from workers.model.quant.smoothquant import input_statistics
 
     ids = _calibration_ids(src)
     if not ids:
@@ -53,7 +53,9 @@ def calibration_statistics(src: Path, calibration_tokens: int, method: str) -> d
         raise ValueError(f"--calibration-tokens must be at least 2, got {calibration_tokens}")
     started = time.monotonic()
     model, _ = load_model(src, "float32", "cpu", TorchAttentionBackend(), linear_backend="torch")
-    by_module = (gptq.hessians if method == "gptq" else awq.statistics)(model, ids, calibration_tokens)
+    by_module = input_statistics(model, ids, calibration_tokens)
+    if method == "gptq":  # its Hessian, 2 X^T X / n
+        by_module = {m: 2 * xtx for m, (xtx, _) in by_module.items()}
     out: dict[str, Any] = {}
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."

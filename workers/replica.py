@@ -93,8 +93,7 @@ class ReplicaServer:
         config_model = None
         self._contract = ""  # declared to the directory when the engine was built here
         if engine is None:
-            from workers.builder import build_engine
-            from workers.builder import freeze_heap as freeze_process_heap
+            from workers.builder import build_engine, freeze_heap as freeze_process_heap
 
             config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_kwargs(
                 **(engine_config or {}))

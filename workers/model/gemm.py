@@ -186,8 +186,6 @@ void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
         return;
     }
     const long strips = (M + MR - 1) / MR;
-    /* x packed whole ([strips][K][MR]); each panel then runs every strip over the whole K with the
-       accumulators in registers: y is written once. */
     float* xp = (float*)aligned_alloc(64, sizeof(float) * strips * K * MR + 64);
     #pragma omp parallel if (parallel)
     {

@@ -227,19 +227,23 @@ class Int8Weight:
         tensors = [self.q, self.scales, self.wsum] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def _panels(self) -> tuple[torch.Tensor, int]:
+        """The packed integers as ``[P, K4 / 4, NR, 4]`` int8, and K rounded up to 4 (``K4``)."""
+        k4 = -(-self.in_features // 4) * 4
+        return self.q.view(torch.int8).view(-1, k4 // 4, self.lib.i8gemm_panel_width(), 4), k4
+
     def int8_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The weight as it was given: ``(q [N, K] int8, scales [N] float32)``, read back from the panels."""
-        nr, k, n = self.lib.i8gemm_panel_width(), self.in_features, self.out_features
-        k4 = -(-k // 4) * 4
-        panels = self.q.view(torch.int8).view(-1, k4 // 4, nr, 4).permute(0, 2, 1, 3).reshape(-1, k4)
-        return panels[:n, :k].numpy().copy(), self.scales[:n].numpy().copy()
+        panels, k4 = self._panels()
+        rows = panels.permute(0, 2, 1, 3).reshape(-1, k4)
+        n = self.out_features
+        return rows[:n, : self.in_features].numpy().copy(), self.scales[:n].numpy().copy()
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``scale * q`` of ``ids`` as float32 ``[len(ids), K]``, read back from the panels."""
-        nr, k = self.lib.i8gemm_panel_width(), self.in_features
-        k4 = -(-k // 4) * 4
-        panels = self.q.view(torch.int8).view(-1, k4 // 4, nr, 4)
-        q = panels[ids // nr, :, ids % nr, :].reshape(len(ids), k4)[:, :k]
+        panels, k4 = self._panels()
+        nr = panels.shape[2]
+        q = panels[ids // nr, :, ids % nr, :].reshape(len(ids), k4)[:, : self.in_features]
         return q.float() * self.scales[ids].unsqueeze(1)
 
     rows = dequantized_rows

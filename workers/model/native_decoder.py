@@ -227,9 +227,8 @@ class NativeDecoder:
         self._layers_c = (_LayerC * len(self.layers))(*[
             _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale)
             for layer, row in zip(self.layers, lins, strict=True)])
-        per_token = 3 * self.hidden_size + lins[0][0].n + self.layers[0].num_heads * self.layers[0].head_dim \
-            + 3 * lins[0][3].k
-        self._scratch_per_token = per_token
+        self._scratch_per_token = 3 * self.hidden_size + lins[0][0].n \
+            + self.layers[0].num_heads * self.layers[0].head_dim + 3 * lins[0][3].k  # decoder_decode's buffers
         return lib.decoder_decode
 
     @classmethod

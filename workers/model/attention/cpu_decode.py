@@ -50,6 +50,9 @@ _SOURCE = r"""
 #include <omp.h>
 
 #define MAX_GROUP 32
+
+/* The first position a query at len - 1 attends to under a sliding window (0: none). */
+static inline int window_lo(int len, int window) { return (window > 0 && len > window) ? len - window : 0; }
 #define MAX_DIM 256
 #define MAX_BLOCK 256
 
@@ -384,7 +387,7 @@ void paged_decode_f32(
         long chunks = 0;
         for (int r = 0; r < num_reqs; ++r) {
             const int len = seq_lens[r];
-            chunks += num_chunks((window > 0 && len > window) ? len - window : 0, len);
+            chunks += num_chunks(window_lo(len, window), len);
         }
         int per = num_kv_heads;
         while (per > 1 && chunks * ((num_kv_heads + per - 1) / per) < 2L * threads) per = (per + 1) / 2;
@@ -396,7 +399,7 @@ void paged_decode_f32(
         const long part_floats = (long)per * G * (head_dim + 2);
         for (int r = 0; r < num_reqs; ++r) {
             const int len = seq_lens[r];
-            const int nc = num_chunks((window > 0 && len > window) ? len - window : 0, len);
+            const int nc = num_chunks(window_lo(len, window), len);
             for (int p = 0; p < parts; ++p)
                 for (int c = 0; c < nc; ++c, ++t) {
                     tasks[3 * t] = r; tasks[3 * t + 1] = p; tasks[3 * t + 2] = c;
@@ -410,7 +413,7 @@ void paged_decode_f32(
             for (long i = 0; i < ntasks; ++i) {
                 const int r = tasks[3 * i], p = tasks[3 * i + 1], c = tasks[3 * i + 2];
                 const int len = seq_lens[r];
-                const int lo = (window > 0 && len > window) ? len - window : 0;
+                const int lo = window_lo(len, window);
                 const int h0 = p * per, h1 = (h0 + per) < num_kv_heads ? h0 + per : num_kv_heads;
                 const int first = (lo / CHUNK + c) * CHUNK;
                 const int c_lo = first > lo ? first : lo;
@@ -425,7 +428,7 @@ void paged_decode_f32(
                     if (slot[i] < 0 || tasks[3 * i + 2] != 0) continue;   /* each split (request, part) once */
                     const int r = tasks[3 * i], p = tasks[3 * i + 1];
                     const int len = seq_lens[r];
-                    const int nc = num_chunks((window > 0 && len > window) ? len - window : 0, len);
+                    const int nc = num_chunks(window_lo(len, window), len);
                     const int h0 = p * per, h1 = (h0 + per) < num_kv_heads ? h0 + per : num_kv_heads;
                     merge_chunks(partial + slot[i], part_floats, nc, (h1 - h0) * G, head_dim,
                                  out + (long)r * ldo + (long)h0 * G * head_dim);
@@ -440,7 +443,7 @@ void paged_decode_f32(
     for (int r = 0; r < num_reqs; ++r) {
         for (int h = 0; h < num_kv_heads; ++h) {
             const int len = seq_lens[r];
-            const int lo = (window > 0 && len > window) ? len - window : 0;
+            const int lo = window_lo(len, window);
             attend(q + (long)r * ldq + (long)h * G * head_dim, out + (long)r * ldo + (long)h * G * head_dim,
                    k_cache, v_cache, block_tables + (long)r * table_width, len, lo, h, G, head_dim,
                    block_size, row, scale);

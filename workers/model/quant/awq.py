@@ -23,7 +23,6 @@ AutoAWQ's clipping search is not done.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import torch
@@ -33,26 +32,6 @@ from workers.model.quant import gptq
 logger = logging.getLogger(__name__)
 
 GRID = 20
-
-
-def statistics(model: Any, token_ids: list[int], num_tokens: int) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
-    """Per decoder linear layer: ``(X^T X / n, mean |x| per input channel)`` (float64) over the calibration tokens."""
-    from workers.model.quant.smoothquant import run_calibration
-
-    sums: dict[Any, list] = {}
-
-    def record(module: Any, x: torch.Tensor) -> None:
-        x = x.double()
-        if module not in sums:
-            sums[module] = [x.T @ x, x.abs().sum(dim=0), x.shape[0]]
-        else:
-            entry = sums[module]
-            entry[0].addmm_(x.T, x)
-            entry[1] += x.abs().sum(dim=0)
-            entry[2] += x.shape[0]
-
-    run_calibration(model, token_ids, num_tokens, record)
-    return {m: (h / n, a / n) for m, (h, a, n) in sums.items()}
 
 
 def search_scales(weights: list[np.ndarray], h: torch.Tensor, act_mean: torch.Tensor, group_size: int) -> torch.Tensor:

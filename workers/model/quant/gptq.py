@@ -18,14 +18,13 @@ and ``w ~ scale * (q - zero)``. ``rtn`` is the same grid without the error
 feedback (round to nearest), for ``--rtn`` and for comparison.
 
 The Hessians come from one float pass over calibration text
-(``smoothquant.run_calibration``); inputs are the float model's, not the
+(``smoothquant.input_statistics``); inputs are the float model's, not the
 partly quantized one's (no "true-sequential" pass).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,23 +35,6 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 128  # columns per lazy-update block
 DAMP = 0.01  # fraction of the mean diagonal added to H
-
-
-def hessians(model: Any, token_ids: list[int], num_tokens: int) -> dict[Any, torch.Tensor]:
-    """``2 X^T X / n`` (float64) of every decoder linear layer's inputs over
-    ``num_tokens`` calibration tokens, by module."""
-    from workers.model.quant.smoothquant import run_calibration
-
-    sums: dict[Any, torch.Tensor] = {}
-    rows: dict[Any, int] = {}
-
-    def record(module: Any, x: torch.Tensor) -> None:
-        x = x.double()
-        sums[module] = sums[module].addmm_(x.T, x) if module in sums else x.T @ x
-        rows[module] = rows.get(module, 0) + x.shape[0]
-
-    run_calibration(model, token_ids, num_tokens, record)
-    return {m: 2 * h / rows[m] for m, h in sums.items()}
 
 
 def _grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

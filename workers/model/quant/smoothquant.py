@@ -53,6 +53,27 @@ def calibrate(model: Any, token_ids: list[int], num_tokens: int = CALIBRATION_TO
     return stats
 
 
+def input_statistics(model: Any, token_ids: list[int],
+                     num_tokens: int) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """Per decoder linear layer: ``(X^T X / n, mean |x| per input channel)`` (float64)
+    of its inputs over ``num_tokens`` calibration tokens (GPTQ's Hessian is twice
+    the first, AWQ searches with both)."""
+    sums: dict[Any, list] = {}
+
+    def record(module: Any, x: torch.Tensor) -> None:
+        x = x.double()
+        if module not in sums:
+            sums[module] = [x.T @ x, x.abs().sum(dim=0), x.shape[0]]
+        else:
+            entry = sums[module]
+            entry[0].addmm_(x.T, x)
+            entry[1] += x.abs().sum(dim=0)
+            entry[2] += x.shape[0]
+
+    run_calibration(model, token_ids, num_tokens, record)
+    return {m: (h / n, a / n) for m, (h, a, n) in sums.items()}
+
+
 def run_calibration(model: Any, token_ids: list[int], num_tokens: int, record: Any) -> int:
     """Runs the float model (module path) over ``num_tokens`` of ``token_ids`` in
     windows of ``WINDOW`` tokens, each on a fresh KV cache, calling
