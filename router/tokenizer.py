@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from cluster.shared.chat_template import ChatTemplate
 from cluster.shared.fingerprint import model_fingerprint as compute_fingerprint
 from cluster.shared.hashing import hash_block_chain, root_hash
+from router.token_cache import MIN_CACHED_CHARS, SegmentTokenCache
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class RouterTokenizer:
             ``cluster.shared.fingerprint``).
         vocab_size: Largest token id + 1 the model accepts; defaults to the
             tokenizer's vocabulary with added tokens.
+        segment_cache: Tokenize long prompts from cached segments where that
+            is exact for this tokenizer (``router/token_cache.py``).
     """
 
     def __init__(
@@ -53,8 +56,10 @@ class RouterTokenizer:
         chat_template: Optional[ChatTemplate],
         model_fingerprint: str,
         vocab_size: Optional[int] = None,
+        segment_cache: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.segment_cache = SegmentTokenCache.for_tokenizer(tokenizer) if segment_cache else None
         self.chat_template = chat_template
         self.model_fingerprint = model_fingerprint
         self.vocab_size = vocab_size if vocab_size is not None else tokenizer.get_vocab_size(with_added_tokens=True)
@@ -94,6 +99,8 @@ class RouterTokenizer:
             add_special_tokens: Add BOS etc. as the tokenizer's post-processor
                 does (like HF ``tokenizer(text)``); False for chat-rendered text.
         """
+        if self.segment_cache is not None and len(prompt) >= MIN_CACHED_CHARS:
+            return self.segment_cache.encode(prompt, add_special_tokens)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
