@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Optional, Sequence
 
 from router.policies import Policy, ReplicaView, RoutingInput
@@ -71,7 +71,8 @@ class RoutingCore:
         self.max_holders = max_holders
         self.recent = RecentSends()
         self.rates = PrefixRates()
-        self._sent: dict[str, list[tuple[float, int]]] = {}
+        # Per replica: (time, prompt tokens) of this router's sends, oldest first, and their sum.
+        self._sent: dict[str, _Sends] = {}
         self._hot_sets: "OrderedDict[tuple, list[str]]" = OrderedDict()
         self._fleet: tuple = ((), frozenset())  # the last fleet, as a tuple and as a set
 
@@ -107,8 +108,10 @@ class RoutingCore:
                                                  prefix_key=prefix_key, prefix_rate=rate))
         if ranked:
             matched = 0 if counts is None else max(0, counts.get(ranked[0], 0))
-            self._sent.setdefault(ranked[0], []).append(
-                (now, max(0, num_prompt_tokens - self.block_size * matched)))
+            sends = self._sent.get(ranked[0])
+            if sends is None:
+                sends = self._sent[ranked[0]] = _Sends()
+            sends.add(now, max(0, num_prompt_tokens - self.block_size * matched))
             self.recent.record(chain, ranked[0], now)
         return ranked
 
@@ -169,10 +172,29 @@ class RoutingCore:
 
     def pending_tokens(self, replica_id: str, stats_at: float) -> int:
         """Prompt tokens this router sent the replica after its stats were taken."""
-        sent = self._sent.get(replica_id)
-        if not sent:
+        sends = self._sent.get(replica_id)
+        if sends is None:
             return 0
-        horizon = max(stats_at, self.clock() - SENT_HORIZON_S)
-        kept = [(t, n) for t, n in sent if t > horizon]
-        self._sent[replica_id] = kept
-        return sum(n for _, n in kept)
+        return sends.since(max(stats_at, self.clock() - SENT_HORIZON_S))
+
+
+class _Sends:
+    """One replica's recent sends, oldest first, with their running token sum:
+    dropping the old ones costs O(dropped), not O(kept), per decision."""
+
+    __slots__ = ("entries", "tokens")
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[float, int]] = deque()
+        self.tokens = 0
+
+    def add(self, at: float, tokens: int) -> None:
+        self.entries.append((at, tokens))
+        self.tokens += tokens
+
+    def since(self, horizon: float) -> int:
+        """Drops the sends made at or before ``horizon``; returns the tokens of the rest."""
+        entries = self.entries
+        while entries and entries[0][0] <= horizon:
+            self.tokens -= entries.popleft()[1]
+        return self.tokens
