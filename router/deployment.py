@@ -93,7 +93,7 @@ class RouterDeployment:
             security.tenant_gate.metrics = router_metrics
         backend = RouterBackend(replicas, tokenizer, ModelInfo(options.model_name, options.max_model_len),
                                 max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
-                                migration_limit=cfg.migration_limit)
+                                migration_limit=cfg.migration_limit, replica_transport=cfg.replica_transport)
         directory = Directory.from_url(options.redis_url, options.namespace) if options.redis_url else None
         if directory is not None:
             await directory.check_read_access()  # wrong credentials / ACL: this replica fails to start, saying so

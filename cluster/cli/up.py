@@ -43,6 +43,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                     help="port of the OpenAI-compatible HTTP API (0: pick a free one; -1: none; default 8000)")
     up.add_argument("--migration-limit", type=int, default=None,
                     help="most times a stream moves to another replica when its replica dies (default 3)")
+    up.add_argument("--replica-transport", choices=("grpc", "actor"), default=None,
+                    help="how the routers stream from replicas: Serve's direct gRPC channel (default) or Ray actor "
+                         "tasks (where only Ray's own ports are open between nodes)")
     up.add_argument("--drain-timeout-s", type=float, default=None,
                     help="on SIGTERM, seconds running streams get to finish (default 30)")
     up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
@@ -108,7 +111,7 @@ def up_config(args: argparse.Namespace) -> Any:
         router["host"] = args.grpc_host
     if args.http_port is not None:
         router["http_port"] = None if args.http_port < 0 else args.http_port
-    for name in ("migration_limit", "drain_timeout_s"):
+    for name in ("migration_limit", "drain_timeout_s", "replica_transport"):
         if getattr(args, name) is not None:
             router[name] = getattr(args, name)
     engine = base.engine

@@ -138,7 +138,8 @@ class LocalCluster:
 
         limits = self.limits or Limits()
         backend = RouterBackend(self.handle, tokenizer, model, max_inflight_requests=limits.max_inflight_requests,
-                                metrics=router_metrics, migration_limit=self.config.router.migration_limit)
+                                metrics=router_metrics, migration_limit=self.config.router.migration_limit,
+                                replica_transport=self.config.router.replica_transport)
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="grpc-router", daemon=True)
         thread.start()

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.shared.directory import Directory
+from cluster.shared.types import GenerationRequest, SamplingParams
 from router.backend import ModelInfo, RouterBackend
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
@@ -36,13 +37,14 @@ def cluster(ray_local, redis_server, tmp_path_factory):
         yield handle, model_dir, redis_server.url, namespace
 
 
-def serve_grpc(cluster, body):
+def serve_grpc(cluster, body, **backend_kwargs):
     """Runs ``await body(stub, channel)`` against a fresh RouterServer."""
     handle, model_dir, redis_url, namespace = cluster
     max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
 
     async def main():
-        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", max_len))
+        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", max_len),
+                                **backend_kwargs)
         server = RouterServer(backend, Directory.from_url(redis_url, namespace), port=0)
         port = await server.start()
         assert port > 0 and server.address == f"127.0.0.1:{port}"
@@ -147,6 +149,34 @@ def test_cancelled_stream_and_deadline_free_the_replicas_blocks(cluster):
 
     replica_id = serve_grpc(cluster, body)
     wait_for_zero_used_blocks(cluster[2], cluster[3], replica_id)
+
+
+def test_both_replica_transports_stream_the_same_tokens(cluster):
+    prompt = list(range(400, 437))
+    seen = {}
+    for kwargs in ({}, {"replica_transport": "actor", "same_loop": False}):
+        async def body(stub, channel):
+            return await collect(stub, ids_request(prompt, max_tokens=12, ignore_eos=True))
+
+        chunks = serve_grpc(cluster, body, **kwargs)
+        assert chunks[-1].finish_reason == "length"
+        seen[kwargs.get("replica_transport", "grpc")] = [t for c in chunks for t in c.token_ids]
+    assert len(seen["grpc"]) == 12 and seen["grpc"] == seen["actor"]
+
+
+def test_the_default_backend_streams_over_grpc_from_a_handle_on_its_own_loop(cluster):
+    handle, model_dir, _, _ = cluster
+
+    async def main():
+        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", 512))
+        chunks = [c async for c in backend.stream(GenerationRequest(
+            "t-own-loop", list(range(300, 320)), SamplingParams(max_tokens=2, temperature=0.0)))]
+        return backend._generate, chunks
+
+    generate, chunks = asyncio.run(main())
+    assert chunks[-1].finish_reason is not None
+    assert generate is not handle and not generate.handle_options._by_reference  # Serve's gRPC channel
+    assert not generate.init_options._run_router_in_separate_loop  # the front ends' loop, not Serve's thread
 
 
 def test_health_reflection_and_list_replicas(cluster):

@@ -85,6 +85,7 @@ def test_unknown_keys_are_named_with_their_path_and_closest_key(mapping, message
         ({"autoscaling": {"downscale_headroom": 1.0}}, "downscale_headroom must be in"),
         ({"routing_policy": "cache-aware"}, "did you mean 'cache_aware'"),
         ({"directory_lookup": "lua"}, r"directory_lookup must be one of \('index', 'redis'\)"),
+        ({"router": {"replica_transport": "http"}}, "replica_transport must be one of grpc, actor, got 'http'"),
     ],
 )
 def test_bad_values_name_the_key_and_what_to_change(mapping, message):
@@ -128,6 +129,8 @@ def test_up_flags_override_the_config_file(tmp_path):
                               "--http-port", "-1", "--grpc-host", "127.0.0.1", "--routing-policy", "round_robin"])
     cfg = up_config(args)
     assert cfg.replicas == 3 and cfg.routing_policy == "round_robin"
+    assert cfg.router.replica_transport == "grpc"
+    assert up_config(parser.parse_args(["up", "--replica-transport", "actor"])).router.replica_transport == "actor"
     assert cfg.engine.cache.block_size == 16 and cfg.engine.cache.kv_cache_memory == 0.5  # file value kept
     assert cfg.router.http_port is None and cfg.router.host == "127.0.0.1" and cfg.router.num_routers == 2
     assert cfg.autoscaling == from_file.autoscaling
