@@ -1,7 +1,7 @@
 """``prefixserve bench router``: what the router itself costs.
 
 Replicas here answer at once (``EchoReplica``: one chunk, no model), so
-everything measured is router work. Three measurements, in one run:
+everything measured is router work. Four measurements, in one run:
 
 1. **Decision** (in this process): what routing costs one request --
    tokenizing the text prompt (``router.tokenizer``), its block-hash chain,
@@ -23,6 +23,14 @@ everything measured is router work. Three measurements, in one run:
    no directory) in front of the same echo replicas. routed / (a) is the
    price of routing plus the Serve hop; routed / (b) the price of our
    prefix-aware routing alone.
+4. **Before**: the routed front end as it was before Serve's gRPC transport
+   (``replica_transport="actor"``, Serve's router on its own thread) and the
+   tokenizer's segment cache, for the ratio of router CPU per request.
+
+Each front end's own CPU time (all its threads, from ``psutil``) over the
+timed requests gives **router CPU ms per request** and requests per router
+CPU-second: what one core of router buys, whatever the client and Ray do on
+the other core. The decision is also split into tokenizing and the rest.
 
 Prints a table and writes JSON (``--json``). On a 2-core machine the client,
 Ray and the router share the cores: read the ratio, not the absolute rates.
@@ -125,8 +133,10 @@ class _AtOnceBackend:
 
 
 def _serve_front_end(deployment: Optional[str], model_dir: str, gcs_address: Optional[str], cpu: Optional[int],
-                     ready: Any, stop: Any) -> None:
-    """Child process: the gRPC front end over ``deployment`` (None: answers at once) until ``stop`` is set."""
+                     ready: Any, stop: Any, transport: str = "grpc", segment_cache: bool = True,
+                     same_loop: bool = True) -> None:
+    """Child process: the gRPC front end over ``deployment`` (None: answers at once) until ``stop`` is set,
+    streaming from replicas over ``transport`` and tokenizing with or without the segment cache."""
     logging.basicConfig(level=logging.WARNING)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -135,13 +145,16 @@ def _serve_front_end(deployment: Optional[str], model_dir: str, gcs_address: Opt
     from router.tokenizer import RouterTokenizer
 
     tokenizer = RouterTokenizer.from_model_dir(model_dir)
+    if not segment_cache:
+        tokenizer.segment_cache = None
     model = ModelInfo("bench", 8192)
     if deployment is not None:
         import ray
         from ray import serve
 
         ray.init(address=gcs_address, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
-        backend: Any = RouterBackend(serve.get_deployment_handle(deployment, app_name=APP), tokenizer, model)
+        backend: Any = RouterBackend(serve.get_deployment_handle(deployment, app_name=APP), tokenizer, model,
+                                     replica_transport=transport, same_loop=same_loop)
     else:
         backend = _AtOnceBackend(tokenizer, model)
 
@@ -194,24 +207,41 @@ async def _drive(address: str, prompts: list[str], concurrency: int) -> dict[str
 
 
 def _run_front_end(deployment: Optional[str], model_dir: str, gcs: Optional[str], prompts: list[str],
-                   concurrency: int, warmup: list[str]) -> dict[str, Any]:
+                   concurrency: int, warmup: list[str], transport: str = "grpc",
+                   segment_cache: bool = True, same_loop: bool = True) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
     cpus = sorted(os.sched_getaffinity(0))
     child = ctx.Process(target=_serve_front_end, args=(deployment, model_dir, gcs, cpus[0] if len(cpus) > 1 else None,
-                                                       ready, stop), daemon=True)
+                                                       ready, stop, transport, segment_cache, same_loop),
+                        daemon=True)
     child.start()
     try:
         port = ready.get(timeout=120)
         address = f"127.0.0.1:{port}"
         asyncio.run(_drive(address, warmup, concurrency))
         logger.info("%s: %d requests, concurrency %d", deployment or "at once", len(prompts), concurrency)
-        return asyncio.run(_drive(address, prompts, concurrency))
+        cpu_before = _cpu_seconds(child.pid)
+        result = asyncio.run(_drive(address, prompts, concurrency))
+        cpu = _cpu_seconds(child.pid) - cpu_before
+        done = max(1, len(prompts) - result["errors"])
+        # The front end's own CPU (all its threads): what a request costs the router, whatever the other core does.
+        result["router_cpu_ms_per_request"] = round(cpu * 1e3 / done, 3)
+        result["requests_per_router_cpu_s"] = round(done / max(cpu, 1e-9), 1)
+        return result
     finally:
         stop.set()
         child.join(30)
         if child.is_alive():
             child.kill()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def _make_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -228,7 +258,12 @@ def _time_decisions(args: argparse.Namespace, tokenizer: Any, redis_url: str, na
                     prompts: list[str]) -> dict[str, Any]:
     """Tokenize + hash chain + directory lookup + the decision core, as a request's
     routing does it: with the router's local index (the default) and with one
-    Lua lookup per request (``directory_lookup="redis"``)."""
+    Lua lookup per request (``directory_lookup="redis"``).
+
+    With the index, a decision is timed in this thread's CPU time
+    (``time.thread_time``): Ray's processes share this core, and being
+    preempted by them is not the decision's cost. The Lua lookup waits for
+    Redis, so it is timed on the wall clock."""
     from cluster.shared.directory import Directory
     from cluster.shared.directory.follower import IndexFollower
     from router.decision import RoutingCore
@@ -239,17 +274,25 @@ def _time_decisions(args: argparse.Namespace, tokenizer: Any, redis_url: str, na
         follower = IndexFollower(Directory.from_url(redis_url, namespace, socket_timeout_s=5.0))
         await follower.full_sync()
         ids = sorted(await directory.live_replicas())
-        samples: dict[str, list[float]] = {"index": [], "redis": []}
+        samples: dict[str, list[float]] = {"index": [], "redis": [], "tokenize": [], "routing": [], "wall": []}
         try:
             for mode in ("index", "redis"):
                 core = RoutingCore(get_policy(args.policy), args.block_size)
+                clock = time.thread_time if mode == "index" else time.perf_counter
                 for prompt in prompts:
-                    began = time.perf_counter()
+                    wall = time.perf_counter()
+                    began = clock()
                     token_ids = tokenizer.encode(prompt)
+                    tokenized = clock()
                     chain = tokenizer.block_hashes(token_ids, FINGERPRINT, "", args.block_size)
                     counts = follower.lookup(chain) if mode == "index" else await directory.lookup(chain)
                     core.decide(chain, len(token_ids), ids, counts, lambda rid, m: ReplicaView(rid, matched_blocks=m))
-                    samples[mode].append(time.perf_counter() - began)
+                    done = clock()
+                    samples[mode].append(done - began)
+                    if mode == "index":
+                        samples["tokenize"].append(tokenized - began)
+                        samples["routing"].append(done - tokenized)
+                        samples["wall"].append(time.perf_counter() - wall)
         finally:
             await follower.directory.aclose()
             await directory.aclose()
@@ -260,7 +303,8 @@ def _time_decisions(args: argparse.Namespace, tokenizer: Any, redis_url: str, na
         data.sort()
         out[mode] = {"count": len(data), "p50_ms": round(percentile(data, 50) * 1e3, 3),
                      "p99_ms": round(percentile(data, 99) * 1e3, 3), "mean_ms": round(statistics.fmean(data) * 1e3, 3)}
-    return {**out["index"], "redis_lookup": out["redis"]}
+    return {**out["index"], "clock": "thread CPU", "redis_lookup": out["redis"], "tokenize": out["tokenize"],
+            "routing_only": out["routing"], "wall_clock": out["wall"]}
 
 
 def run_router_bench(args: argparse.Namespace) -> int:
@@ -308,6 +352,9 @@ def run_router_bench(args: argparse.Namespace) -> int:
             baseline = _run_front_end(None, model_dir, None, prompts, args.concurrency, warmup)
             serve_default = _run_front_end("echo-default", model_dir, gcs, prompts, args.concurrency, warmup)
             routed = _run_front_end("echo", model_dir, gcs, prompts, args.concurrency, warmup)
+            # The router as it was before the gRPC transport, its own loop and the segment cache, for the ratio.
+            before = _run_front_end("echo", model_dir, gcs, prompts, args.concurrency, warmup,
+                                    transport="actor", segment_cache=False, same_loop=False)
             serve.delete(APP)
         finally:
             serve.shutdown()
@@ -316,6 +363,9 @@ def run_router_bench(args: argparse.Namespace) -> int:
                                                          "prefix_words", "cached_blocks", "block_size", "seed")},
               "prompt_tokens_mean": round(statistics.fmean(len(tokenizer.encode(p)) for p in prompts[:200]), 1),
               "decision": decision, "routed": routed, "baseline": baseline, "serve_default_router": serve_default,
+              "routed_before": before,
+              "router_cpu_before_over_routed": round(
+                  before["router_cpu_ms_per_request"] / max(routed["router_cpu_ms_per_request"], 1e-9), 3),
               "routed_over_baseline_throughput": round(routed["requests_per_s"] / max(baseline["requests_per_s"], 1e-9), 3),
               "routed_over_serve_default_throughput": round(
                   routed["requests_per_s"] / max(serve_default["requests_per_s"], 1e-9), 3)}
@@ -324,7 +374,7 @@ def run_router_bench(args: argparse.Namespace) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     logger.info("wrote %s", path)
-    return 0 if routed["errors"] == baseline["errors"] == serve_default["errors"] == 0 else 1
+    return 0 if routed["errors"] == baseline["errors"] == serve_default["errors"] == before["errors"] == 0 else 1
 
 
 class _Pair:
@@ -350,19 +400,30 @@ def _publish_all(handle: Any, replicas: int, timeout: float = 60.0) -> None:
 
 def _print(report: dict[str, Any]) -> None:
     d, r, b, p = report["decision"], report["routed"], report["baseline"], report["serve_default_router"]
-    rows = [("measurement", "req/s", "P50 ms", "P99 ms", "errors"),
-            ("routing decision (tokenize + hash + local index + policy)", "", f"{d['p50_ms']:.3f}",
+
+    def front(label: str, m: dict[str, Any]) -> tuple[str, ...]:
+        return (label, f"{m['requests_per_s']:.0f}", f"{m['router_cpu_ms_per_request']:.2f}",
+                f"{m['requests_per_router_cpu_s']:.0f}", f"{m['latency_ms']['p50']:.2f}",
+                f"{m['latency_ms']['p99']:.2f}", str(m["errors"]))
+
+    rows = [("measurement", "req/s", "router CPU ms/req", "req/router CPU-s", "P50 ms", "P99 ms", "errors"),
+            ("routing decision, CPU (tokenize + hash + local index + policy)", "", "", "", f"{d['p50_ms']:.3f}",
              f"{d['p99_ms']:.3f}", ""),
-            ("routing decision, one Lua lookup instead of the index", "", f"{d['redis_lookup']['p50_ms']:.3f}",
-             f"{d['redis_lookup']['p99_ms']:.3f}", ""),
-            ("gRPC front end, answers at once (baseline)", f"{b['requests_per_s']:.0f}",
-             f"{b['latency_ms']['p50']:.2f}", f"{b['latency_ms']['p99']:.2f}", str(b["errors"])),
-            ("gRPC -> Serve (its default router) -> echo", f"{p['requests_per_s']:.0f}",
-             f"{p['latency_ms']['p50']:.2f}", f"{p['latency_ms']['p99']:.2f}", str(p["errors"])),
-            ("gRPC router -> Serve -> echo replica", f"{r['requests_per_s']:.0f}",
-             f"{r['latency_ms']['p50']:.2f}", f"{r['latency_ms']['p99']:.2f}", str(r["errors"]))]
+            ("  of which tokenizing the prompt (segment cache)", "", "", "", f"{d['tokenize']['p50_ms']:.3f}",
+             f"{d['tokenize']['p99_ms']:.3f}", ""),
+            ("  of which hash chain + local index + policy", "", "", "", f"{d['routing_only']['p50_ms']:.3f}",
+             f"{d['routing_only']['p99_ms']:.3f}", ""),
+            ("  the same on the wall clock (Ray shares this core)", "", "", "", f"{d['wall_clock']['p50_ms']:.3f}",
+             f"{d['wall_clock']['p99_ms']:.3f}", ""),
+            ("routing decision, one Lua lookup instead of the index (wall)", "", "", "",
+             f"{d['redis_lookup']['p50_ms']:.3f}", f"{d['redis_lookup']['p99_ms']:.3f}", ""),
+            front("gRPC front end, answers at once (baseline)", b),
+            front("gRPC -> Serve (its default router) -> echo", p),
+            front("gRPC router -> Serve -> echo replica", r),
+            front("the same as before: actor tasks, Serve's thread, no segment cache", report["routed_before"])]
     lines = format_table(rows)
     lines.append(f"routed / baseline throughput: {report['routed_over_baseline_throughput']:.2f}x "
                  f"(prompts ~{report['prompt_tokens_mean']:.0f} tokens)")
     lines.append(f"routed / Serve's default router: {report['routed_over_serve_default_throughput']:.2f}x")
+    lines.append(f"requests per router CPU-second, routed / before: {report['router_cpu_before_over_routed']:.2f}x")
     print("\n".join(lines))  # the table is the program's output, not a log

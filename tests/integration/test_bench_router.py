@@ -20,8 +20,14 @@ def test_bench_router_reports_decision_and_throughput(tmp_path):
     report = json.loads(out.read_text())
     assert report["decision"]["count"] == 50
     assert 0 < report["decision"]["p50_ms"] <= report["decision"]["p99_ms"]
-    for run in ("routed", "baseline", "serve_default_router"):
+    for part in ("tokenize", "routing_only"):
+        assert report["decision"][part]["count"] == 50
+        assert 0 < report["decision"][part]["p50_ms"] <= report["decision"]["p99_ms"]
+    for run in ("routed", "baseline", "serve_default_router", "routed_before"):
         assert report[run]["requests"] == 40 and report[run]["errors"] == 0
         assert report[run]["requests_per_s"] > 0
+        assert report[run]["router_cpu_ms_per_request"] > 0  # the front end's own CPU was read
     assert report["routed_over_baseline_throughput"] > 0
+    assert report["router_cpu_before_over_routed"] > 0
     assert "routed / baseline throughput" in proc.stdout
+    assert "routed / before" in proc.stdout
