@@ -17,12 +17,12 @@ logger = logging.getLogger("prefixserve")
 
 # `up` flags that override a top-level field of the cluster config.
 _UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url", "namespace",
-                     "max_ongoing_requests", "routing_policy")
+                     "max_ongoing_requests", "routing_policy", "directory_lookup")
 
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """The flags of ``up``: cluster, front ends, engine."""
-    from cluster.shared.config import ROUTING_POLICIES
+    from cluster.shared.config import DIRECTORY_LOOKUPS, ROUTING_POLICIES
 
     up.add_argument("--config", default=None, metavar="CLUSTER_YAML",
                     help="cluster config file (the RayService's schema); flags override its values")
@@ -36,6 +36,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--namespace", default=None, help="prefix-directory namespace (default 'default')")
     up.add_argument("--max-ongoing-requests", type=int, default=None, help="default: 256")
     up.add_argument("--routing-policy", default=None, choices=list(ROUTING_POLICIES), help="default: prefix_cost")
+    up.add_argument("--directory-lookup", default=None, choices=list(DIRECTORY_LOOKUPS),
+                    help="index: each router follows the directory into a local index (default); redis: one Lua "
+                         "lookup per request")
     up.add_argument("--grpc-port", type=int, default=None,
                     help="port of the gRPC router (0: pick a free one; default 50051)")
     up.add_argument("--grpc-host", default=None, help="interface the gRPC and HTTP routers bind (default 127.0.0.1)")

@@ -131,6 +131,8 @@ def test_up_flags_override_the_config_file(tmp_path):
     assert cfg.replicas == 3 and cfg.routing_policy == "round_robin"
     assert cfg.router.replica_transport == "grpc"
     assert up_config(parser.parse_args(["up", "--replica-transport", "actor"])).router.replica_transport == "actor"
+    assert cfg.directory_lookup == "index"
+    assert up_config(parser.parse_args(["up", "--directory-lookup", "redis"])).directory_lookup == "redis"
     assert cfg.engine.cache.block_size == 16 and cfg.engine.cache.kv_cache_memory == 0.5  # file value kept
     assert cfg.router.http_port is None and cfg.router.host == "127.0.0.1" and cfg.router.num_routers == 2
     assert cfg.autoscaling == from_file.autoscaling

@@ -15,7 +15,13 @@ know. Leaves of the program receive plain values, never this tree.
                  args): unknown keys are errors named by their full path
 """
 
-from cluster.shared.config.cluster import ROUTING_POLICIES, AutoscalingConfig, ClusterConfig, RouterConfig
+from cluster.shared.config.cluster import (
+    DIRECTORY_LOOKUPS,
+    ROUTING_POLICIES,
+    AutoscalingConfig,
+    ClusterConfig,
+    RouterConfig,
+)
 from cluster.shared.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -33,7 +39,7 @@ from cluster.shared.config.engine import (
 
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
-    "ROUTING_POLICIES", "SPECULATIVE_METHODS",
+    "DIRECTORY_LOOKUPS", "ROUTING_POLICIES", "SPECULATIVE_METHODS",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig", "SpeculativeConfig",
 ]
