@@ -173,7 +173,6 @@ class RouterBackend:
         finally:
             response.cancel()  # no-op when finished; aborts the sequence otherwise
 
-
     def _generate_handle(self) -> Any:
         """The streaming ``generate`` handle; called on the loop that serves the front ends."""
         handle = self.handle

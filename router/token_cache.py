@@ -40,13 +40,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_CHARS = 256
-DEFAULT_MAX_SEGMENTS = 16384  # ~4 MB of text and ids
+DEFAULT_MAX_SEGMENTS = 16384  # ~700 bytes each (text, ids as uint32): ~12 MB at most
 MIN_CACHED_CHARS = 512  # shorter prompts are tokenized whole: the regex is cheap there
 
 _LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -87,7 +88,7 @@ class SegmentTokenCache:
         self.tokenizer = tokenizer
         self.segment_chars = segment_chars
         self.max_segments = max_segments
-        self._segments: OrderedDict[str, list[int]] = OrderedDict()
+        self._segments: OrderedDict[str, array] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -145,7 +146,7 @@ class SegmentTokenCache:
             ids += self._special_suffix
         return ids
 
-    def _segment(self, segment: str) -> list[int]:
+    def _segment(self, segment: str) -> array:
         with self._lock:  # front ends tokenize big requests on worker threads too
             cached = self._segments.get(segment)
             if cached is not None:
@@ -153,7 +154,7 @@ class SegmentTokenCache:
                 self.hits += 1
                 return cached
             self.misses += 1
-        ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
+        ids = array("I", self.tokenizer.encode(segment, add_special_tokens=False).ids)
         with self._lock:
             self._segments[segment] = ids
             if len(self._segments) > self.max_segments:
