@@ -91,7 +91,10 @@ class RouterBackend:
         self.handle = handle
         self.replica_transport = replica_transport
         self.same_loop = same_loop
-        self._generate: Any = None  # the handle's streaming `generate` options, made once on the serving loop
+        # The handle's streaming `generate` options, made on the serving loop (and
+        # again if the backend is later used from another loop, e.g. a second asyncio.run).
+        self._generate: Any = None
+        self._generate_loop: Optional[asyncio.AbstractEventLoop] = None
         self.tokenizer = tokenizer
         self.model = model
         self.max_inflight_requests = max_inflight_requests
@@ -152,8 +155,9 @@ class RouterBackend:
         """One Serve streaming call; replica deaths propagate (``migrating_stream`` handles them)."""
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-        if self._generate is None:
-            self._generate = self._generate_handle()
+        loop = asyncio.get_running_loop()
+        if self._generate is None or self._generate_loop is not loop:
+            self._generate, self._generate_loop = self._generate_handle(), loop
         response = self._generate.remote(request)
         try:
             async for chunk in response:

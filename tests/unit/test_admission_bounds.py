@@ -201,6 +201,29 @@ def test_router_maps_a_replica_overload_with_its_hint():
     asyncio.run(main())
 
 
+def test_the_backend_makes_its_generate_handle_again_on_another_loop():
+    made = []
+
+    class CountingHandle(FakeHandle):
+        def options(self, **kwargs):
+            made.append(kwargs)
+            return self
+
+    backend = RouterBackend(CountingHandle(lambda r: FakeResponse([chunk(r.request_id)])), None, ModelInfo("m", 64))
+
+    async def send(rid):
+        return [c async for c in backend.stream(req(rid))]
+
+    async def two():
+        return await send("a") + await send("b")
+
+    assert [c.request_id for c in asyncio.run(two())] == ["a", "b"]
+    assert len(made) == 1  # made once per loop, not per request
+    assert made[0]["_by_reference"] is False and made[0]["stream"] is True
+    assert [c.request_id for c in asyncio.run(send("c"))] == ["c"]  # a new loop: a new handle bound to it
+    assert len(made) == 2
+
+
 def test_replica_overload_survives_pickling():
     exc = pickle.loads(pickle.dumps(ReplicaOverloadedError("full", retry_after_s=3.0)))
     assert str(exc) == "full" and exc.retry_after_s == 3.0
