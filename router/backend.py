@@ -31,6 +31,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Protocol
 
+from cluster.shared.config.cluster import REPLICA_TRANSPORTS
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, StreamChunk
 from router.errors import NoReplicaError, OverloadedError
 from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_stream
@@ -86,8 +87,9 @@ class RouterBackend:
                  max_inflight_requests: Optional[int] = None, metrics: Optional[Any] = None,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, replica_transport: str = "grpc",
                  same_loop: bool = True) -> None:
-        if replica_transport not in ("grpc", "actor"):
-            raise ValueError(f"replica_transport must be 'grpc' or 'actor', got {replica_transport!r}")
+        if replica_transport not in REPLICA_TRANSPORTS:
+            raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
+                             f"got {replica_transport!r}")
         self.handle = handle
         self.replica_transport = replica_transport
         self.same_loop = same_loop

@@ -406,17 +406,15 @@ def _print(report: dict[str, Any]) -> None:
                 f"{m['requests_per_router_cpu_s']:.0f}", f"{m['latency_ms']['p50']:.2f}",
                 f"{m['latency_ms']['p99']:.2f}", str(m["errors"]))
 
+    def timing(label: str, m: dict[str, Any]) -> tuple[str, ...]:
+        return (label, "", "", "", f"{m['p50_ms']:.3f}", f"{m['p99_ms']:.3f}", "")
+
     rows = [("measurement", "req/s", "router CPU ms/req", "req/router CPU-s", "P50 ms", "P99 ms", "errors"),
-            ("routing decision, CPU (tokenize + hash + local index + policy)", "", "", "", f"{d['p50_ms']:.3f}",
-             f"{d['p99_ms']:.3f}", ""),
-            ("  of which tokenizing the prompt (segment cache)", "", "", "", f"{d['tokenize']['p50_ms']:.3f}",
-             f"{d['tokenize']['p99_ms']:.3f}", ""),
-            ("  of which hash chain + local index + policy", "", "", "", f"{d['routing_only']['p50_ms']:.3f}",
-             f"{d['routing_only']['p99_ms']:.3f}", ""),
-            ("  the same on the wall clock (Ray shares this core)", "", "", "", f"{d['wall_clock']['p50_ms']:.3f}",
-             f"{d['wall_clock']['p99_ms']:.3f}", ""),
-            ("routing decision, one Lua lookup instead of the index (wall)", "", "", "",
-             f"{d['redis_lookup']['p50_ms']:.3f}", f"{d['redis_lookup']['p99_ms']:.3f}", ""),
+            timing("routing decision, CPU (tokenize + hash + local index + policy)", d),
+            timing("  of which tokenizing the prompt (segment cache)", d["tokenize"]),
+            timing("  of which hash chain + local index + policy", d["routing_only"]),
+            timing("  the same on the wall clock (Ray shares this core)", d["wall_clock"]),
+            timing("routing decision, one Lua lookup instead of the index (wall)", d["redis_lookup"]),
             front("gRPC front end, answers at once (baseline)", b),
             front("gRPC -> Serve (its default router) -> echo", p),
             front("gRPC router -> Serve -> echo replica", r),

@@ -22,7 +22,7 @@ _UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """The flags of ``up``: cluster, front ends, engine."""
-    from cluster.shared.config import DIRECTORY_LOOKUPS, ROUTING_POLICIES
+    from cluster.shared.config import DIRECTORY_LOOKUPS, REPLICA_TRANSPORTS, ROUTING_POLICIES
 
     up.add_argument("--config", default=None, metavar="CLUSTER_YAML",
                     help="cluster config file (the RayService's schema); flags override its values")
@@ -46,7 +46,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                     help="port of the OpenAI-compatible HTTP API (0: pick a free one; -1: none; default 8000)")
     up.add_argument("--migration-limit", type=int, default=None,
                     help="most times a stream moves to another replica when its replica dies (default 3)")
-    up.add_argument("--replica-transport", choices=("grpc", "actor"), default=None,
+    up.add_argument("--replica-transport", choices=list(REPLICA_TRANSPORTS), default=None,
                     help="how the routers stream from replicas: Serve's direct gRPC channel (default) or Ray actor "
                          "tasks (where only Ray's own ports are open between nodes)")
     up.add_argument("--drain-timeout-s", type=float, default=None,

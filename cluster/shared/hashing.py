@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
-from array import array
 from typing import Sequence
 
 DIGEST_BYTES = 16
@@ -60,30 +58,15 @@ def hash_block_chain(
     prev = root if start_block == 0 else parent
     if prev is None:
         raise ValueError("parent is required when start_block > 0")
-    end = len(token_ids) // block_size
-    if end <= start_block:
-        return []
-    # All blocks' ids packed at once (little-endian uint32, as hash_block packs
-    # one block), then one sha256 per block over a slice: ~3x faster than
-    # packing block by block, which the router does for every request.
-    packed = array("I", token_ids[start_block * block_size : end * block_size])
-    if packed.itemsize != 4:  # no 32-bit C unsigned int here: pack block by block
-        return _hash_blocks(token_ids, block_size, prev, start_block, end)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    data = memoryview(packed).cast("B")
+    first, end = start_block * block_size, len(token_ids) // block_size * block_size
+    # All blocks' ids packed at once, as hash_block packs one block, then one
+    # sha256 per block over a slice: packing block by block cost the router
+    # ~1.6x more on every request.
+    data = struct.pack(f"<{max(0, end - first)}I", *token_ids[first:end])
     step = 4 * block_size
     sha256 = hashlib.sha256
     hashes = []
     for offset in range(0, len(data), step):
         prev = sha256(prev + data[offset : offset + step]).digest()[:DIGEST_BYTES]
-        hashes.append(prev)
-    return hashes
-
-
-def _hash_blocks(token_ids: Sequence[int], block_size: int, prev: bytes, start_block: int, end: int) -> list[bytes]:
-    hashes = []
-    for i in range(start_block, end):
-        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(prev)
     return hashes

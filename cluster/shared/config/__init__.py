@@ -17,6 +17,7 @@ know. Leaves of the program receive plain values, never this tree.
 
 from cluster.shared.config.cluster import (
     DIRECTORY_LOOKUPS,
+    REPLICA_TRANSPORTS,
     ROUTING_POLICIES,
     AutoscalingConfig,
     ClusterConfig,
@@ -39,7 +40,7 @@ from cluster.shared.config.engine import (
 
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
-    "DIRECTORY_LOOKUPS", "ROUTING_POLICIES", "SPECULATIVE_METHODS",
+    "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig", "SpeculativeConfig",
 ]
