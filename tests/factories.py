@@ -199,3 +199,22 @@ class OracleProposer:
 
     def drop(self, request_id: str) -> None:
         pass
+
+
+class TreeOracleProposer(OracleProposer):
+    """Candidates for a tree of proposals: first a wrong guess for the next
+    token followed by the expected continuation (rejected at its root), then
+    the expected continuation with every third call's last token changed, then
+    one that leaves it at its second token. The sequence's samples walk the
+    second candidate's branch, so accepted tokens sit away from their
+    positions and are moved there."""
+
+    def propose_candidates(self, request_id: str, token_ids: list[int], k: int, m: int) -> list[list[int]]:
+        right = self.propose(request_id, token_ids, k)
+        if not right:
+            return []
+        wrong_first = [(right[0] + 7) % 500 + 3, *right[1:]]
+        candidates = [wrong_first, right]
+        if len(right) > 2:
+            candidates.append([right[0], (right[1] + 11) % 500 + 3, *right[2:]])
+        return candidates[:m]

@@ -121,10 +121,14 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
         self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
+        # Rows of a tree being verified (id of the row -> its KV slot, first tail position, tail slots).
+        self._tree_rows: dict[int, tuple[int, int, list[int]]] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Swaps blocks, runs the forward pass and samples (see SchedulerOutput)."""
+        if sched.kv_moves:
+            self._move_kv(sched.kv_moves)
         if sched.swap_out:
             self._copy_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
         if sched.swap_in:
@@ -138,41 +142,91 @@ class ModelRunner:
 
     def _execute_speculative(self, reqs: list[ScheduledRequest]) -> ModelOutput:
         """A step with speculated tokens: each such request runs as 1 + k decodes,
-        one per position (the kernels of an ordinary decode, so each row's
-        logits are those the position would get without speculation), sampled
-        as if the drafts before it were already output; then each request keeps
-        the drafts its own samples agree with and the first sample that does
-        not (``workers/engine/spec_decode.py``)."""
+        one per proposed token and the fed one (the kernels of an ordinary
+        decode, so each row's logits are those its position would get without
+        speculation), each sampled as if the proposals on its path were
+        already output; then the request keeps, from the fed token on, every
+        proposal equal to its parent row's own sample, and the first sample no
+        proposal matches (``workers/engine/spec_decode.py``).
+
+        A chain of k proposals lies at positions ``c+1 .. c+k`` after the fed
+        token at ``c``. A tree (``spec_parents``: several candidate
+        continuations) puts proposal i's KV at slot position ``c+1+i`` and its
+        row at position ``c + depth(i)``; the row attends its own path through
+        the tree (``AttentionMetadata.tree_tails``), which is what a plain
+        decode of that path would read, in the same order.
+        """
         rows: list[ScheduledRequest] = []
         owner: list[int] = []
+        # Per request: the row of the fed token and of each proposal, and the proposals' children by token.
+        row_of: list[list[int]] = []
+        children: list[list[dict[int, int]]] = []
+        self._tree_rows = {}
+        bs = self.block_size
         for i, req in enumerate(reqs):
             if not req.spec_token_ids:
+                row_of.append([len(rows)])
+                children.append([{}])
                 rows.append(req)
                 owner.append(i)
                 continue
             drafts = list(req.spec_token_ids)
-            assert req.num_input_tokens == 1 + len(drafts) and req.num_sample_tokens == 1 + len(drafts), req
-            for j, token in enumerate(req.input_token_ids):
-                rows.append(dataclasses.replace(
-                    req, input_token_ids=[token], num_computed_tokens=req.num_computed_tokens + j,
-                    num_sample_tokens=1, output_token_ids=[*req.output_token_ids, *drafts[:j]], spec_token_ids=()))
+            k = len(drafts)
+            assert req.num_input_tokens == 1 + k and req.num_sample_tokens == 1 + k, req
+            parents = list(req.spec_parents) or list(range(-1, k - 1))
+            is_chain = parents == list(range(-1, k - 1))
+            c = req.num_computed_tokens
+            paths: list[list[int]] = []  # proposal indices from depth 1 down to the proposal
+            kids: list[dict[int, int]] = [{} for _ in range(k + 1)]  # index 0: the fed token; j + 1: proposal j
+            for j, parent in enumerate(parents):
+                assert -1 <= parent < j, (req.request_id, parents)
+                paths.append((paths[parent] if parent >= 0 else []) + [j])
+                assert drafts[j] not in kids[parent + 1], ("sibling proposals repeat a token", req.request_id)
+                kids[parent + 1][drafts[j]] = j + 1
+            rows_here = [len(rows)]
+            rows.append(dataclasses.replace(req, input_token_ids=[req.input_token_ids[0]], num_sample_tokens=1,
+                                            spec_token_ids=(), spec_parents=()))
+            owner.append(i)
+            table = req.block_ids
+            for j, path in enumerate(paths):
+                row = dataclasses.replace(
+                    req, input_token_ids=[drafts[j]], num_computed_tokens=c + len(path), num_sample_tokens=1,
+                    output_token_ids=[*req.output_token_ids, *(drafts[a] for a in path)], spec_token_ids=(),
+                    spec_parents=())
+                if not is_chain:
+                    slot_of = [table[(c + 1 + a) // bs] * bs + (c + 1 + a) % bs for a in path]
+                    self._tree_rows[id(row)] = (slot_of[-1], c + 1, slot_of)
+                rows_here.append(len(rows))
+                rows.append(row)
                 owner.append(i)
-        out = self._execute(rows, with_proposals=False)
+            row_of.append(rows_here)
+            children.append(kids)
+        try:
+            out = self._execute(rows, with_proposals=False)
+        finally:
+            self._tree_rows = {}
         if not out.sampled_token_ids:  # a tensor-parallel rank other than 0
             return out
-        sampled: list[list[int]] = [[] for _ in reqs]
-        logprobs: list[Optional[list]] = [None for _ in reqs]
-        done = [False] * len(reqs)
-        for i, tokens, lps in zip(owner, out.sampled_token_ids, out.logprobs):
-            if done[i]:
-                continue
-            drafts = reqs[i].spec_token_ids
-            sampled[i].extend(tokens)
-            if lps is not None:
-                logprobs[i] = (logprobs[i] or []) + lps
-            j = len(sampled[i]) - 1  # this row verified draft j (when there is one)
-            if not tokens or j >= len(drafts) or tokens[0] != drafts[j]:
-                done[i] = True
+        sampled: list[list[int]] = []
+        logprobs: list[Optional[list]] = []
+        last_rows: list[int] = []
+        for i in range(len(reqs)):
+            node, kept, lps = 0, [], None
+            while True:
+                row = row_of[i][node]
+                tokens = out.sampled_token_ids[row]
+                if not tokens:  # a prompt chunk that samples nothing
+                    break
+                kept.extend(tokens)
+                if out.logprobs[row] is not None:
+                    lps = (lps or []) + out.logprobs[row]
+                nxt = children[i][node].get(tokens[0])
+                if nxt is None:
+                    break
+                node = nxt
+            sampled.append(kept)
+            logprobs.append(lps)
+            last_rows.append(row_of[i][node] if kept else -1)
         prompt_logprobs = None
         if out.prompt_logprobs is not None:  # rows of prompt chunks are never expanded
             prompt_logprobs = [None] * len(reqs)
@@ -181,10 +235,6 @@ class ModelRunner:
                     prompt_logprobs[row] = entry
         result = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         # Heads read the row that sampled each request's last kept token.
-        first_row: dict[int, int] = {}
-        for row, i in enumerate(owner):
-            first_row.setdefault(i, row)
-        last_rows = [first_row[i] + len(sampled[i]) - 1 if sampled[i] else -1 for i in range(len(reqs))]
         result.spec_proposals = self._head_proposals(reqs, last_rows)
         return result
 
@@ -236,10 +286,11 @@ class ModelRunner:
             return None
         index = torch.tensor([row_of[rows[i]] for i in wanted], device=self.device)
         k = max(reqs[i].num_proposals for i in wanted)
-        tokens = self.medusa.propose(hidden.index_select(0, index), k, self.model.lm_head).tolist()
-        out: list[Optional[list[int]]] = [None] * len(reqs)
-        for i, guess in zip(wanted, tokens):
-            out[i] = guess[: reqs[i].num_proposals]
+        m = max(reqs[i].num_proposal_candidates for i in wanted)
+        candidates = self.medusa.propose_candidates(hidden.index_select(0, index), k, m, self.model.lm_head)
+        out: list[Optional[list[list[int]]]] = [None] * len(reqs)
+        for i, guesses in zip(wanted, candidates):
+            out[i] = [guess[: reqs[i].num_proposals] for guess in guesses[: reqs[i].num_proposal_candidates]]
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[int], batch: list[ScheduledRequest]
@@ -286,6 +337,8 @@ class ModelRunner:
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        tree = self._tree_rows
+        tails: list[tuple[int, list[int]]] = []
         for req in batch:
             start = req.num_computed_tokens
             n = len(req.input_token_ids)
@@ -293,16 +346,35 @@ class ModelRunner:
             pos = range(start, start + n)
             positions.extend(pos)
             table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            in_tree = tree.get(id(req)) if tree else None
+            if in_tree is not None:  # a proposal of a tree: its own slot, its own path from tail_lo on
+                slots.append(in_tree[0])
+                tails.append(in_tree[1:])
+            else:
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
+                tails.append((-1, []))
             query_lens.append(n)
             seq_lens.append(start + n)
         # Tables cut to the blocks this step can touch (a table may hold more).
         tables = [req.block_ids[: cdiv(s, bs)] for req, s in zip(batch, seq_lens)]
         dev = self.device
         meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables, dev)
+        if tree:
+            width = max(len(t) for _, t in tails)
+            meta.tree_tails = (torch.tensor([lo for lo, _ in tails], dtype=torch.int32, device=dev),
+                               torch.tensor([t + [0] * (width - len(t)) for _, t in tails], dtype=torch.int64,
+                                            device=dev))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos_t, meta
+
+    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
+        """Copies KV rows between slots, every layer (all sources read before any write)."""
+        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
 
     @staticmethod
     def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:

@@ -16,7 +16,7 @@ import pytest
 from cluster.shared.chat_template import ChatTemplate
 from cluster.shared.types import SamplingParams
 from cluster.shared.config import SpeculativeConfig
-from tests.factories import OracleProposer, hf_greedy, make_tiny_model_dir
+from tests.factories import OracleProposer, TreeOracleProposer, hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.engine.spec_decode import Speculator
 from workers.llm import LLM
@@ -123,7 +123,7 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
                "adaptive": False}
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft", "oracle"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "oracle", "tree"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, monkeypatch):
     """Speculation changes how many tokens a step computes and which slots
@@ -132,7 +132,9 @@ def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, 
     layer-truncated copy of the model (its first layer; the default model's
     first 6); ``medusa`` identity heads (each guesses the next token again);
     ``oracle`` proposes the expected continuation with every third proposal
-    wrong, so every scenario verifies accepted and rejected drafts."""
+    wrong, so every scenario verifies accepted and rejected drafts; ``tree``
+    verifies three candidates at once as a tree, the expected one second, so
+    accepted tokens are moved from their tree slots to their positions."""
     config = SPECULATIVE
     if proposer == "medusa":
         arch = read_arch(case.model_dir)
@@ -150,10 +152,14 @@ def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, 
         continuations = {tuple(p): e for p, e in zip(case.prompts, case.expected)}
         llm.engine.scheduler.speculator = Speculator(SpeculativeConfig(**SPECULATIVE),
                                                      proposer=OracleProposer(continuations))
+    if proposer == "tree":
+        continuations = {tuple(p): e for p, e in zip(case.prompts, case.expected)}
+        llm.engine.scheduler.speculator = Speculator(SpeculativeConfig(**SPECULATIVE, num_candidates=3),
+                                                     proposer=TreeOracleProposer(continuations))
     outs = llm.generate(case.prompts, [greedy(n) for n in case.max_tokens])
     assert [o.token_ids for o in outs] == case.expected
     stats = llm.engine.scheduler.speculator.stats
-    if proposer == "oracle" or (proposer == "ngram" and case.model_dir == resolve_model(None)):
+    if proposer in ("oracle", "tree") or (proposer == "ngram" and case.model_dir == resolve_model(None)):
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # accepted and rejected drafts
     assert stats.num_draft_tokens > 0
     if proposer == "draft":

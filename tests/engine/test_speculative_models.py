@@ -15,13 +15,14 @@ import torch
 
 from cluster.shared.config import SpeculativeConfig
 from cluster.shared.types import SamplingParams
-from tests.factories import OracleProposer, make_tiny_model_dir
+from tests.factories import OracleProposer, TreeOracleProposer, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.engine.spec_decode import Speculator
 from workers.llm import LLM
 
 ALWAYS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
           "adaptive": False}
+TREE = {**ALWAYS, "num_candidates": 3}
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +40,18 @@ def repetitive_prompts(n: int) -> list[list[int]]:
     dict(temperature=0.7, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
     dict(temperature=0.0, repetition_penalty=1.2),  # greedy with penalties: the sampler's slow path
 ], ids=["top_p_top_k", "min_p_penalties", "greedy_penalties"])
-def test_seeded_sampling_gives_the_same_tokens_and_logprobs(tiny_dir, knobs):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_seeded_sampling_gives_the_same_tokens_and_logprobs(tiny_dir, knobs, shape):
     prompts = repetitive_prompts(6)
     params = [SamplingParams(max_tokens=24, seed=100 + i, logprobs=2, ignore_eos=True, **knobs) for i in range(6)]
     plain = LLM(str(tiny_dir), block_size=4).generate(prompts, params)
-    spec = LLM(str(tiny_dir), block_size=4, speculative_config=ALWAYS)
-    # Sampled text rarely repeats: propose what the plain run drew, one token in three wrong.
-    oracle = OracleProposer({tuple(p): o.token_ids for p, o in zip(prompts, plain)})
-    spec.engine.scheduler.speculator = Speculator(SpeculativeConfig(**ALWAYS), proposer=oracle)
+    config = ALWAYS if shape == "chain" else TREE
+    spec = LLM(str(tiny_dir), block_size=4, speculative_config=config)
+    # Sampled text rarely repeats: propose what the plain run drew, one token in three wrong
+    # (a tree: the drawn continuation as its second candidate).
+    make = OracleProposer if shape == "chain" else TreeOracleProposer
+    oracle = make({tuple(p): o.token_ids for p, o in zip(prompts, plain)})
+    spec.engine.scheduler.speculator = Speculator(SpeculativeConfig(**config), proposer=oracle)
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     for a, b in zip(got, plain):
@@ -71,6 +76,18 @@ class FixedProposer:
         pass
 
 
+class FixedTreeProposer(FixedProposer):
+    """The same tree at every step: the first token changed, then the given
+    tokens; the given tokens; the first given token, then the second changed."""
+
+    def propose_candidates(self, request_id: str, token_ids: list[int], k: int, m: int) -> list[list[int]]:
+        t = self.tokens[:k]
+        candidates = [[(t[0] + 1) % 64 + 3, *t[1:]], t]
+        if len(t) > 1:
+            candidates.append([t[0], (t[1] + 1) % 64 + 3, *t[2:]])
+        return candidates[:m]
+
+
 def chi_square_p_value(a: Counter, b: Counter) -> tuple[float, int]:
     """Two-sample chi-square (equal sample sizes) over categories with at
     least 10 draws in all; rare ones pooled. Wilson-Hilferty p-value."""
@@ -93,20 +110,28 @@ def test_unseeded_sampling_keeps_the_target_distribution(tiny_dir):
     llm = LLM(str(tiny_dir), block_size=4, max_num_seqs=256, max_num_batched_tokens=2048)
     greedy = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids
     results = {}
-    for mode in ("off", "on"):
-        llm.engine.scheduler.speculator = (
-            Speculator(SpeculativeConfig(**ALWAYS), proposer=FixedProposer(greedy[1:])) if mode == "on" else None)
+    for mode in ("off", "on", "tree"):
+        speculator = None
+        if mode == "on":
+            speculator = Speculator(SpeculativeConfig(**ALWAYS), proposer=FixedProposer(greedy[1:]))
+        elif mode == "tree":
+            speculator = Speculator(SpeculativeConfig(**TREE), proposer=FixedTreeProposer(greedy[1:]))
+        llm.engine.scheduler.speculator = speculator
         outs = llm.generate([prompt] * draws, params)
         results[mode] = [tuple(o.token_ids) for o in outs]
-    stats = llm.engine.scheduler.speculator.stats
-    assert stats.num_draft_tokens >= draws and 0.1 < stats.acceptance_rate < 0.9  # both outcomes common
-    for position in (1, 2):  # the tokens verification chose
-        off = Counter(t[position] for t in results["off"])
-        on = Counter(t[position] for t in results["on"])
-        p, df = chi_square_p_value(off, on)
-        assert df >= 3 and p > 1e-3, (position, p, off.most_common(6), on.most_common(6))
-    joint_p, _ = chi_square_p_value(Counter(results["off"]), Counter(results["on"]))
-    assert joint_p > 1e-3
+        if mode == "tree":
+            assert speculator.branch_rate > 0.05  # the samples took the other branches too
+        if mode != "off":
+            stats = speculator.stats
+            assert stats.num_draft_tokens >= draws and 0.1 < stats.acceptance_rate < 0.9  # both outcomes common
+    for mode in ("on", "tree"):
+        for position in (1, 2):  # the tokens verification chose
+            off = Counter(t[position] for t in results["off"])
+            on = Counter(t[position] for t in results[mode])
+            p, df = chi_square_p_value(off, on)
+            assert df >= 3 and p > 1e-3, (mode, position, p, off.most_common(6), on.most_common(6))
+        joint_p, _ = chi_square_p_value(Counter(results["off"]), Counter(results[mode]))
+        assert joint_p > 1e-3, mode
     # The test can fail: a verifier that always accepted would put every draw on the proposals.
     skewed = Counter([tuple([t[0], *greedy[1:]]) for t in results["on"][: draws // 2]] + results["on"][draws // 2 :])
     assert chi_square_p_value(Counter(results["off"]), skewed)[0] < 1e-6
@@ -114,9 +139,10 @@ def test_unseeded_sampling_keeps_the_target_distribution(tiny_dir):
     assert_all_blocks_free_or_cached(llm.engine.scheduler)
 
 
-def test_aborts_and_stops_inside_drafts_leave_the_pool_intact(tiny_dir):
+@pytest.mark.parametrize("config", [ALWAYS, TREE], ids=["chain", "tree"])
+def test_aborts_and_stops_inside_drafts_leave_the_pool_intact(tiny_dir, config):
     llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=40, preemption_mode="recompute",
-              speculative_config=ALWAYS)
+              speculative_config=config)
     prompts = repetitive_prompts(8)
     plain = LLM(str(tiny_dir), block_size=4).generate(
         prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))

@@ -26,7 +26,7 @@ import torch
 from cluster.shared.chat_template import ChatTemplate
 from cluster.shared.config import SpeculativeConfig
 from cluster.shared.types import SamplingParams
-from tests.factories import OracleProposer, hf_greedy, make_tiny_model_dir
+from tests.factories import OracleProposer, TreeOracleProposer, hf_greedy, make_tiny_model_dir
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.engine.spec_decode import Speculator
 from workers.llm import LLM
@@ -135,14 +135,18 @@ def test_tiny_models_match_tp1_and_hf(tiny):
         assert token_ids(llm.generate(case.prompts, [greedy(n) for n in case.max_tokens])) == case.expected
         # Rank 0 samples over the gathered logits with the engine's seed: same draws as one process.
         assert token_ids(llm.generate(case.prompts, sampled)) == single_sampled
-        # Speculation: every rank expands the drafts alike; rank 0 verifies them.
-        config = SpeculativeConfig(num_speculative_tokens=3, adaptive=False)
-        for expected, params in ((case.expected, [greedy(n) for n in case.max_tokens]), (single_sampled, sampled)):
-            oracle = OracleProposer({tuple(p): e for p, e in zip(case.prompts, expected)})
-            llm.engine.scheduler.speculator = Speculator(config, proposer=oracle)
-            assert token_ids(llm.generate(case.prompts, params)) == expected
-            stats = llm.engine.scheduler.speculator.stats
-            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        # Speculation: every rank expands the drafts alike (a chain, or a tree whose accepted
+        # branch every rank moves into place next step); rank 0 verifies them.
+        for config, make in ((SpeculativeConfig(num_speculative_tokens=3, adaptive=False), OracleProposer),
+                             (SpeculativeConfig(num_speculative_tokens=3, adaptive=False, num_candidates=3),
+                              TreeOracleProposer)):
+            for expected, params in ((case.expected, [greedy(n) for n in case.max_tokens]),
+                                     (single_sampled, sampled)):
+                oracle = make({tuple(p): e for p, e in zip(case.prompts, expected)})
+                llm.engine.scheduler.speculator = Speculator(config, proposer=oracle)
+                assert token_ids(llm.generate(case.prompts, params)) == expected
+                stats = llm.engine.scheduler.speculator.stats
+                assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
         assert_all_blocks_free_or_cached(llm.engine.scheduler)
 
 

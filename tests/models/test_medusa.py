@@ -56,3 +56,28 @@ def test_heads_for_another_model_are_refused(tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps({"medusa_num_heads": 1}))
     with pytest.raises(Exception):
         MedusaHeads.load(tmp_path / "bad", 16, 40)  # a bias is missing
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["shared_lm_head", "own_lm_head"])
+def test_tree_candidates_are_the_likeliest_top_k_combinations(own):
+    # Brute force over every combination of the heads' top-5 tokens: the m
+    # candidates are the m largest sums of the heads' log-probabilities, in
+    # order, the first being propose()'s chain.
+    import itertools
+
+    heads = random_heads(16, 40, 3, own, seed=3)
+    lm = torch.randn(40, 16)
+    x = torch.randn(4, 16)
+    got = heads.propose_candidates(x, 3, 5, lambda h: F.linear(h, lm))
+    top1 = heads.propose(x, 3, lambda h: F.linear(h, lm)).tolist()
+    for row in range(4):
+        lps = [torch.log_softmax(heads.logits(x[row : row + 1], i, lambda h: F.linear(h, lm))[0], -1)
+               for i in range(3)]
+        def score(combo):
+            return sum(float(lps[i][t]) for i, t in enumerate(combo))
+
+        best = sorted(itertools.product(*[lp.topk(5).indices.tolist() for lp in lps]), key=score, reverse=True)[:5]
+        assert len({tuple(c) for c in got[row]}) == 5
+        assert [score(c) for c in got[row]] == pytest.approx([score(c) for c in best], abs=1e-5)
+        assert got[row][0] == top1[row]
+    assert heads.propose_candidates(x, 2, 1, lambda h: F.linear(h, lm)) == [[c[:2]] for c in top1]

@@ -142,6 +142,10 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.steps.append(sched)
+        bs = self.block_size
+        moved = [self.device[src // bs][src % bs] for src, _ in sched.kv_moves]  # all read, then written
+        for (_, dst), entry in zip(sched.kv_moves, moved):
+            self.device[dst // bs][dst % bs] = entry
         for device_block, cpu_block in sched.swap_out:
             self.cpu[cpu_block] = list(self.device[device_block])
         for cpu_block, device_block in sched.swap_in:
@@ -165,23 +169,33 @@ class FakeRunner:
                 assert req.num_sample_tokens == 1 + len(drafts), req.request_id
         sampled = []
         for req, context in zip(sched.scheduled, contexts):
+            drafts = list(req.spec_token_ids)
+            parents = list(req.spec_parents) or list(range(-1, len(drafts) - 1))
+            depth: list[int] = []
             for j, token in enumerate(req.input_token_ids):
-                pos = req.num_computed_tokens + j
-                self.device[req.block_ids[pos // self.block_size]][pos % self.block_size] = (token, pos)
-            sampled.append(self._verify(context, list(req.spec_token_ids)) if req.num_sample_tokens else [])
+                slot_pos = req.num_computed_tokens + j
+                pos = slot_pos  # a tree's proposal sits at its slot, holding its own position (its depth)
+                if j > len(req.input_token_ids) - 1 - len(drafts):
+                    i = j - (len(req.input_token_ids) - len(drafts))
+                    depth.append(1 + (depth[parents[i]] if parents[i] >= 0 else 0))
+                    pos = req.num_computed_tokens + len(req.input_token_ids) - len(drafts) - 1 + depth[i]
+                self.device[req.block_ids[slot_pos // bs]][slot_pos % bs] = (token, pos)
+            sampled.append(self._verify(context, drafts, parents) if req.num_sample_tokens else [])
         return ModelOutput(sampled_token_ids=sampled, logprobs=[None] * len(sampled))
 
-    def _verify(self, context: list[int], drafts: list[int]) -> list[int]:
+    def _verify(self, context: list[int], drafts: list[int], parents: list[int]) -> list[int]:
         """The model's token after the context, then after each draft it agrees
-        with (the context ends with the drafts): greedy verification."""
+        with, walking the tree of drafts (a chain: each after the last) from
+        the context without them: greedy verification."""
         base = context[: len(context) - len(drafts)]
-        out = []
-        for j in range(len(drafts) + 1):
-            token = self.model(base + drafts[:j])
+        out, path, node = [], [], -1
+        while True:
+            token = self.model(base + path)
             out.append(token)
-            if j == len(drafts) or token != drafts[j]:
-                break
-        return out
+            node = next((j for j, p in enumerate(parents) if p == node and drafts[j] == token), None)
+            if node is None:
+                return out
+            path.append(token)
 
 
 def step(scheduler: Scheduler, runner: FakeRunner):

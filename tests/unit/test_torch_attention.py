@@ -95,3 +95,65 @@ def test_native_decode_long_sequences_split_into_chunks(num_reqs, window):
     alone = cpu_decode.paged_decode(lib, case.q[:1], case.kv_cache, case.meta.block_tables[:1],
                                     case.meta.seq_lens[:1], scale, window)
     assert torch.equal(alone, out[:1])
+
+
+def _tree_case(head_dim: int, committed: int, kv_dtype: torch.dtype, seed: int):
+    """A sequence of ``committed`` positions in scattered blocks, six tree
+    nodes' KV at the slot positions after it, and a second block table whose
+    blocks hold the same prefix with one root-to-node path (nodes 1, 4, 5)
+    laid out at its positions: what a plain decode of that path reads."""
+    from workers.model.attention import kv_int8
+
+    torch.manual_seed(seed)
+    bs, hkv = 16, 3
+    width = (committed + 8) // bs + 1
+    perm = torch.randperm(2 * width + 4)
+    table_a, table_b = perm[:width].to(torch.int32), perm[width : 2 * width].to(torch.int32)
+    values = torch.randn(2, 2 * width + 4, bs, hkv, head_dim)
+    cache = kv_int8.quantize(values) if kv_dtype == torch.int8 else values
+    flat = cache.view(2, -1, *cache.shape[3:])
+
+    def slot(table: torch.Tensor, p: int) -> int:
+        return int(table[p // bs]) * bs + p % bs
+
+    path = [slot(table_a, committed + i) for i in (1, 4, 5)]
+    for p in range(committed):
+        flat[:, slot(table_b, p)] = flat[:, slot(table_a, p)]
+    for depth, s in enumerate(path):
+        flat[:, slot(table_b, committed + depth)] = flat[:, s]
+    return cache, table_a, table_b, path
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["f32", "int8"])
+@pytest.mark.parametrize("head_dim,committed,window", [(64, 37, None), (12, 37, None), (64, 700, None),
+                                                       (64, 700, 600), (64, 511, None)],
+                         ids=["fast", "generic", "split_chunks", "window", "chunk_edge"])
+def test_tree_rows_read_their_own_path(head_dim, committed, window, kv_dtype):
+    # Tree verification: a row whose positions from tail_lo on come from listed
+    # slots (its path through the tree) gives exactly what a plain decode of a
+    # sequence holding that path at its positions gives, whatever kernel path
+    # (vectorized, generic, split into chunks, windowed, int8 cache); rows
+    # without a tail (-1) read their table as before.
+    from workers.model.attention import cpu_decode
+
+    cache, table_a, table_b, path = _tree_case(head_dim, committed, kv_dtype, seed=head_dim + committed)
+    lib = cpu_decode.load(kv_dtype)
+    q = torch.randn(4, 9, head_dim)
+    n = committed
+    lens = torch.tensor([n + 3, n + 2, n + 3, n + 1], dtype=torch.int32)
+    tables = torch.stack([table_a, table_a, table_b, table_a])
+    tail_lo = torch.tensor([n, n, -1, n], dtype=torch.int32)
+    tail_slots = torch.tensor([path, path[:2] + [0], [0] * 3, path[:1] + [0, 0]], dtype=torch.int64)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_decode.paged_decode(lib, q, cache, tables, lens, scale, window, tails=(tail_lo, tail_slots))
+    plain = cpu_decode.paged_decode(lib, q, cache, table_b.expand(4, -1).contiguous(), lens, scale, window)
+    assert torch.equal(out, plain)
+    # The test can fail: read through the table, the tree rows see other nodes.
+    assert not torch.equal(cpu_decode.paged_decode(lib, q, cache, tables, lens, scale, window)[0], plain[0])
+    if kv_dtype == torch.float32:  # the torch path (no compiler) reads the same slots
+        from workers.model.attention.base import AttentionMetadata
+
+        meta = AttentionMetadata.build([0] * 4, [1] * 4, lens.tolist(), tables.tolist())
+        meta.tree_tails = (tail_lo, tail_slots)
+        torch_out = TorchAttentionBackend(native_decode=False)._decode(q, cache, meta, scale, window)
+        torch.testing.assert_close(torch_out, plain, atol=1e-5, rtol=1e-5)

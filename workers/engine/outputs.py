@@ -14,6 +14,9 @@ One step, as the runner sees it (B scheduled requests, T tokens)::
                                    end of the prompt, 1 otherwise, 1 + k for a
                                    decode with k speculated tokens
     scheduled[i].spec_token_ids    those k tokens (the tail of input_token_ids)
+    scheduled[i].spec_parents      with a tree of proposals: each one's parent
+                                   (an earlier index, -1 for the fed token);
+                                   empty for a chain (each follows the last)
 
     ModelOutput.sampled_token_ids[i]  exactly num_sample_tokens tokens, or with
                                       speculated tokens 1 to 1 + k: the accepted
@@ -42,7 +45,12 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int]  # read-only: for penalties
     output_token_ids: Sequence[int]  # read-only: for penalties and seeded sampling
     spec_token_ids: Sequence[int] = ()  # speculated tokens: the last len() input tokens
+    # A tree of proposals (several candidate continuations, verified together): the parent of
+    # each speculated token, an earlier index or -1 (the fed token); empty for a chain. Token i's
+    # KV slot is position num_computed_tokens + 1 + i; its position is its parent's + 1.
+    spec_parents: Sequence[int] = ()
     num_proposals: int = 0  # guesses the runner's own proposer (Medusa heads) makes for the next step
+    num_proposal_candidates: int = 1  # candidate continuations it makes (a tree when > 1)
 
     @property
     def num_input_tokens(self) -> int:
@@ -58,6 +66,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     """Everything the runner does in one step, in this order:
 
+    0. move KV rows ``kv_moves`` (``(from_slot, to_slot)``, every layer): the
+       accepted branch of a tree verified last step, to its positions,
     1. copy ``swap_out`` blocks device -> CPU (``(device_block, cpu_block)``),
     2. copy ``swap_in`` blocks CPU -> device (``(cpu_block, device_block)``),
     3. run the forward pass over ``scheduled`` and sample.
@@ -70,6 +80,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -77,7 +88,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_in and not self.swap_out
+        return not self.scheduled and not self.swap_in and not self.swap_out and not self.kv_moves
 
 
 @dataclass
@@ -90,8 +101,9 @@ class ModelOutput:
     # tokens at that position and on) for the prompt tokens this step's chunk predicts.
     prompt_logprobs: Optional[list[Optional[tuple[int, list[TokenLogprob]]]]] = None
     # Per scheduled request asking for them (num_proposals): the runner's guesses of the
-    # tokens after the ones it returned, for the next step's speculation.
-    spec_proposals: Optional[list[Optional[list[int]]]] = None
+    # tokens after the ones it returned, for the next step's speculation: candidate
+    # continuations, the likeliest first (one unless num_proposal_candidates > 1).
+    spec_proposals: Optional[list[Optional[list[list[int]]]]] = None
 
 
 @dataclass

@@ -52,7 +52,7 @@ from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.request_queue import RequestQueue
 from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.spec_decode import Speculator
+from workers.engine.spec_decode import Speculator, accepted_path
 from workers.engine.validation import Capacity, fit_problem
 
 StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
@@ -69,7 +69,8 @@ class _StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
-    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculated tokens of decodes
+    # Speculated tokens of decodes, and their parents (empty: a chain; spec_decode.py).
+    drafts: dict[Sequence, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -110,6 +111,7 @@ class Scheduler:
         self.queue = RequestQueue()
         self._finished_ids: set[str] = set()  # since the last schedule()
         self._finished_in_schedule: list[Sequence] = []  # reported by update_from_output
+        self._kv_moves: list[tuple[int, int]] = []  # accepted tree branches to move, in the next step
         self.num_preemptions_total = 0
 
     # ---------------------------------------------------------------- figures
@@ -218,12 +220,14 @@ class Scheduler:
             self._schedule_swapped(plan)
             self._schedule_waiting(plan)
         out = SchedulerOutput(
-            scheduled=[self._make_scheduled(seq, n, plan.drafts.get(seq, ())) for seq, n in plan.scheduled.items()],
+            scheduled=[self._make_scheduled(seq, n, plan.drafts.get(seq, ((), ()))) for seq, n in plan.scheduled.items()],
             swap_out=plan.swap_out,
             swap_in=plan.swap_in,
             finished_request_ids=self._finished_ids,
+            kv_moves=self._kv_moves,
         )
         self._finished_ids = set()
+        self._kv_moves = []
         return out
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -240,16 +244,18 @@ class Scheduler:
             drafts: list[int] = []
             if num_new == seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1  # drafts never take the token of a decode still to come
-                drafts = proposals.get(seq, [])[: max(0, plan.budget - 1 - decodes_left)]
+                drafts, parents = proposals.get(seq, ([], []))
+                cut = max(0, plan.budget - 1 - decodes_left)  # a tree is depth-first: any cut keeps it whole
+                drafts, parents = drafts[:cut], parents[:cut]
             if drafts and self.kv_manager.allocate_slots(seq, 1 + len(drafts)) is not None:
-                plan.drafts[seq] = drafts
+                plan.drafts[seq] = (drafts, parents)
                 num_new += len(drafts)
             elif not self._allocate_or_preempt(seq, num_new, plan):
                 continue
             plan.scheduled[seq] = num_new
             plan.budget -= num_new
 
-    def _propose(self, order: list[Sequence], budget: int) -> dict[Sequence, list[int]]:
+    def _propose(self, order: list[Sequence], budget: int) -> dict[Sequence, tuple[list[int], list[int]]]:
         """Speculated tokens for the decoding sequences (in one batch): none
         without a speculator, and never past a sequence's max_tokens or
         max_model_len, or the step's budget (the target's own token is always
@@ -260,14 +266,15 @@ class Scheduler:
         for seq in order:
             if seq.num_uncomputed_tokens != 1:
                 continue
-            room = min(seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1, budget - 1)
+            slots = min(self.max_model_len - seq.num_tokens - 1, budget - 1)  # a tree's tokens, every branch
+            room = min(seq.sampling_params.max_tokens - seq.num_output_tokens - 1, slots)  # tokens it may keep
             if room > 0:
-                asks.append((seq, room))
+                asks.append((seq, room, slots))
         if not asks:
             return {}
-        drafts = self.speculator.propose_batch([(seq.request_id, seq.all_token_ids, room) for seq, room in asks])
-        return {seq: d for (seq, _), d in zip(asks, drafts) if d}
+        drafts = self.speculator.propose_batch([(seq.request_id, seq.all_token_ids, room, slots)
+                                                for seq, room, slots in asks])
+        return {seq: d for (seq, _, _), d in zip(asks, drafts) if d[0]}
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, plan: _StepPlan) -> bool:
         """Allocates ``num_new`` slots for a running ``seq``, preempting the
@@ -388,7 +395,9 @@ class Scheduler:
         self._finish(seq, reason, message)
         self._finished_in_schedule.append(seq)
 
-    def _make_scheduled(self, seq: Sequence, num_new: int, drafts: Sequence_[int] = ()) -> ScheduledRequest:
+    def _make_scheduled(self, seq: Sequence, num_new: int,
+                        spec: tuple[Sequence_[int], Sequence_[int]] = ((), ())) -> ScheduledRequest:
+        drafts, parents = spec
         start = seq.num_computed_tokens
         num_known = num_new - len(drafts)  # tokens of the sequence; the drafts follow
         samples = start + num_known == seq.num_tokens
@@ -403,7 +412,9 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             spec_token_ids=list(drafts),
+            spec_parents=list(parents),
             num_proposals=guesses,
+            num_proposal_candidates=self.speculator.num_candidates if guesses else 1,
         )
 
     # ------------------------------------------------------------------ update
@@ -457,8 +468,10 @@ class Scheduler:
         sampled = model_out.sampled_token_ids[i]
         num_drafts = len(req.spec_token_ids)
         assert 1 <= len(sampled) <= 1 + num_drafts, (req.request_id, sampled)
+        path, reached, branches = accepted_path(req.spec_token_ids, req.spec_parents, sampled)
+        assert len(path) == len(sampled) - 1, (req.request_id, sampled, path)
         if self.speculator is not None:
-            self.speculator.observe_result(seq.request_id, num_drafts, len(sampled) - 1)
+            self.speculator.observe_result(seq.request_id, reached, len(sampled) - 1, num_drafts, branches)
         kept, reason = [], None
         for token_id in sampled:
             seq.append_token(token_id)
@@ -466,7 +479,13 @@ class Scheduler:
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 break
-        # KV is valid for the fed token and every kept token but the last.
+        # KV is valid for the fed token and every kept token but the last; an
+        # accepted tree node away from its position moves there next step.
+        start, bs, table = req.num_computed_tokens + 1, self.kv_manager.block_size, seq.block_ids
+        for depth, node in enumerate(path[: len(kept) - 1]):
+            if node != depth:
+                src, dst = start + node, start + depth
+                self._kv_moves.append((table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs))
         seq.num_computed_tokens += len(kept)
         self.kv_manager.cache_computed_blocks(seq)
         if reason is not None:

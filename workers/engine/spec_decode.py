@@ -24,6 +24,22 @@ with probability ``p(d) = min(1, p(d) / 1)``, and on rejection the draw is
 distributed as ``norm(max(0, p - onehot(d)))``. Greedy and seeded requests get
 the very tokens they would get without speculation.
 
+Trees (SpecInfer; ``num_candidates`` > 1): the proposer offers several
+candidate continuations (the n-gram lookup's distinct continuations of
+earlier matches, the Medusa heads' likeliest combinations of their top
+tokens); they are merged into a tree of distinct tokens per parent, laid out
+depth-first with the likeliest candidate first, and every node is one more
+decode row, attending its own path (``AttentionMetadata.tree_tails``)::
+
+    fed token -> a -> b -> c          input [last, a, b, c, x, y]
+              `-> x -> y              slots  c+1 .. c+5 in that order
+
+The sequence keeps the path its own samples walk (from the fed token's
+sample, each sample picking the child with that token), so exactness is the
+chain's argument per node. An accepted node whose slot is not its position
+(``x`` above sits at c+4, belongs at c+1) is moved there by the next step
+(``SchedulerOutput.kv_moves``), before anything reads it.
+
 How many to propose (``Speculator.depth_limit``): a draft at depth i is
 accepted with probability ``alpha ** i`` (``alpha``: the request's measured
 acceptance rate) and costs ``b`` seconds, the measured price of a verified
@@ -32,7 +48,11 @@ its draft tokens). A draft is proposed while its expected tokens per second
 beat the plain step's: ``alpha ** i / b > sequences / plain step time``.
 Where proposals fail (random text) acceptance falls and nothing is proposed;
 where the step is compute-bound (large batches) the slope rises and nothing
-is proposed either.
+is proposed either. A node of another candidate, branching off at depth e,
+is worth ``alpha ** (e - 1) * (1 - alpha) * beta`` (times ``alpha`` per
+depth below), ``beta`` the measured rate at which another candidate's token
+was taken where the likeliest one's was not, and is proposed by the same
+rule.
 """
 
 from __future__ import annotations
@@ -42,6 +62,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
+from typing import Sequence as Sequence_
 
 from cluster.shared.config import SpeculativeConfig
 
@@ -61,19 +82,28 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of
     the sequence's last n tokens (n from ``prompt_lookup_max`` down to
-    ``prompt_lookup_min``), in the prompt or the output.
+    ``prompt_lookup_min``), in the prompt or the output; for a tree, the
+    distinct continuations of the latest few occurrences, longest n first.
 
-    Each request keeps an index, per n, from n-gram to the position after its
-    latest occurrence, grown by the tokens added since the last call, so a
-    step costs O(new tokens), not O(sequence).
+    Each request keeps an index, per n, from n-gram to the positions after
+    its latest ``KEEP`` occurrences, grown by the tokens added since the last
+    call, so a step costs O(new tokens), not O(sequence).
     """
+
+    KEEP = 4  # occurrences remembered per n-gram (most recent last)
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-        self._index: dict[str, tuple[list[dict[tuple[int, ...], int]], list[int]]] = {}
+        self._index: dict[str, tuple[list[dict[tuple[int, ...], list[int]]], list[int]]] = {}
 
     def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        found = self.propose_candidates(request_id, token_ids, k, 1)
+        return found[0] if found else []
+
+    def propose_candidates(self, request_id: str, token_ids: list[int], k: int, m: int) -> list[list[int]]:
+        """Up to ``m`` distinct continuations of up to ``k`` tokens, the latest
+        occurrence of the longest matching n-gram first."""
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         tables, done = self._index.setdefault(
@@ -82,13 +112,20 @@ class NgramProposer:
         # n-grams ending at e (exclusive) with a token after them: e <= end - 1.
         for e in range(max(done[0], self.min_n), end):
             for n in range(self.min_n, min(self.max_n, e) + 1):
-                tables[n - self.min_n][tuple(token_ids[e - n : e])] = e
+                seen = tables[n - self.min_n].setdefault(tuple(token_ids[e - n : e]), [])
+                seen.append(e)
+                if len(seen) > self.KEEP:
+                    del seen[0]
         done[0] = end
+        found: list[list[int]] = []
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            after = tables[n - self.min_n].get(tuple(token_ids[end - n :]))
-            if after is not None:
-                return token_ids[after : after + k]
-        return []
+            for after in reversed(tables[n - self.min_n].get(tuple(token_ids[end - n :]), ())):
+                candidate = token_ids[after : after + k]
+                if candidate and candidate not in found:
+                    found.append(candidate)
+                    if len(found) == m:
+                        return found
+        return found
 
     def drop(self, request_id: str) -> None:
         self._index.pop(request_id, None)
@@ -103,19 +140,52 @@ class RunnerProposer:
     from_runner = True
 
     def __init__(self) -> None:
-        self._made: dict[str, tuple[int, list[int]]] = {}
+        self._made: dict[str, tuple[int, list[list[int]]]] = {}
 
-    def receive(self, request_id: str, num_tokens: int, token_ids: list[int]) -> None:
-        self._made[request_id] = (num_tokens, list(token_ids))
+    def receive(self, request_id: str, num_tokens: int, candidates: list[list[int]]) -> None:
+        self._made[request_id] = (num_tokens, [list(c) for c in candidates])
 
     def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        found = self.propose_candidates(request_id, token_ids, k, 1)
+        return found[0] if found else []
+
+    def propose_candidates(self, request_id: str, token_ids: list[int], k: int, m: int) -> list[list[int]]:
         made = self._made.pop(request_id, None)
         if made is None or made[0] != len(token_ids):
             return []
-        return made[1][:k]
+        return [c[:k] for c in made[1][:m] if c[:k]]
 
     def drop(self, request_id: str) -> None:
         self._made.pop(request_id, None)
+
+
+def accepted_path(drafts: Sequence_[int], parents: Sequence_[int], sampled: Sequence_[int]
+                  ) -> tuple[list[int], int, tuple[int, int]]:
+    """Walks a verified step's proposals (a chain when ``parents`` is empty)
+    with its samples: from the fed token, each sample takes the child with
+    its token. Returns the accepted proposals' indices by depth, the depth
+    the samples reached (accepted, plus one where the walk ended at a node
+    with children), and ``(branch trials, branch hits)``: nodes with several
+    children where the first child's token was not sampled, and how many of
+    those sampled another child's."""
+    parents = list(parents) or list(range(-1, len(drafts) - 1))
+    kids: dict[int, list[int]] = {}
+    for j, parent in enumerate(parents):
+        kids.setdefault(parent, []).append(j)
+    node, path, trials, hits = -1, [], 0, 0
+    for token in sampled:
+        children = kids.get(node)
+        if not children:
+            break
+        nxt = next((c for c in children if drafts[c] == token), None)
+        if len(children) > 1 and drafts[children[0]] != token:
+            trials += 1
+            hits += nxt is not None
+        if nxt is None:
+            return path, len(path) + 1, (trials, hits)
+        path.append(nxt)
+        node = nxt
+    return path, len(path), (trials, hits)
 
 
 class StepCostModel:
@@ -237,6 +307,7 @@ class Speculator:
 
     PRIOR_ACCEPTANCE = 0.5  # the first requests' acceptance rate, worth PRIOR_WEIGHT trials
     PRIOR_WEIGHT = 2.0
+    PRIOR_BRANCH = 0.3  # prior rate at which another candidate's token is taken where the first's is not
     DECAY = 0.9  # weight of a request's past (prior included) per step that proposed
     GLOBAL_DECAY = 0.995  # the same for the rate over all requests, a new request's prior
 
@@ -247,11 +318,15 @@ class Speculator:
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         # The runner proposes (Medusa): it is asked, per sampling request, for this many guesses.
         self.from_runner = bool(getattr(self.proposer, "from_runner", False))
+        # Trees: several candidates per sequence, when the proposer offers them.
+        self.num_candidates = config.num_candidates if hasattr(self.proposer, "propose_candidates") else 1
         self.cost = StepCostModel()
         self.stats = SpecStats(accepted_per_position=[0] * self.k_max, proposed_per_position=[0] * self.k_max)
         self._trials: dict[str, tuple[float, float]] = {}  # request -> (accepted, trials), decayed
         self._global = (self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT)  # all requests, decayed
         self._last_step: tuple[int, int] = (1, 1)  # (tokens, sequences that sampled) of the last step
+        # Where a tree's first candidate was rejected at a node with others: (times another was taken, times), decayed.
+        self._branch = (self.PRIOR_BRANCH * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT)
 
     # ---------------------------------------------------------------- proposing
     def acceptance(self, request_id: str) -> float:
@@ -266,20 +341,27 @@ class Speculator:
         accepted, trials = self._global
         return accepted / trials * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
 
-    def depth_limit(self, request_id: str) -> int:
-        """How many drafts pay for this request now (0 to ``num_speculative_tokens``)."""
+    def _threshold(self) -> Optional[float]:
+        """The expected accepted tokens a draft token must bring to pay for
+        its verification (None: not adaptive, or nothing measured yet)."""
         if not self.adaptive:
-            return self.k_max
+            return None
         fit = self.cost.fit()
         if fit is None:
-            return self.k_max
+            return None
         base, a, b = fit
         tokens, seqs = self._last_step
         plain_step = base + a * tokens  # the step without drafts
         if b <= 0.0 or plain_step <= 0.0:
+            return None
+        # A draft pays when its expected tokens per b seconds beat the plain step's seqs tokens per plain_step.
+        return b * seqs / plain_step
+
+    def depth_limit(self, request_id: str) -> int:
+        """How many drafts pay for this request now (0 to ``num_speculative_tokens``)."""
+        threshold = self._threshold()
+        if threshold is None:
             return self.k_max
-        # Draft i pays when alpha**i tokens per b seconds beat the plain step's seqs tokens per plain_step.
-        threshold = b * seqs / plain_step
         alpha = self.acceptance(request_id)
         depth, gain = 0, 1.0
         while depth < self.k_max:
@@ -289,14 +371,71 @@ class Speculator:
             depth += 1
         return depth
 
-    def propose_batch(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """Drafts for decoding sequences ``(request_id, token_ids, room)``, each
-        at most ``room`` (what its max_tokens, max_model_len and the step's
-        budget leave); a batching proposer (a draft model) runs them at once."""
-        asks = [(rid, tokens, min(self.depth_limit(rid), room)) for rid, tokens, room in requests]
+    @property
+    def branch_rate(self) -> float:
+        """How often another candidate's token was taken where the first candidate's was not."""
+        hits, trials = self._branch
+        return hits / trials
+
+    def build_tree(self, request_id: str, candidates: list[list[int]], depth: int, room: int
+                   ) -> tuple[list[int], list[int]]:
+        """Merges candidate continuations (likeliest first) into a tree:
+        ``(tokens, parents)`` depth-first, the first candidate's chain first
+        (indices 0..), at most ``depth`` deep and ``room`` nodes; ``parents``
+        is empty when the result is a chain. Adaptive: another candidate's
+        nodes are kept while they pay (module doc)."""
+        threshold = self._threshold()
+        alpha = self.acceptance(request_id)
+        beta = self.branch_rate
+        kids: list[dict[int, int]] = [{}]  # trie node 0: the fed token; node j + 1: tokens[j] in insertion order
+        tokens: list[int] = []
+        parent_of: list[int] = []
+        for rank, candidate in enumerate(candidates):
+            node, worth, branched = 0, 1.0, False
+            for e, token in enumerate(candidate[:depth], start=1):
+                nxt = kids[node].get(token)
+                if nxt is None:
+                    if rank and threshold is not None:  # worth of another candidate's node (module doc)
+                        worth = worth * alpha if branched else alpha ** (e - 1) * (1.0 - alpha) * beta
+                        branched = True
+                        if worth <= threshold:
+                            break
+                    kids.append({})
+                    tokens.append(token)
+                    parent_of.append(node - 1)
+                    nxt = kids[node][token] = len(tokens)
+                node = nxt
+        # Depth-first order (children in insertion order), at most `room` nodes.
+        order: list[int] = []
+        stack = list(reversed(list(kids[0].values())))
+        while stack and len(order) < room:
+            j = stack.pop()
+            order.append(j)
+            stack.extend(reversed(list(kids[j].values())))
+        index = {j: i for i, j in enumerate(order)}
+        out_tokens = [tokens[j - 1] for j in order]
+        parents = [index[parent_of[j - 1] + 1] if parent_of[j - 1] >= 0 else -1 for j in order]
+        if parents == list(range(-1, len(parents) - 1)):
+            parents = []
+        return out_tokens, parents
+
+    def propose_batch(self, requests: list[tuple]) -> list[tuple[list[int], list[int]]]:
+        """Drafts for decoding sequences ``(request_id, token_ids, room[, slots])``,
+        each at most ``room`` deep (what its max_tokens, max_model_len and the
+        step's budget leave) and a tree at most ``slots`` tokens (default
+        ``room``): ``(tokens, parents)``, ``parents`` empty for a chain
+        (``build_tree``). A batching proposer (a draft model) runs them at
+        once."""
+        asks = [(r[0], r[1], min(self.depth_limit(r[0]), r[2])) for r in requests]
         wanted = [i for i, (_, _, k) in enumerate(asks) if k > 0]
-        out: list[list[int]] = [[] for _ in requests]
+        out: list[tuple[list[int], list[int]]] = [([], []) for _ in requests]
         if not wanted:
+            return out
+        if self.num_candidates > 1:
+            for i in wanted:
+                rid, tokens, k = asks[i]
+                candidates = self.proposer.propose_candidates(rid, tokens, k, self.num_candidates)
+                out[i] = self.build_tree(rid, candidates, k, requests[i][-1])
             return out
         many = getattr(self.proposer, "propose_many", None)
         if many is not None:
@@ -304,18 +443,19 @@ class Speculator:
         else:
             drafts = [self.proposer.propose(*asks[i]) for i in wanted]
         for i, draft in zip(wanted, drafts):
-            out[i] = list(draft[: asks[i][2]])
+            out[i] = (list(draft[: asks[i][2]]), [])
         return out
 
     def runner_proposals_wanted(self, request_id: str) -> int:
         """Guesses to ask the runner for (0 unless it is the proposer)."""
         return self.depth_limit(request_id) if self.from_runner else 0
 
-    def receive(self, request_id: str, num_tokens: int, token_ids: list[int]) -> None:
-        """The runner's guesses for a sequence that now has ``num_tokens`` tokens."""
+    def receive(self, request_id: str, num_tokens: int, candidates: list[list[int]]) -> None:
+        """The runner's guesses (candidate continuations, likeliest first) for a
+        sequence that now has ``num_tokens`` tokens."""
         receive = getattr(self.proposer, "receive", None)
         if receive is not None:
-            receive(request_id, num_tokens, token_ids)
+            receive(request_id, num_tokens, candidates)
 
     # ---------------------------------------------------------------- learning
     def observe_step(self, num_tokens: int, num_draft_tokens: int, num_sampling_seqs: int, seconds: float) -> None:
@@ -324,14 +464,23 @@ class Speculator:
         self.cost.observe(num_tokens, num_draft_tokens, seconds)
         self._last_step = (max(1, num_tokens), max(1, num_sampling_seqs))
 
-    def observe_result(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        """How a step's drafts fared for one sequence."""
+    def observe_result(self, request_id: str, num_proposed: int, num_accepted: int,
+                       num_nodes: Optional[int] = None, branches: tuple[int, int] = (0, 0)) -> None:
+        """How a step's drafts fared for one sequence: ``num_proposed`` the
+        depth its samples could reach (the chain's length; in a tree, the
+        accepted nodes and one more where the walk ended at a node with
+        children), ``num_accepted`` accepted; ``num_nodes`` the tree's size
+        (default ``num_proposed``); ``branches``: (times the first candidate's
+        token was rejected at a node with others, times another was taken)."""
         if num_proposed <= 0:
             return
         stats = self.stats
         stats.num_drafts += 1
-        stats.num_draft_tokens += num_proposed
+        stats.num_draft_tokens += num_nodes if num_nodes is not None else num_proposed
         stats.num_accepted_tokens += num_accepted
+        if branches[0]:
+            hits, trials = self._branch
+            self._branch = (hits * self.GLOBAL_DECAY + branches[1], trials * self.GLOBAL_DECAY + branches[0])
         for i in range(num_proposed):
             stats.proposed_per_position[i] += 1
             if i < num_accepted:

@@ -12,9 +12,12 @@ heads stay a few MB). The checkpoint layout is Medusa's own::
     folder/medusa_lm_head.safetensors   "{i}.{j}.linear.weight" [H, H], "{i}.{j}.linear.bias" [H],
                                         optional "{i}.{L}.weight" [V, H]
 
-``propose`` takes the top-1 token of the first k heads for each row (no
-tree): the speculator's proposals for the next step, verified by the target
-like any other (``workers/engine/spec_decode.py``).
+``propose`` takes the top-1 token of the first k heads for each row: the
+speculator's proposals for the next step, verified by the target like any
+other (``workers/engine/spec_decode.py``). ``propose_candidates`` gives the m
+likeliest combinations of the heads' top tokens (by the product of the
+heads' probabilities, as Medusa's trees choose), which the speculator merges
+into a tree.
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ class MedusaHeads(torch.nn.Module):
         # One pass of the shared LM head over every head's rows (one GEMM, not k).
         x = torch.cat([self.transform(hidden, i) for i in range(k)])
         return lm_head(x).float().argmax(dim=-1).view(k, -1).t()
+
+    @torch.inference_mode()
+    def propose_candidates(self, hidden: torch.Tensor, k: int, m: int,
+                           lm_head: Callable[[torch.Tensor], torch.Tensor]) -> list[list[list[int]]]:
+        """Per row of ``hidden``: up to ``m`` candidate continuations of ``k``
+        tokens (head i's choice at position i), likeliest first by the sum of
+        the heads' log-probabilities; the first is ``propose``'s."""
+        k = min(k, self.num_heads)
+        if m <= 1:
+            return [[row] for row in self.propose(hidden, k, lm_head).tolist()]
+        if len(self.lm_heads):
+            logits = torch.stack([self.logits(hidden, i, lm_head) for i in range(k)], dim=1)  # [N, k, V]
+        else:
+            x = torch.cat([self.transform(hidden, i) for i in range(k)])
+            logits = lm_head(x).float().view(k, hidden.shape[0], -1).transpose(0, 1)
+        top_lp, top_ids = torch.log_softmax(logits, dim=-1).topk(m, dim=-1)  # [N, k, m]
+        out = []
+        for lps, ids in zip(top_lp.tolist(), top_ids.tolist()):
+            out.append([[ids[i][r] for i, r in enumerate(ranks)] for ranks in _best_rank_tuples(lps, m)])
+        return out
 
     # ------------------------------------------------------------- checkpoint
     def save(self, folder: Path, extra_config: Optional[dict] = None) -> None:
@@ -124,3 +147,25 @@ class MedusaHeads(torch.nn.Module):
                                          f"{vocab_size}: these heads were trained for another model")
                     heads.lm_heads[i].data.copy_(proj)
         return heads.eval()
+
+
+def _best_rank_tuples(logprobs: list[list[float]], m: int) -> list[tuple[int, ...]]:
+    """The ``m`` rank tuples (one rank per position, ranks into each
+    position's descending ``logprobs``) with the largest sums, best first."""
+    import heapq
+
+    k = len(logprobs)
+    start = (0,) * k
+    heap = [(-sum(lp[0] for lp in logprobs), start)]
+    seen = {start}
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < m:
+        neg, ranks = heapq.heappop(heap)
+        out.append(ranks)
+        for i in range(k):
+            if ranks[i] + 1 < len(logprobs[i]):
+                nxt = ranks[:i] + (ranks[i] + 1,) + ranks[i + 1 :]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    heapq.heappush(heap, (neg + logprobs[i][ranks[i]] - logprobs[i][ranks[i] + 1], nxt))
+    return out

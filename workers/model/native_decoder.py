@@ -82,7 +82,8 @@ typedef void (*norm_fn)(const float*, float*, const float*, float*, long, long, 
 typedef void (*rotary_fn)(float*, long, long, long, long, const float*, const float*);
 typedef void (*silu_fn)(const float*, float*, long, long);
 typedef void (*decode_fn)(const float*, long, const float*, long, const float*, long, const long*, void*, void*,
-                          const int*, int, const int*, int, int, int, int, int, float, int, float*, long);
+                          const int*, int, const int*, int, int, int, int, int, float, int, float*, long,
+                          const int*, const long*, int);
 typedef void (*i8gemm_fn)(const float*, long, long, long, const signed char*, const float*, const int*, long,
                           const float*, float*, long);
 
@@ -109,7 +110,8 @@ static void linear(const fns_t* f, const lin_t* w, const float* x, long T, float
 void decoder_decode(const fns_t* f, const layer_t* layers, long num_layers, long T, long hidden,
                     long hq, long hkv, long d, float* residual, float* out, const float* final_norm,
                     float final_eps, const float* cos, const float* sin, const long* slots, const int* tables,
-                    long width, const int* lens, long num_reqs, long block_size, float* scratch) {
+                    long width, const int* lens, long num_reqs, long block_size, float* scratch,
+                    const int* tail_lo, const long* tail_slots, long tail_width) {
     const long nqkv = layers[0].qkv.n, inter = layers[0].down.k;
     float* h = scratch;
     float* qkv = h + T * hidden;
@@ -126,7 +128,7 @@ void decoder_decode(const fns_t* f, const layer_t* layers, long num_layers, long
         f->rotary(qkv, T, hq + hkv, d, nqkv, cos, sin);
         f->decode(qkv, nqkv, qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, slots, L->k_cache, L->v_cache,
                   tables, (int)width, lens, (int)num_reqs, (int)hq, (int)hkv, (int)d, (int)block_size,
-                  L->scale, (int)L->window, attn, hq * d);
+                  L->scale, (int)L->window, attn, hq * d, tail_lo, tail_slots, (int)tail_width);
         linear(f, &L->o, attn, T, o);
         f->norm(o, residual, L->norm2, h, T, hidden, L->eps);
         linear(f, &L->gate_up, h, T, gu);
@@ -156,7 +158,7 @@ class _LayerC(ctypes.Structure):
 
 
 _DRIVER_SIGNATURES = {"decoder_decode": [_P, _P, _L, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P, _P, _P, _L, _P, _L,
-                                         _L, _P]}
+                                         _L, _P, _P, _P, _L]}
 
 
 def _address(fn: Any) -> int:
@@ -303,8 +305,10 @@ class NativeDecoder:
         else:
             decode_fn = self._decode
         if decode_only:
+            tails = meta.tree_tails
             step = (meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
-                    meta.seq_lens.data_ptr(), meta.num_requests)
+                    meta.seq_lens.data_ptr(), meta.num_requests,
+                    *((tails[0].data_ptr(), tails[1].data_ptr(), tails[1].shape[1]) if tails else (None, None, 0)))
         cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
         if decode_only and self._driver is not None and self.timers is None:
             return self._decode_step(x, kv_caches, decode_fn, cos_p, sin_p, step)
@@ -324,10 +328,11 @@ class NativeDecoder:
                 base = qkv.data_ptr()
                 k_base = base + hq * d * 4
                 cache = kv_cache.data_ptr()
-                slots, tables, width, lens, num_reqs = step
+                slots, tables, width, lens, num_reqs, tail_lo, tail_slots, tail_width = step
                 decode_fn(base, ld, k_base, ld, k_base + hkv * d * 4, ld, slots, cache,
                              cache + kv_cache.stride(0) * kv_cache.element_size(), tables, width, lens, num_reqs, hq, hkv, d,
-                             kv_cache.shape[2], layer.scale, layer.window, attn.data_ptr(), hq * d)
+                             kv_cache.shape[2], layer.scale, layer.window, attn.data_ptr(), hq * d,
+                             tail_lo, tail_slots, tail_width)
             else:
                 q = qkv[:, : hq * d].view(tokens, hq, d)
                 k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
@@ -358,9 +363,9 @@ class NativeDecoder:
         out = torch.empty_like(x)
         scratch = torch.empty(tokens * self._scratch_per_token)
         layer = self.layers[0]
-        slots, tables, width, lens, num_reqs = step
+        slots, tables, width, lens, num_reqs, tail_lo, tail_slots, tail_width = step
         self._driver(ctypes.byref(self._fns), self._layers_c, len(self.layers), tokens, self.hidden_size,
                      layer.num_heads, layer.num_kv_heads, layer.head_dim, x.data_ptr(), out.data_ptr(),
                      self.final_norm, self.final_eps, cos_p, sin_p, slots, tables, width, lens, num_reqs,
-                     kv_caches[0].shape[2], scratch.data_ptr())
+                     kv_caches[0].shape[2], scratch.data_ptr(), tail_lo, tail_slots, tail_width)
         return out

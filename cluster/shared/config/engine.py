@@ -45,6 +45,11 @@ class SpeculativeConfig:
             and the measured cost of a step (``workers/engine/spec_decode.py``),
             proposing nothing where it does not pay; False always proposes up
             to ``num_speculative_tokens`` when the proposer has that many.
+        num_candidates: Candidate continuations verified together as a tree
+            (SpecInfer): the n-gram proposer's distinct continuations of
+            earlier matches, the Medusa heads' likeliest top-k combinations.
+            1 (the default) verifies one chain. Trees need the ``torch``
+            attention backend (the CPU default) and ``ngram`` or ``medusa``.
     """
 
     method: str = "ngram"
@@ -54,6 +59,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     model: Optional[str] = None
     draft_num_layers: Optional[int] = None
+    num_candidates: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -74,6 +80,11 @@ class SpeculativeConfig:
         if self.method == "draft_model" and self.model is None and self.draft_num_layers is None:
             raise ValueError("speculative_config method 'draft_model' needs model (a smaller model with the "
                              "target's tokenizer) or draft_num_layers (a layer-truncated copy of the target)")
+        if not 1 <= self.num_candidates <= 8:
+            raise ValueError(f"speculative_config num_candidates must be in 1..8, got {self.num_candidates}")
+        if self.num_candidates > 1 and self.method == "draft_model":
+            raise ValueError("speculative_config num_candidates > 1 (a tree of candidates) is for methods 'ngram' "
+                             "and 'medusa'; the draft model proposes one chain")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError(f"speculative_config draft_num_layers must be >= 1, got {self.draft_num_layers}")
 
@@ -282,6 +293,11 @@ class EngineConfig:
             if spec.method == "medusa" and self.parallel.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'medusa' runs with tensor_parallel_size 1: use 'ngram' "
                                  "or 'draft_model' with tensor parallelism")
+            if spec.num_candidates > 1 and (self.attention_backend not in ("auto", "torch")
+                                            or (self.attention_backend == "auto" and self.device == "cuda")):
+                raise ValueError("speculative_config num_candidates > 1 (tree verification) needs "
+                                 "attention_backend 'torch' (the CPU default); set num_candidates 1 or "
+                                 f"attention_backend 'torch' (now {self.attention_backend!r}, device {self.device!r})")
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:

@@ -38,6 +38,12 @@ class AttentionMetadata:
         num_decodes: requests with query length 1 come first in the batch
             when the runner orders them so (``decodes_first``); backends may
             use a fast decode path for ``[0, num_decodes)``.
+        tree_tails: Tree verification (``workers/engine/spec_decode.py``):
+            ``(tail_lo [B] int32, tail_slots [B, W] int64)``. A decode row
+            with ``tail_lo >= 0`` attends positions ``tail_lo ..`` at the
+            slots ``tail_slots[row, p - tail_lo]`` (its own path through the
+            tree of proposals) rather than through its block table; -1 for
+            every other row. None in a step without a tree.
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +55,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int = 0
+    tree_tails: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def num_requests(self) -> int:

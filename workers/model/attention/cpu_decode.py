@@ -75,6 +75,16 @@ typedef float kv_t;
 #define ROW_SCALE(p, D) 1.0f
 #endif
 
+/* Offsets (in kv_t) of rows [j0, j1) of the block starting at position start
+   (block_base: its first row): positions before tlo through the block table,
+   positions from tlo on (a tree-verification row's own path) at their listed
+   slots tslots[p - tlo]. The arithmetic over the rows is the same either way. */
+static inline void row_offsets(long* offs, int j0, int j1, int start, long block_base, long row,
+                               const long* tslots, int tlo) {
+    for (int j = j0; j < j1; ++j)
+        offs[j] = start + j < tlo ? block_base + (long)j * row : tslots[start + j - tlo] * row;
+}
+
 /* One (request, KV head): the G query heads of KV head h over positions
    [lo, len) of the paged cache; q rows of G * head_dim floats at qh, output
    likewise at oh. Per block: scores of all G heads (each key loaded once),
@@ -94,8 +104,9 @@ typedef float kv_t;
         const int blk = table[start / block_size];                                          \
         const int j0 = start < lo ? lo - start : 0;                                         \
         const int j1 = (len - start) < block_size ? (len - start) : block_size;             \
-        const kv_t* kb = k_cache + ((long)blk * block_size) * row + (long)h * HS(D);        \
-        const kv_t* vb = v_cache + ((long)blk * block_size) * row + (long)h * HS(D);        \
+        long offs[MAX_BLOCK];  /* row j's offset: in the block, or a tree row's own slot */ \
+        row_offsets(offs, j0, j1, start, ((long)blk * block_size) * row, row, tslots, tlo); \
+        const long hoff = (long)h * HS(D);                                                  \
         if (start + block_size < len) { /* the next block's rows of this head, ahead */     \
             const long nb = (long)table[start / block_size + 1] * block_size * row + (long)h * HS(D); \
             for (int j = 0; j < block_size; ++j)                                            \
@@ -105,7 +116,7 @@ typedef float kv_t;
                 }                                                                           \
         }                                                                                   \
         for (int j = j0; j < j1; ++j) {                                                     \
-            const kv_t* kj = kb + (long)j * row;                                            \
+            const kv_t* kj = k_cache + offs[j] + hoff;                                      \
             const float ks = scale * ROW_SCALE(kj, D);  /* = scale for a float cache */     \
             ROW_AS_FLOAT(kf, kj, D)                                                         \
             for (int g = 0; g < G; ++g) {                                                   \
@@ -128,7 +139,7 @@ typedef float kv_t;
             for (int d = 0; d < D; ++d) acc[g][d] *= corr;                                  \
         }                                                                                   \
         for (int j = j0; j < j1; ++j) {                                                     \
-            const kv_t* vj = vb + (long)j * row;                                            \
+            const kv_t* vj = v_cache + offs[j] + hoff;                                      \
             const float vs = ROW_SCALE(vj, D);                                              \
             ROW_AS_FLOAT(vf, vj, D)                                                         \
             for (int g = 0; g < G; ++g) {                                                   \
@@ -143,7 +154,7 @@ typedef float kv_t;
     }
 
 #define ATTEND_ARGS const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache, \
-    const int* table, int len, int lo, int h, int block_size, long row, float scale
+    const int* table, int len, int lo, int h, int block_size, long row, float scale, const long* tslots, int tlo
 
 #define ATTEND(G, D) static void attend_##G##_##D(ATTEND_ARGS) { ATTEND_BODY(G, D) }
 ATTEND(1, 64) ATTEND(2, 64) ATTEND(3, 64) ATTEND(4, 64) ATTEND(5, 64) ATTEND(6, 64) ATTEND(7, 64) ATTEND(8, 64)
@@ -180,7 +191,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
    query head's arithmetic is the same whatever the head range or batch. */
 static void attend_fast(const float* qr, float* orow, const float* k_cache, const float* v_cache,
                         const int* table, int len, int lo, int h0, int h1, int G, int D, int block_size,
-                        long row, float scale, float* part) {
+                        long row, float scale, float* part, const long* tslots, int tlo) {
     const int NQ = (h1 - h0) * G;               /* query heads handled here */
     const float* qh = qr + (long)h0 * G * D;
     float* oh = orow + (long)h0 * G * D;
@@ -196,19 +207,21 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
         const int bi = start / block_size;
         const int j0 = start < lo ? lo - start : 0;
         const int j1 = (len - start) < block_size ? (len - start) : block_size;
-        const long base = ((long)table[bi] * block_size) * row + (long)h0 * D;
+        long offs[MAX_BLOCK];  /* row j's offset (heads from h0): in the block, or a tree row's own slot */
+        row_offsets(offs, j0, j1, start, ((long)table[bi] * block_size) * row, row, tslots, tlo);
+        for (int j = j0; j < j1; ++j) offs[j] += (long)h0 * D;
         for (int j = j0; j < j1; ++j)   /* this block's values arrive while its scores are computed */
             for (long d = 0; d < span; d += 16)
-                _mm_prefetch((const char*)(v_cache + base + (long)j * row + d), _MM_HINT_T0);
+                _mm_prefetch((const char*)(v_cache + offs[j] + d), _MM_HINT_T0);
         /* scores s[g][j] for j in [j0, j1), four keys at a time (a short tail repeats the last key);
            the block's rows are read in order */
         for (int j = j0; j < j1; j += 4) {
             for (int h = 0; h < h1 - h0; ++h) {
-                const float* kb = k_cache + base + (long)h * D;
-                const float* k0 = kb + (long)j * row;
-                const float* k1 = kb + (long)(j + 1 < j1 ? j + 1 : j1 - 1) * row;
-                const float* k2 = kb + (long)(j + 2 < j1 ? j + 2 : j1 - 1) * row;
-                const float* k3 = kb + (long)(j + 3 < j1 ? j + 3 : j1 - 1) * row;
+                const float* kb = k_cache + (long)h * D;
+                const float* k0 = kb + offs[j];
+                const float* k1 = kb + offs[j + 1 < j1 ? j + 1 : j1 - 1];
+                const float* k2 = kb + offs[j + 2 < j1 ? j + 2 : j1 - 1];
+                const float* k3 = kb + offs[j + 3 < j1 ? j + 3 : j1 - 1];
                 for (int g = h * G; g < (h + 1) * G; ++g) {
                     const float* qg = qh + (long)g * D;
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -231,7 +244,7 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                     _mm_prefetch((const char*)(k_cache + nb + (long)j * row + d), _MM_HINT_T0);
         }
         for (int g = 0; g < NQ; ++g) {
-            const float* vb = v_cache + base + (long)(g / G) * D;
+            const float* vb = v_cache + (long)(g / G) * D;
             float mx = m[g];
             for (int j = j0; j < j1; ++j) mx = s[g][j] > mx ? s[g][j] : mx;
             const float corr = expf(m[g] - mx);
@@ -258,7 +271,7 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                     __m256 r7 = _mm256_mul_ps(_mm256_load_ps(ag + c + 56), vc);
                     for (int j = j0; j < j1; ++j) {
                         const __m256 p = _mm256_set1_ps(s[g][j]);
-                        const float* vj = vb + (long)j * row + c;
+                        const float* vj = vb + offs[j] + c;
                         r0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), r0);
                         r1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), r1);
                         r2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), r2);
@@ -276,7 +289,7 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                     for (int i = 0; i < w; ++i) {
                         __m256 r = _mm256_mul_ps(_mm256_load_ps(ag + c + 8 * i), vc);
                         for (int j = j0; j < j1; ++j)
-                            r = _mm256_fmadd_ps(_mm256_set1_ps(s[g][j]), _mm256_loadu_ps(vb + (long)j * row + c + 8 * i), r);
+                            r = _mm256_fmadd_ps(_mm256_set1_ps(s[g][j]), _mm256_loadu_ps(vb + offs[j] + c + 8 * i), r);
                         _mm256_store_ps(ag + c + 8 * i, r);
                     }
                 }
@@ -326,18 +339,24 @@ static void merge_chunks(const float* parts, long stride, int nc, int NQ, int D,
 
 static void attend(const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache,
                    const int* table, int len, int lo, int h, int G, int D, int block_size,
-                   long row, float scale) {
+                   long row, float scale, const long* tslots, int tlo) {
     attend_fn fn = 0;
     if (G <= 8 && D == 64) fn = ATTEND_64[G];
     else if (G <= 8 && D == 128) fn = ATTEND_128[G];
-    if (fn) fn(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale);
-    else attend_any(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, G, D);
+    if (fn) fn(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, tslots, tlo);
+    else attend_any(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, tslots, tlo, G, D);
 }
 
 /* Decode attention: request r's query (num_heads * head_dim floats at
    q + r * ldq) over its positions [0, seq_lens[r]) of the paged cache; out
    rows at out + r * ldo. With k and v (rows at k + r * ldk, v + r * ldv),
-   each request's new key and value are first written to slot_mapping[r]. */
+   each request's new key and value are first written to slot_mapping[r].
+   With tail_lo (tree verification, spec_decode.py): a row r with
+   tail_lo[r] >= 0 reads positions p >= tail_lo[r] from the slots
+   tail_slots[r * tail_width + p - tail_lo[r]] (its own path through the
+   tree) instead of through its block table. */
+#define TAIL_LO(r, len) ((tail_lo && tail_lo[r] >= 0) ? tail_lo[r] : (len))
+#define TAIL_SLOTS(r) (tail_slots ? tail_slots + (long)(r) * tail_width : 0)
 /* One token's K (or V) of every head into its cache row (quantized per head for int8). */
 static void store_row(kv_t* dst, const float* src, int num_kv_heads, int D) {
 #ifdef KV_INT8
@@ -363,7 +382,7 @@ void paged_decode_f32(
     const float* q, long ldq, const float* k, long ldk, const float* v, long ldv, const long* slot_mapping,
     kv_t* k_cache, kv_t* v_cache, const int* block_tables, int table_width, const int* seq_lens,
     int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int window, float* out, long ldo)
+    float scale, int window, float* out, long ldo, const int* tail_lo, const long* tail_slots, int tail_width)
 {
     const int G = num_heads / num_kv_heads;
     const long row = (long)num_kv_heads * HS(head_dim);      /* one token's K (or V), in kv_t */
@@ -420,7 +439,8 @@ void paged_decode_f32(
                 const int c_hi = first + CHUNK < len ? first + CHUNK : len;
                 attend_fast(q + (long)r * ldq, out + (long)r * ldo, k_cache, v_cache,
                             block_tables + (long)r * table_width, c_hi, c_lo, h0, h1, G, head_dim,
-                            block_size, row, scale, slot[i] >= 0 ? partial + slot[i] : 0);
+                            block_size, row, scale, slot[i] >= 0 ? partial + slot[i] : 0,
+                            TAIL_SLOTS(r), TAIL_LO(r, len));
             }
             if (nsplit) {
                 #pragma omp for schedule(dynamic, 1)
@@ -446,7 +466,7 @@ void paged_decode_f32(
             const int lo = window_lo(len, window);
             attend(q + (long)r * ldq + (long)h * G * head_dim, out + (long)r * ldo + (long)h * G * head_dim,
                    k_cache, v_cache, block_tables + (long)r * table_width, len, lo, h, G, head_dim,
-                   block_size, row, scale);
+                   block_size, row, scale, TAIL_SLOTS(r), TAIL_LO(r, len));
         }
     }
 }
@@ -456,7 +476,7 @@ MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256
 _FLAGS = (*native.FLAGS, "-ffp-contract=fast", "-fno-math-errno")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES = {"paged_decode_f32": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I,
-                                    ctypes.c_float, _I, _P, _L]}
+                                    ctypes.c_float, _I, _P, _L, _P, _P, _I]}
 
 
 def load(kv_dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
@@ -502,6 +522,7 @@ def paged_decode(
     scale: float,
     sliding_window: Optional[int],
     new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    tails: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged K/V (see module doc).
 
@@ -514,6 +535,11 @@ def paged_decode(
         new_kv: ``(k, v, slot_mapping)``: each request's new key and value
             ([B, num_kv_heads, head_dim], rows may be strided, heads and
             head_dim contiguous) written to its slot first, in the same call.
+        tails: ``(tail_lo [B] int32, tail_slots [B, W] int64)`` for tree
+            verification: a request with ``tail_lo >= 0`` reads its positions
+            from ``tail_lo`` on at ``tail_slots[r, p - tail_lo]`` (the
+            request's own path through the tree) instead of through its
+            block table; -1 reads the table as usual.
 
     Returns:
         [B, num_heads, head_dim], contiguous.
@@ -531,9 +557,17 @@ def paged_decode(
         assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
         assert slots.dtype == torch.int64 and slots.is_contiguous()
         k_ptr, v_ptr, slots_ptr, ldk, ldv = k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.stride(0), v.stride(0)
+    tail_lo_ptr = tail_slots_ptr = None
+    tail_width = 0
+    if tails is not None:
+        tail_lo, tail_slots = tails
+        assert tail_lo.dtype == torch.int32 and tail_slots.dtype == torch.int64
+        assert tail_lo.is_contiguous() and tail_slots.is_contiguous() and tail_lo.shape[0] == num_reqs
+        tail_lo_ptr, tail_slots_ptr, tail_width = tail_lo.data_ptr(), tail_slots.data_ptr(), tail_slots.shape[1]
     lib.paged_decode_f32(
         q.data_ptr(), q.stride(0), k_ptr, ldk, v_ptr, ldv, slots_ptr, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_reqs, num_heads, kv_cache.shape[3], head_dim,
         kv_cache.shape[2], float(scale), int(sliding_window or 0), out.data_ptr(), num_heads * head_dim,
+        tail_lo_ptr, tail_slots_ptr, tail_width,
     )
     return out

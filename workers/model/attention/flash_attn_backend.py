@@ -105,6 +105,9 @@ class FlashAttnBackend:
 
         Args and return as in ``AttentionBackend.forward``.
         """
+        if meta.tree_tails is not None:
+            raise NotImplementedError("tree verification (speculative_config num_candidates > 1) runs on the "
+                                      "torch attention backend")
         self._check_inputs(q, kv_cache)
         write_kv(k, v, kv_cache, meta.slot_mapping)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)

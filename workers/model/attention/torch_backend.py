@@ -67,7 +67,7 @@ class TorchAttentionBackend:
         if nd == meta.num_requests and self._native_decode and self._native_ready(q, k, v, kv_cache):
             # A decode-only step: the new K/V are written and attended in one native call.
             return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                           sliding_window, new_kv=(k, v, meta.slot_mapping))
+                                           sliding_window, new_kv=(k, v, meta.slot_mapping), tails=meta.tree_tails)
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if nd:
@@ -98,12 +98,16 @@ class TorchAttentionBackend:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                           sliding_window)
+                                           sliding_window, tails=meta.tree_tails)
         owner = torch.repeat_interleave(torch.arange(meta.num_requests), torch.tensor(meta.query_lens_list))
         positions = torch.cat([torch.arange(s - n, s) for s, n in zip(meta.seq_lens_list, meta.query_lens_list)])
         tables = meta.block_tables.index_select(0, owner)
+        tails = None
+        if meta.tree_tails is not None:  # tree rows are decodes: one token each, their row's tail
+            tails = (meta.tree_tails[0].index_select(0, owner).contiguous(),
+                     meta.tree_tails[1].index_select(0, owner).contiguous())
         return cpu_decode.paged_decode(self._native_lib, q, kv_cache, tables, (positions + 1).to(torch.int32),
-                                       scale, sliding_window)
+                                       scale, sliding_window, tails=tails)
 
     def _native_ready(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                       kv_cache: torch.Tensor) -> bool:
@@ -138,10 +142,15 @@ class TorchAttentionBackend:
         # faster than one big gather. Each group is padded to its longest
         # context; the runner orders decodes longest first, so padding is small.
         nd = q.shape[0]
+        tails = meta.tree_tails
         if self._native_decode and self._native_ready(q, None, None, kv_cache):
+            if tails is not None:
+                tails = (tails[0][:nd].contiguous(), tails[1][:nd].contiguous())
             return cpu_decode.paged_decode(
-                self._native_lib, q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window
-            )
+                self._native_lib, q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window,
+                tails=tails)
+        if tails is not None:
+            return self._decode_tree_rows(q, kv_cache, meta, scale, sliding_window)
         row_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * 4  # gathered as float32
         out = torch.empty_like(q)
         start = 0
@@ -150,6 +159,32 @@ class TorchAttentionBackend:
             end = min(nd, start + max(1, DECODE_GROUP_BYTES // per_seq))
             out[start:end] = self._decode_group(q[start:end], kv_cache, meta, start, end, scale, sliding_window)
             start = end
+        return out
+
+    @staticmethod
+    def _decode_tree_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                          sliding_window: Optional[int]) -> torch.Tensor:
+        """Decodes one at a time, each over the slots of its positions: through
+        its block table, and from ``tail_lo`` on (a tree row) its listed slots."""
+        block_size = kv_cache.shape[2]
+        flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, hd]
+        tail_lo, tail_slots = meta.tree_tails
+        out = torch.empty_like(q)
+        for i in range(q.shape[0]):
+            length = meta.seq_lens_list[i]
+            pos = torch.arange(length)
+            slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+            lo = int(tail_lo[i])
+            if 0 <= lo < length:
+                slots[lo:] = tail_slots[i, : length - lo]
+            if sliding_window is not None:
+                slots = slots[max(0, length - sliding_window):]
+            keys, values = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+            if kv_cache.dtype == torch.int8:
+                keys, values = kv_int8.dequantize(keys), kv_int8.dequantize(values)
+            out[i] = F.scaled_dot_product_attention(
+                q[i].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+            ).squeeze(1)
         return out
 
     @staticmethod

@@ -61,6 +61,9 @@ class TritonAttentionBackend:
 
         Args and return as in ``AttentionBackend.forward``.
         """
+        if meta.tree_tails is not None:
+            raise NotImplementedError("tree verification (speculative_config num_candidates > 1) runs on the "
+                                      "torch attention backend")
         num_reqs = meta.num_requests
         num_decodes = num_reqs if meta.max_query_len == 1 else meta.num_decodes
         if num_decodes == 0:
