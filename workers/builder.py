@@ -92,7 +92,11 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
     assert isinstance(runner, ModelRunner), "EngineConfig refuses medusa with tensor parallelism"
     heads = MedusaHeads.load(Path(folder or ""), arch.hidden_size, arch.vocab_size)
     runner.medusa = heads.to(device=runner.device, dtype=next(runner.model.parameters()).dtype)
-    logger.info("Medusa heads from %s: %d heads of %d block(s)", folder, heads.num_heads, heads.num_layers)
+    if heads.shortlist is not None:
+        heads.shortlist = heads.shortlist.to(runner.device)
+    heads.bind_lm_head(runner.model.lm_head)
+    logger.info("Medusa heads from %s: %d heads of %d block(s)%s", folder, heads.num_heads, heads.num_layers,
+                f", scored on a shortlist of {len(heads.shortlist)} tokens" if heads.shortlist is not None else "")
     return RunnerProposer()
 
 

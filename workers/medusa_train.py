@@ -123,9 +123,11 @@ def lm_head_weight(model_dir: Path) -> torch.Tensor:
 
 def train_heads(llm: Any, output: Path, *, num_heads: int = 4, num_prompts: int = 128, prompt_len: int = 64,
                 gen_len: int = 128, epochs: int = 1, lr: float = 1e-3, batch_size: int = 256,
-                seed: int = 0) -> dict[str, Any]:
+                seed: int = 0, shortlist: int = 8192) -> dict[str, Any]:
     """Generates, extracts hidden states, fits ``num_heads`` heads and writes
-    them to ``output`` (Medusa's layout, no per-head vocabulary projection).
+    them to ``output`` (Medusa's layout, no per-head vocabulary projection;
+    with ``shortlist`` > 0, the ids of the ``shortlist`` tokens the answers use
+    most as ``vocab_shortlist``, which the heads are scored on when serving).
 
     Returns:
         What was done: sizes, seconds per phase, held-out top-1 accuracy per head.
@@ -183,9 +185,20 @@ def train_heads(llm: Any, output: Path, *, num_heads: int = 4, num_prompts: int 
             accuracy.append(round(float((guess == y[held, i])[valid].float().mean()), 4))
     from cluster.shared.fingerprint import model_fingerprint
 
+    coverage = None
+    if shortlist > 0:
+        seen = y[train]  # the held-out positions measure the coverage
+        counts = torch.bincount(seen[seen != -100].flatten(), minlength=arch[0])
+        heads.shortlist = counts.topk(min(shortlist, arch[0])).indices.sort().values
+        held_targets = y[held][y[held] != -100]
+        coverage = round(float(torch.isin(held_targets, heads.shortlist).float().mean()), 4)
+        logger.info("vocab shortlist of %d tokens covers %.1f%% of held-out targets", len(heads.shortlist),
+                    100 * coverage)
+
     summary = {"base_model": str(llm.model_dir), "base_model_fingerprint": model_fingerprint(llm.model_dir),
                "num_sequences": len(feats), "num_positions": int(len(x)), "epochs": epochs,
-               "held_out_top1_accuracy": accuracy, "generate_seconds": round(generated_s, 1),
+               "held_out_top1_accuracy": accuracy, "shortlist_held_out_coverage": coverage,
+               "generate_seconds": round(generated_s, 1),
                "hidden_seconds": round(hidden_s, 1),
                "train_seconds": round(time.perf_counter() - started - generated_s - hidden_s, 1)}
     heads.save(Path(output), extra_config=summary)

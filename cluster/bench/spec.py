@@ -15,7 +15,9 @@ Workloads (per batch size B, B distinct prompts):
 
 Each case runs with speculation off, with the given ``--speculative-config``
 (adaptive unless it says ``"adaptive": false``) and, with ``--fixed``, the same
-config forced to always propose. Prefill is untimed; decode tokens/s is the
+config forced to always propose; with ``num_candidates`` > 1 (a tree) and
+``--chain``, also as one chain (``num_candidates`` 1), so tree and chain are
+measured in the same run. Prefill is untimed; decode tokens/s is the
 tokens generated after every sequence's first token over the time they took.
 Outputs with speculation (greedy, or seeded) are checked token for token
 against the run without it. With ``--rounds`` N every case runs N times in turn and medians are
@@ -60,6 +62,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=96, help="tokens generated per sequence")
     parser.add_argument("--fixed", action="store_true",
                         help="also run the config with adaptive off (always propose)")
+    parser.add_argument("--chain", action="store_true",
+                        help="with num_candidates > 1 (a tree): also run the config as one chain")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every case; medians are kept")
     parser.add_argument("--json", default="bench-results/spec.json", help="where to write the results")
 
@@ -131,6 +135,9 @@ def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: boo
         drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         drafts = after["num_drafts"] - before["num_drafts"]
+        trials = after["num_branch_trials"] - before["num_branch_trials"]
+        wins = after["num_branch_hits"] - before["num_branch_hits"]
+        result.update(branch_trials=trials, branch_win_rate=wins / trials if trials else 0.0)
         result.update(draft_tokens=drafted, accepted_tokens=accepted,
                       acceptance_rate=accepted / drafted if drafted else 0.0,
                       mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
@@ -150,9 +157,14 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     llm = LLM(**base, speculative_config=spec.__dict__)  # builds the proposer (a draft model's runner too)
     load_s = time.perf_counter() - load_start
     proposer = llm.engine.scheduler.speculator.proposer
-    modes: dict[str, Optional[SpeculativeConfig]] = {"off": None, "adaptive" if spec.adaptive else "fixed": spec}
+    tree = "-tree" if spec.num_candidates > 1 else ""
+    main = ("adaptive" if spec.adaptive else "fixed") + tree
+    modes: dict[str, Optional[SpeculativeConfig]] = {"off": None, main: spec}
     if args.fixed and spec.adaptive:
-        modes["fixed"] = SpeculativeConfig(**{**spec.__dict__, "adaptive": False})
+        modes["fixed" + tree] = SpeculativeConfig(**{**spec.__dict__, "adaptive": False})
+    if getattr(args, "chain", False) and tree:
+        for name, config in list(modes.items())[1:]:
+            modes[name.replace("-tree", "-chain")] = SpeculativeConfig(**{**config.__dict__, "num_candidates": 1})
     rng = random.Random(0)
     decode_run(llm, random_prompts(llm, max_batch, 16, rng), 8)  # warm-up: kernels built, caches warm
     cases = [(w, b) for w in args.workloads for b in args.batch_sizes]
@@ -183,7 +195,8 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                      "steps": statistics.median(r["steps"] for r in results)}
             if mode != "off":
                 entry["identical_to_off"] = all(r["outputs"] == reference for r in results)
-                for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens"):
+                for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens", "branch_trials",
+                            "branch_win_rate"):
                     entry[key] = statistics.median(r[key] for r in results)
             row[mode] = entry
         report["cases"].append(row)
@@ -200,6 +213,8 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
     header: tuple[str, ...] = ("workload", "batch", "off tok/s")
     for mode in modes[1:]:
         header += (f"{mode} tok/s", "ratio", "accept", "tokens/step", "same tokens")
+        if mode.endswith("-tree"):
+            header += ("other branch won",)
     rows = [header]
     for case in report["cases"]:
         off = case["off"]["decode_tokens_per_s"]
@@ -210,9 +225,13 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
                       f"{fig['acceptance_rate']:.0%}" if fig["draft_tokens"] else "-",
                       f"{fig['mean_acceptance_length']:.2f}" if fig["draft_tokens"] else "-",
                       "yes" if fig["identical_to_off"] else "NO"]
+            if mode.endswith("-tree"):
+                won = fig["branch_win_rate"]
+                cells.append(f"{won:.0%} of {fig['branch_trials']:.0f}" if fig["branch_trials"] else "-")
         rows.append(tuple(cells))
     lines = format_table(rows)
     lines.append(f"speculative_config {json.dumps(report['speculative_config'])}; {report['output_len']} tokens per "
                  f"sequence; median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
-                 "drafting step")
+                 "drafting step; other branch won: where a tree's first candidate was rejected at a node with "
+                 "others, how often another candidate's token was taken")
     return lines

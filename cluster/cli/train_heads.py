@@ -29,6 +29,8 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--train-seed", type=int, default=0, help="prompt order and initialization")
+    parser.add_argument("--shortlist", type=int, default=8192,
+                        help="score the heads on the N tokens the answers use most (0: every token)")
 
 
 def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -44,6 +46,6 @@ def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> in
     with LLM(**engine_args) as llm:
         summary = train_heads(llm, out, num_heads=args.num_heads, num_prompts=args.num_prompts,
                               prompt_len=args.prompt_len, gen_len=args.gen_len, epochs=args.epochs, lr=args.lr,
-                              seed=args.train_seed)
+                              seed=args.train_seed, shortlist=args.shortlist)
     print(json.dumps(summary, indent=2))  # the command's output
     return 0

@@ -81,3 +81,44 @@ def test_tree_candidates_are_the_likeliest_top_k_combinations(own):
         assert [score(c) for c in got[row]] == pytest.approx([score(c) for c in best], abs=1e-5)
         assert got[row][0] == top1[row]
     assert heads.propose_candidates(x, 2, 1, lambda h: F.linear(h, lm)) == [[c[:2]] for c in top1]
+
+
+def test_shortlist_scores_only_its_tokens_and_round_trips(tmp_path):
+    # Heads with a vocab_shortlist score the shared LM head's shortlisted rows
+    # only (packed once by bind_lm_head): every guess is the best shortlisted
+    # token, for chains and tree candidates; the list is saved and read back,
+    # and one naming tokens the model does not have is refused.
+    from workers.model.linear import Linear
+
+    heads = random_heads(16, 40, 3, own=False, seed=5)
+    heads.shortlist = torch.tensor([2, 5, 7, 11, 13, 17, 23, 31, 37])
+    heads.save(tmp_path / "h")
+    loaded = MedusaHeads.load(tmp_path / "h", 16, 40)
+    assert loaded.shortlist.tolist() == heads.shortlist.tolist()
+    lm = Linear(16, 40, bias=False)
+    lm.weight.data.normal_()
+    x = torch.randn(6, 16)
+    full = loaded.propose(x, 3, lm)  # not bound yet: every token
+    loaded.bind_lm_head(lm)
+    got = loaded.propose(x, 3, lm)
+    for i in range(3):
+        scores = F.linear(loaded.transform(x, i), lm.weight[heads.shortlist])
+        assert got[:, i].tolist() == heads.shortlist[scores.argmax(dim=-1)].tolist()
+    assert set(got.flatten().tolist()) <= set(heads.shortlist.tolist())
+    assert not torch.equal(got, full)  # the test can fail: unbound heads guess other tokens
+    from workers.model import gemm
+
+    packed_lm = Linear(16, 40, bias=False)  # packed for the native GEMM: the rows come from the panels
+    packed_lm.packed = gemm.PackedWeight(lm.weight.detach(), None, gemm.load())
+    packed_lm.weight.data.zero_()
+    again = MedusaHeads.load(tmp_path / "h", 16, 40)
+    again.bind_lm_head(packed_lm)
+    assert torch.equal(again.propose(x, 3, packed_lm), got)
+    trees = loaded.propose_candidates(x, 3, 4, lm)
+    assert [t[0] for t in trees] == got.tolist()
+    assert all(token in heads.shortlist.tolist() for t in trees for c in t for token in c)
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    config["vocab_shortlist"] = [3, 40]
+    (tmp_path / "h" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocab_shortlist must list token ids below 40"):
+        MedusaHeads.load(tmp_path / "h", 16, 40)

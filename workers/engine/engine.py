@@ -136,8 +136,11 @@ class LLMEngine:
             if speculator is not None:  # what a step of this size (and its proposals) costs
                 num_sampling = sum(1 for r in sched.scheduled if r.num_sample_tokens)
                 num_drafts = sum(len(r.spec_token_ids) for r in sched.scheduled)
-                speculator.observe_step(sched.num_batched_tokens - num_drafts, num_drafts, num_sampling,
-                                        time.perf_counter() - started)
+                # Guesses the runner makes for the next step (Medusa heads: an LM-head pass) are
+                # priced with the drafts they become, so heads that cost more than they bring stop.
+                num_guesses = sum(r.num_proposals for r in sched.scheduled) if speculator.from_runner else 0
+                speculator.observe_step(sched.num_batched_tokens - num_drafts, num_drafts + num_guesses,
+                                        num_sampling, time.perf_counter() - started)
         outputs = []
         for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
             outputs.append(self._make_output(seq, new_ids, new_logprobs))

@@ -220,7 +220,8 @@ class Scheduler:
             self._schedule_swapped(plan)
             self._schedule_waiting(plan)
         out = SchedulerOutput(
-            scheduled=[self._make_scheduled(seq, n, plan.drafts.get(seq, ((), ()))) for seq, n in plan.scheduled.items()],
+            scheduled=[self._make_scheduled(seq, n, plan.drafts.get(seq, ((), ())))
+                       for seq, n in plan.scheduled.items()],
             swap_out=plan.swap_out,
             swap_in=plan.swap_in,
             finished_request_ids=self._finished_ids,

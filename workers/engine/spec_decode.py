@@ -281,6 +281,10 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
+    # Trees: nodes with several children where the first child's token was rejected, and how
+    # many of those took another child's (another candidate won).
+    num_branch_trials: int = 0
+    num_branch_hits: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -478,6 +482,8 @@ class Speculator:
         stats.num_drafts += 1
         stats.num_draft_tokens += num_nodes if num_nodes is not None else num_proposed
         stats.num_accepted_tokens += num_accepted
+        stats.num_branch_trials += branches[0]
+        stats.num_branch_hits += branches[1]
         if branches[0]:
             hits, trials = self._branch
             self._branch = (hits * self.GLOBAL_DECAY + branches[1], trials * self.GLOBAL_DECAY + branches[0])

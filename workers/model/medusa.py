@@ -18,6 +18,14 @@ other (``workers/engine/spec_decode.py``). ``propose_candidates`` gives the m
 likeliest combinations of the heads' top tokens (by the product of the
 heads' probabilities, as Medusa's trees choose), which the speculator merges
 into a tree.
+
+Heads that read the model's LM head pay for a pass over it every step (on
+the default model, 49152 x 576 floats: a fifth of the weights). With a
+``vocab_shortlist`` in ``config.json`` (the ids of the tokens the model says
+most often, which ``train-heads`` writes; FR-Spec's frequency-ranked
+drafting vocabulary) they score only those rows, packed once when the heads
+are bound to the model (``bind_lm_head``): a guess outside the shortlist is
+never made, and nothing else changes (guesses are verified like any other).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class MedusaHeads(torch.nn.Module):
             self.biases.append(torch.nn.Parameter(torch.zeros(hidden_size)))
         self.lm_heads = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.zeros(vocab_size, hidden_size)) for _ in range(num_heads)] if own_lm_head else [])
+        self.shortlist: Optional[torch.Tensor] = None  # token ids the shared LM head is scored on (module doc)
+        self._short_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # set by bind_lm_head
 
     def transform(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
         """Head ``head``'s residual blocks over ``hidden`` [N, H]."""
@@ -61,6 +71,30 @@ class MedusaHeads(torch.nn.Module):
         x = self.transform(hidden, head)
         return F.linear(x, self.lm_heads[head]).float() if len(self.lm_heads) else lm_head(x).float()
 
+    def bind_lm_head(self, lm_head: torch.nn.Module) -> None:
+        """With a shortlist and no own projections: packs the model's LM-head
+        rows of the shortlisted tokens once, for every later proposal."""
+        if self.shortlist is None or len(self.lm_heads):
+            return
+        from workers.model import gemm
+
+        packed = getattr(lm_head, "packed", None)
+        rows = packed.rows(self.shortlist) if packed is not None else lm_head.weight.detach()[self.shortlist]
+        rows = rows.float().contiguous()
+        lib = gemm.load() if rows.device.type == "cpu" else None
+        if lib is not None:
+            self._short_head = gemm.PackedWeight(rows, None, lib).matmul
+        else:
+            self._short_head = lambda x: F.linear(x.to(rows.dtype), rows)
+
+    def _shared_logits(self, x: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits of rows ``x`` through the shared LM head: over the shortlist
+        when bound (and the shortlist to map column -> token), else every token."""
+        if self._short_head is not None:
+            return self._short_head(x).float(), self.shortlist
+        return lm_head(x).float(), None
+
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, k: int, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``[N, k]`` top-1 tokens of the first ``k`` heads for each row of
@@ -70,7 +104,9 @@ class MedusaHeads(torch.nn.Module):
             return torch.stack([self.logits(hidden, i, lm_head).argmax(dim=-1) for i in range(k)], dim=1)
         # One pass of the shared LM head over every head's rows (one GEMM, not k).
         x = torch.cat([self.transform(hidden, i) for i in range(k)])
-        return lm_head(x).float().argmax(dim=-1).view(k, -1).t()
+        logits, ids = self._shared_logits(x, lm_head)
+        best = logits.argmax(dim=-1)
+        return (best if ids is None else ids[best]).view(k, -1).t()
 
     @torch.inference_mode()
     def propose_candidates(self, hidden: torch.Tensor, k: int, m: int,
@@ -81,12 +117,16 @@ class MedusaHeads(torch.nn.Module):
         k = min(k, self.num_heads)
         if m <= 1:
             return [[row] for row in self.propose(hidden, k, lm_head).tolist()]
+        ids = None
         if len(self.lm_heads):
             logits = torch.stack([self.logits(hidden, i, lm_head) for i in range(k)], dim=1)  # [N, k, V]
         else:
             x = torch.cat([self.transform(hidden, i) for i in range(k)])
-            logits = lm_head(x).float().view(k, hidden.shape[0], -1).transpose(0, 1)
+            logits, ids = self._shared_logits(x, lm_head)
+            logits = logits.view(k, hidden.shape[0], -1).transpose(0, 1)
         top_lp, top_ids = torch.log_softmax(logits, dim=-1).topk(m, dim=-1)  # [N, k, m]
+        if ids is not None:
+            top_ids = ids[top_ids]
         out = []
         for lps, ids in zip(top_lp.tolist(), top_ids.tolist()):
             out.append([[ids[i][r] for i, r in enumerate(ranks)] for ranks in _best_rank_tuples(lps, m)])
@@ -108,6 +148,8 @@ class MedusaHeads(torch.nn.Module):
         save_file(tensors, str(folder / WEIGHTS))
         config = {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
                   "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, **(extra_config or {})}
+        if self.shortlist is not None:
+            config["vocab_shortlist"] = self.shortlist.tolist()
         (folder / "config.json").write_text(json.dumps(config, indent=2))
 
     @classmethod
@@ -146,6 +188,12 @@ class MedusaHeads(torch.nn.Module):
                         raise ValueError(f"{folder}: head {i} projects to {proj.shape[0]} tokens, the model has "
                                          f"{vocab_size}: these heads were trained for another model")
                     heads.lm_heads[i].data.copy_(proj)
+        shortlist = config.get("vocab_shortlist")
+        if shortlist is not None:
+            ids = torch.tensor(shortlist, dtype=torch.long)
+            if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+                raise ValueError(f"{folder}: vocab_shortlist must list token ids below {vocab_size}")
+            heads.shortlist = ids
         return heads.eval()
 
 
