@@ -156,3 +156,28 @@ def test_stats_count_the_work_in_tokens():
     # A waiting request whose first 16 tokens (one block) are cached queues only the rest.
     engine.add_request(req("again", list(range(100, 116)) + [7, 8, 9], max_tokens=2))
     assert engine.stats().num_prefill_tokens == 3
+
+
+def test_runner_guesses_are_priced_like_the_drafts_they_become():
+    # A proposer inside the runner (Medusa heads) costs a pass per step whenever
+    # guesses are asked for: the step-cost model sees them as draft tokens, so
+    # heads that cost more than they bring get asked for nothing.
+    from cluster.shared.config import SpeculativeConfig
+    from workers.engine.spec_decode import RunnerProposer, Speculator
+
+    speculator = Speculator(SpeculativeConfig(method="medusa", model="heads", num_speculative_tokens=3),
+                            proposer=RunnerProposer())
+    engine = make_engine(speculator=speculator)
+    seen = []
+    observe = speculator.observe_step
+    speculator.observe_step = lambda tokens, drafts, seqs, seconds: (seen.append((tokens, drafts, seqs)),
+                                                                     observe(tokens, drafts, seqs, seconds))
+    asked = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda sched: (asked.append(sum(r.num_proposals for r in sched.scheduled)),
+                                           execute(sched))[1]
+    engine.add_request(req("a", [1, 2, 3], max_tokens=4))
+    engine.add_request(req("b", [4, 5], max_tokens=4))
+    run(engine)
+    assert [drafts for _, drafts, _ in seen] == asked  # no drafts verified here: the guesses asked, step by step
+    assert asked[0] == 2 * 3  # at first, 3 guesses per sequence
