@@ -118,7 +118,7 @@ def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: boo
     speculator = engine.scheduler.speculator
     before = speculator.stats.as_dict() if speculator is not None else None
     first = sum(len(o) for o in outputs.values())
-    steps0 = engine.num_steps
+    steps0, scheduling0 = engine.num_steps, engine.schedule_seconds
     begin = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -128,6 +128,7 @@ def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: boo
     result: dict[str, Any] = {
         "decode_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         "seconds": seconds, "steps": engine.num_steps - steps0,
+        "schedule_ms_per_step": 1e3 * (engine.schedule_seconds - scheduling0) / max(1, engine.num_steps - steps0),
         "outputs": [outputs[r.request_id] for r in requests],
     }
     if speculator is not None and before is not None:
@@ -192,7 +193,9 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         for mode in modes:
             results = runs[(workload, batch, mode)]
             entry = {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in results),
-                     "steps": statistics.median(r["steps"] for r in results)}
+                     "steps": statistics.median(r["steps"] for r in results),
+                     "schedule_ms_per_step": statistics.median(r["schedule_ms_per_step"] for r in results),
+                     "step_ms": statistics.median(1e3 * r["seconds"] / max(1, r["steps"]) for r in results)}
             if mode != "off":
                 entry["identical_to_off"] = all(r["outputs"] == reference for r in results)
                 for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens", "branch_trials",
@@ -230,6 +233,10 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
                 cells.append(f"{won:.0%} of {fig['branch_trials']:.0f}" if fig["branch_trials"] else "-")
         rows.append(tuple(cells))
     lines = format_table(rows)
+    for case in report["cases"]:  # what proposing costs, apart from the machine's drift
+        costs = ", ".join(f"{mode} {case[mode]['schedule_ms_per_step']:.2f}" for mode in modes)
+        lines.append(f"{case['workload']} batch {case['batch_size']}: schedule() ms per step (proposals included): "
+                     f"{costs}; off step {case['off']['step_ms']:.1f} ms")
     lines.append(f"speculative_config {json.dumps(report['speculative_config'])}; {report['output_len']} tokens per "
                  f"sequence; median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
                  "drafting step; other branch won: where a tree's first candidate was rejected at a node with "

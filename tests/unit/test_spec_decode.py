@@ -359,3 +359,20 @@ def test_trees_need_the_torch_attention_backend():
     with pytest.raises(ValueError, match="needs attention_backend 'torch'"):
         EngineConfig.from_kwargs(speculative_config=tree, device="cuda")  # auto on a GPU: flash-attn
     assert EngineConfig.from_kwargs(speculative_config=tree, attention_backend="torch").speculative.num_candidates == 3
+
+
+def test_bench_spec_table_shows_tree_and_chain_and_what_scheduling_costs():
+    from cluster.bench.spec import format_report
+
+    def entry(tps, **extra):
+        return {"decode_tokens_per_s": tps, "schedule_ms_per_step": 0.1, "step_ms": 20.0, **extra}
+
+    spec = {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "draft_tokens": 10, "identical_to_off": True}
+    report = {"speculative_config": {"num_candidates": 3}, "output_len": 8, "rounds": 1, "cases": [{
+        "workload": "grounded", "batch_size": 1, "off": entry(50.0),
+        "adaptive-tree": entry(110.0, branch_trials=4, branch_win_rate=0.25, **spec),
+        "adaptive-chain": entry(100.0, branch_trials=0, branch_win_rate=0.0, **spec)}]}
+    lines = format_report(report, ["off", "adaptive-tree", "adaptive-chain"])
+    assert "other branch won" in lines[0] and lines[0].count("other branch won") == 1  # the tree's column only
+    assert "2.20x" in lines[1] and "2.00x" in lines[1] and "25% of 4" in lines[1]
+    assert any("schedule() ms per step" in line and "adaptive-tree 0.10" in line for line in lines)

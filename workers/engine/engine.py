@@ -67,6 +67,7 @@ class LLMEngine:
         self._detok: dict[str, Optional[IncrementalDetokenizer]] = {}
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.schedule_seconds = 0.0  # in schedule(), proposals included (bench spec: what speculation costs)
 
     # ----------------------------------------------------------- requests
     def validate(self, request: GenerationRequest) -> None:
@@ -124,6 +125,7 @@ class LLMEngine:
         """Runs one scheduling + model step; returns the outputs of this step."""
         started = time.perf_counter()  # schedule() included: a draft model proposes there
         sched = self.scheduler.schedule()
+        self.schedule_seconds += time.perf_counter() - started
         self._note_first_scheduled(sched)
         if sched.is_empty:
             # schedule() may have finished requests that can never fit; they
