@@ -129,6 +129,25 @@ def test_stats_count_per_position():
     assert s.stats.mean_acceptance_length == pytest.approx(3.5)
 
 
+def test_tree_stats_count_depths_and_learn_from_the_positions_reached():
+    from workers.engine.spec_decode import accepted_path, tree_depth
+
+    # fed -> 5 -> 6 -> 7 and fed -> 8: four tokens, three deep; the samples take 8, a leaf.
+    drafts, parents = [5, 6, 7, 8], [-1, 0, 1, -1]
+    path, reached, branches = accepted_path(drafts, parents, [8, 2])
+    assert (path, reached, branches, tree_depth(parents, 4), tree_depth([], 4)) == ([3], 1, (1, 1), 3, 4)
+    s = speculator()
+    s.observe_result("r", tree_depth(parents, 4), len(path), 4, branches, reached=reached)
+    assert s.stats.num_draft_tokens == 4 and s.stats.num_accepted_tokens == 1
+    assert s.stats.proposed_per_position == [1, 1, 1, 0] and s.stats.accepted_per_position == [1, 0, 0, 0]
+    assert (s.stats.num_branch_trials, s.stats.num_branch_hits) == (1, 1)
+    # A leaf ended the walk: every position the samples could reach was accepted (no failed trial).
+    t = speculator()
+    t.observe_result("r", 3, 1, 4, branches, reached=1)
+    t.observe_result("q", 3, 1)  # a chain of 3 with 1 accepted: one failed trial
+    assert t.acceptance("r") > t.acceptance("q")
+
+
 @pytest.mark.parametrize("value, match", [
     ({"method": "eagle", "model": "x"}, "not supported yet"),
     ({"method": "medusa"}, "needs model: the heads' folder"),

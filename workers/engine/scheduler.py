@@ -52,7 +52,7 @@ from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.request_queue import RequestQueue
 from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.spec_decode import Speculator, accepted_path
+from workers.engine.spec_decode import Speculator, accepted_path, tree_depth
 from workers.engine.validation import Capacity, fit_problem
 
 StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
@@ -472,7 +472,8 @@ class Scheduler:
         path, reached, branches = accepted_path(req.spec_token_ids, req.spec_parents, sampled)
         assert len(path) == len(sampled) - 1, (req.request_id, sampled, path)
         if self.speculator is not None:
-            self.speculator.observe_result(seq.request_id, reached, len(sampled) - 1, num_drafts, branches)
+            self.speculator.observe_result(seq.request_id, tree_depth(req.spec_parents, num_drafts), len(sampled) - 1,
+                                           num_drafts, branches, reached=reached)
         kept, reason = [], None
         for token_id in sampled:
             seq.append_token(token_id)

@@ -188,6 +188,17 @@ def accepted_path(drafts: Sequence_[int], parents: Sequence_[int], sampled: Sequ
     return path, len(path), (trials, hits)
 
 
+def tree_depth(parents: Sequence_[int], num_drafts: int) -> int:
+    """How deep a step's proposals go: ``num_drafts`` for a chain (``parents``
+    empty), else the longest path of the tree."""
+    if not parents:
+        return num_drafts
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 + (depth[parent] if parent >= 0 else 0))
+    return max(depth)
+
+
 class StepCostModel:
     """Step time as ``base + a * tokens + b * draft_tokens``: ``tokens`` the
     step's own (prefill chunks, one per decode), ``draft_tokens`` the
@@ -469,13 +480,17 @@ class Speculator:
         self._last_step = (max(1, num_tokens), max(1, num_sampling_seqs))
 
     def observe_result(self, request_id: str, num_proposed: int, num_accepted: int,
-                       num_nodes: Optional[int] = None, branches: tuple[int, int] = (0, 0)) -> None:
-        """How a step's drafts fared for one sequence: ``num_proposed`` the
-        depth its samples could reach (the chain's length; in a tree, the
-        accepted nodes and one more where the walk ended at a node with
-        children), ``num_accepted`` accepted; ``num_nodes`` the tree's size
+                       num_nodes: Optional[int] = None, branches: tuple[int, int] = (0, 0),
+                       reached: Optional[int] = None) -> None:
+        """How a step's drafts fared for one sequence: ``num_proposed`` their
+        depth (a chain's length, a tree's longest path: the positions counted
+        as proposed), ``num_accepted`` accepted; ``num_nodes`` the tree's size
         (default ``num_proposed``); ``branches``: (times the first candidate's
-        token was rejected at a node with others, times another was taken)."""
+        token was rejected at a node with others, times another was taken);
+        ``reached``: the depth the samples could reach (in a tree, the
+        accepted nodes and one more where the walk ended at a node with
+        children; default ``num_proposed``), which the acceptance rate counts
+        as trials."""
         if num_proposed <= 0:
             return
         stats = self.stats
@@ -491,7 +506,7 @@ class Speculator:
             stats.proposed_per_position[i] += 1
             if i < num_accepted:
                 stats.accepted_per_position[i] += 1
-        trials = num_accepted + (1 if num_accepted < num_proposed else 0)
+        trials = num_accepted + (1 if num_accepted < (reached if reached is not None else num_proposed) else 0)
         accepted, seen = self._trials.get(request_id, self._prior())
         self._trials[request_id] = (accepted * self.DECAY + num_accepted, seen * self.DECAY + trials)
         accepted, seen = self._global
