@@ -94,6 +94,11 @@ def load_model_for(
     if config.cache.kv_cache_dtype == "int8" and (device.type != "cpu" or backend.name != "torch"):
         raise ValueError(f"kv_cache_dtype='int8' runs on CPU with the torch attention backend; got the "
                          f"{backend.name!r} backend on {device.type}: use kv_cache_dtype='auto' there")
+    spec = config.speculative
+    if spec is not None and spec.num_candidates > 1 and backend.name != "torch":
+        raise ValueError(f"speculative_config num_candidates > 1 (tree verification) needs the torch attention "
+                         f"backend; attention_backend {config.attention_backend!r} is {backend.name!r} on "
+                         f"{device.type} here: set num_candidates 1 or attention_backend 'torch'")
     model, arch = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
                              linear_backend="native" if config.batch_invariant else config.linear_backend,
                              enforce_eager=config.enforce_eager, quantization=config.quantization,

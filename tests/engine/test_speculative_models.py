@@ -274,3 +274,14 @@ def test_train_heads_on_a_tiny_model(tiny_dir, tmp_path):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert spec.generate(repetitive_prompts(2), params)[0].token_ids == llm.generate(
         repetitive_prompts(2), params)[0].token_ids
+
+
+def test_trees_are_refused_at_load_when_the_backend_cannot_verify_them(tiny_dir, monkeypatch):
+    # The config cannot always know which backend "auto" picks (a GPU machine):
+    # loading checks the backend it built.
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setattr(TorchAttentionBackend, "name", "flash_attn")  # what auto picks on a GPU with flash-attn
+    with pytest.raises(ValueError, match="num_candidates > 1 .* needs the torch attention backend"):
+        LLM(str(tiny_dir), block_size=4, speculative_config=TREE)
+    LLM(str(tiny_dir), block_size=4, speculative_config=ALWAYS)  # a chain verifies on any backend
