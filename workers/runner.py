@@ -21,6 +21,7 @@ import torch
 
 from cluster.shared.sizes import cdiv
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from workers.engine.spec_decode import tree_paths
 from workers.model.attention import kv_int8
 from workers.model.attention.base import AttentionMetadata
 from workers.model.linear import weight_bytes
@@ -121,8 +122,6 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
         self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
-        # Rows of a tree being verified (id of the row -> its KV slot, first tail position, tail slots).
-        self._tree_rows: dict[int, tuple[int, int, list[int]]] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -161,7 +160,8 @@ class ModelRunner:
         # Per request: the row of the fed token and of each proposal, and the proposals' children by token.
         row_of: list[list[int]] = []
         children: list[list[dict[int, int]]] = []
-        self._tree_rows = {}
+        # Rows of a tree (id of the row -> its KV slot, first tail position, the slots of its path).
+        tree_rows: dict[int, tuple[int, int, list[int]]] = {}
         bs = self.block_size
         for i, req in enumerate(reqs):
             if not req.spec_token_ids:
@@ -173,14 +173,12 @@ class ModelRunner:
             drafts = list(req.spec_token_ids)
             k = len(drafts)
             assert req.num_input_tokens == 1 + k and req.num_sample_tokens == 1 + k, req
-            parents = list(req.spec_parents) or list(range(-1, k - 1))
-            is_chain = parents == list(range(-1, k - 1))
+            is_chain = not req.spec_parents
             c = req.num_computed_tokens
-            paths: list[list[int]] = []  # proposal indices from depth 1 down to the proposal
+            paths = tree_paths(req.spec_parents, k)  # proposal indices from depth 1 down to the proposal
             kids: list[dict[int, int]] = [{} for _ in range(k + 1)]  # index 0: the fed token; j + 1: proposal j
-            for j, parent in enumerate(parents):
-                assert -1 <= parent < j, (req.request_id, parents)
-                paths.append((paths[parent] if parent >= 0 else []) + [j])
+            for j, path in enumerate(paths):
+                parent = path[-2] if len(path) > 1 else -1
                 assert drafts[j] not in kids[parent + 1], ("sibling proposals repeat a token", req.request_id)
                 kids[parent + 1][drafts[j]] = j + 1
             rows_here = [len(rows)]
@@ -195,16 +193,13 @@ class ModelRunner:
                     spec_parents=())
                 if not is_chain:
                     slot_of = [table[(c + 1 + a) // bs] * bs + (c + 1 + a) % bs for a in path]
-                    self._tree_rows[id(row)] = (slot_of[-1], c + 1, slot_of)
+                    tree_rows[id(row)] = (slot_of[-1], c + 1, slot_of)
                 rows_here.append(len(rows))
                 rows.append(row)
                 owner.append(i)
             row_of.append(rows_here)
             children.append(kids)
-        try:
-            out = self._execute(rows, with_proposals=False)
-        finally:
-            self._tree_rows = {}
+        out = self._execute(rows, with_proposals=False, tree_rows=tree_rows)
         if not out.sampled_token_ids:  # a tensor-parallel rank other than 0
             return out
         sampled: list[list[int]] = []
@@ -238,12 +233,13 @@ class ModelRunner:
         result.spec_proposals = self._head_proposals(reqs, last_rows)
         return result
 
-    def _execute(self, reqs: list[ScheduledRequest], with_proposals: bool = True) -> ModelOutput:
+    def _execute(self, reqs: list[ScheduledRequest], with_proposals: bool = True,
+                 tree_rows: Optional[dict[int, tuple[int, int, list[int]]]] = None) -> ModelOutput:
         # Decodes first, longest context first (attention pads per group of
         # similar lengths), then prefill chunks.
         order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i].input_token_ids) != 1, -reqs[i].seq_len))
         batch = [reqs[i] for i in order]
-        input_ids, positions, meta = self._prepare(batch)
+        input_ids, positions, meta = self._prepare(batch, tree_rows)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         sample_rows, sample_reqs, owners = [], [], []
@@ -330,14 +326,16 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its ranks)."""
 
-    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, batch: list[ScheduledRequest], tree: Optional[dict[int, tuple[int, int, list[int]]]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Host lists -> tensors and metadata; ``tree`` gives tree rows (by id)
+        their own KV slot and path (``_execute_speculative``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tree = self._tree_rows
         tails: list[tuple[int, list[int]]] = []
         for req in batch:
             start = req.num_computed_tokens

@@ -188,15 +188,20 @@ def accepted_path(drafts: Sequence_[int], parents: Sequence_[int], sampled: Sequ
     return path, len(path), (trials, hits)
 
 
+def tree_paths(parents: Sequence_[int], num_drafts: int) -> list[list[int]]:
+    """Each proposal's path from depth 1 down to itself (proposal indices);
+    ``parents`` empty is a chain of ``num_drafts``."""
+    paths: list[list[int]] = []
+    for j, parent in enumerate(parents or range(-1, num_drafts - 1)):
+        assert -1 <= parent < j, ("a proposal's parent must come before it", list(parents))
+        paths.append((paths[parent] if parent >= 0 else []) + [j])
+    return paths
+
+
 def tree_depth(parents: Sequence_[int], num_drafts: int) -> int:
     """How deep a step's proposals go: ``num_drafts`` for a chain (``parents``
     empty), else the longest path of the tree."""
-    if not parents:
-        return num_drafts
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(1 + (depth[parent] if parent >= 0 else 0))
-    return max(depth)
+    return max(map(len, tree_paths(parents, num_drafts)), default=0) if parents else num_drafts
 
 
 class StepCostModel:

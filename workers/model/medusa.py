@@ -87,26 +87,28 @@ class MedusaHeads(torch.nn.Module):
         else:
             self._short_head = lambda x: F.linear(x.to(rows.dtype), rows)
 
-    def _shared_logits(self, x: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logits of rows ``x`` through the shared LM head: over the shortlist
-        when bound (and the shortlist to map column -> token), else every token."""
+    def _head_logits(self, hidden: torch.Tensor, k: int, lm_head: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``[N, k, V']`` logits of the first ``k`` heads for each row, and the
+        token id of each column when they cover the shortlist only (None: the
+        column is the token)."""
+        if len(self.lm_heads):
+            return torch.stack([self.logits(hidden, i, lm_head) for i in range(k)], dim=1), None
+        # One pass of the shared LM head over every head's rows (one GEMM, not k).
+        x = torch.cat([self.transform(hidden, i) for i in range(k)])
         if self._short_head is not None:
-            return self._short_head(x).float(), self.shortlist
-        return lm_head(x).float(), None
+            logits, ids = self._short_head(x).float(), self.shortlist
+        else:
+            logits, ids = lm_head(x).float(), None
+        return logits.view(k, hidden.shape[0], -1).transpose(0, 1), ids
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, k: int, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``[N, k]`` top-1 tokens of the first ``k`` heads for each row of
         ``hidden`` (the model's final, normed hidden states)."""
-        k = min(k, self.num_heads)
-        if len(self.lm_heads):
-            return torch.stack([self.logits(hidden, i, lm_head).argmax(dim=-1) for i in range(k)], dim=1)
-        # One pass of the shared LM head over every head's rows (one GEMM, not k).
-        x = torch.cat([self.transform(hidden, i) for i in range(k)])
-        logits, ids = self._shared_logits(x, lm_head)
+        logits, ids = self._head_logits(hidden, min(k, self.num_heads), lm_head)
         best = logits.argmax(dim=-1)
-        return (best if ids is None else ids[best]).view(k, -1).t()
+        return best if ids is None else ids[best]
 
     @torch.inference_mode()
     def propose_candidates(self, hidden: torch.Tensor, k: int, m: int,
@@ -114,22 +116,15 @@ class MedusaHeads(torch.nn.Module):
         """Per row of ``hidden``: up to ``m`` candidate continuations of ``k``
         tokens (head i's choice at position i), likeliest first by the sum of
         the heads' log-probabilities; the first is ``propose``'s."""
-        k = min(k, self.num_heads)
         if m <= 1:
             return [[row] for row in self.propose(hidden, k, lm_head).tolist()]
-        ids = None
-        if len(self.lm_heads):
-            logits = torch.stack([self.logits(hidden, i, lm_head) for i in range(k)], dim=1)  # [N, k, V]
-        else:
-            x = torch.cat([self.transform(hidden, i) for i in range(k)])
-            logits, ids = self._shared_logits(x, lm_head)
-            logits = logits.view(k, hidden.shape[0], -1).transpose(0, 1)
+        logits, ids = self._head_logits(hidden, min(k, self.num_heads), lm_head)
         top_lp, top_ids = torch.log_softmax(logits, dim=-1).topk(m, dim=-1)  # [N, k, m]
         if ids is not None:
             top_ids = ids[top_ids]
         out = []
-        for lps, ids in zip(top_lp.tolist(), top_ids.tolist()):
-            out.append([[ids[i][r] for i, r in enumerate(ranks)] for ranks in _best_rank_tuples(lps, m)])
+        for lps, tokens in zip(top_lp.tolist(), top_ids.tolist()):
+            out.append([[tokens[i][r] for i, r in enumerate(ranks)] for ranks in _best_rank_tuples(lps, m)])
         return out
 
     # ------------------------------------------------------------- checkpoint
