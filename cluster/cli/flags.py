@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 import typing
 from typing import Any, Optional, Sequence
 
@@ -113,22 +114,42 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error(): which subcommand was chosen
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments:"):
-            known = [opt for action in self._all_actions() for opt in action.option_strings]
+            known = [opt for action in self._chosen()._actions for opt in action.option_strings]
             hints = []
             for arg in message.split(":", 1)[1].split():
-                close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
-                if close:
+                name = arg.split("=")[0]
+                close = difflib.get_close_matches(name, known, n=1)
+                if close and close[0] != name:
                     hints.append(f"{arg}: did you mean {close[0]}?")
+                elif name.startswith("-") and name not in known:
+                    others = [" ".join(words) for words, sub in self._commands() if name in sub._option_string_actions]
+                    if others:
+                        hints.append(f"{arg} is a flag of {', '.join(others[:3])}, not of this command")
             if hints:
                 message += "\n" + "\n".join(hints)
         super().error(message)
 
-    def _all_actions(self) -> list[argparse.Action]:
-        actions = list(self._actions)
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    actions.extend(sub._all_actions() if isinstance(sub, Parser) else sub._actions)
-        return actions
+    def _chosen(self) -> argparse.ArgumentParser:
+        """The (sub)command parser the command line picked: its flags are the ones that apply."""
+        parser: argparse.ArgumentParser = self
+        for token in getattr(self, "_argv", []):
+            subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            if subs and token in subs[0].choices:
+                parser = subs[0].choices[token]
+        return parser
+
+    def _commands(self, words: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+        """Every leaf command: its words and its parser."""
+        subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return [(words, self)]
+        out = []
+        for name, sub in subs[0].choices.items():
+            out.extend(sub._commands((*words, name)) if isinstance(sub, Parser) else [((*words, name), sub)])
+        return out
