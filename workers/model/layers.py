@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual)`` also does the residual add before it (vLLM's
     fused form): ``residual += x`` in place, then the norm of ``residual``.
-    With ``native`` set (``cpu_ops``, CPU float32) both are one kernel.
+    With ``native`` set (``cpu_ops``, CPU float32) or ``fused`` (``triton_ops``,
+    GPU) both are one kernel.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -32,12 +33,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.native: Any = None  # cpu_ops library, set by the model's finalize
+        self.fused: Any = None  # triton_ops.TritonOps on a GPU, set by the model's finalize
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.native is not None:
             if residual is None:
                 return cpu_ops.add_rms_norm(self.native, None, x.contiguous(), self.weight, self.eps)
             return cpu_ops.add_rms_norm(self.native, x.contiguous(), residual, self.weight, self.eps)
+        if self.fused is not None and x.dim() == 2:
+            if residual is None:
+                return self.fused.add_rms_norm(None, x.contiguous(), self.weight, self.eps)
+            return self.fused.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
         if residual is not None:
             x = residual.add_(x)
         input_dtype = x.dtype
@@ -52,10 +58,13 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.native: Any = None  # cpu_ops library, set by the model's finalize
+        self.fused: Any = None  # triton_ops.TritonOps on a GPU, set by the model's finalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dim() == 2 and x.is_contiguous():
             return cpu_ops.silu_and_mul(self.native, x)
+        if self.fused is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self.fused.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -143,15 +152,20 @@ class RotaryEmbedding(nn.Module):
         return rows[:, 0].contiguous(), rows[:, 1].contiguous()
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: Any = None) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: Any = None,
+              fused: Any = None) -> torch.Tensor:
         """Rotates ``x`` ``[T, heads, head_dim]`` by ``cos`` / ``sin`` ``[T, head_dim / 2]``.
 
         With ``native`` (``cpu_ops``; rows may be strided, heads and head_dim
-        contiguous) ``x`` is rotated in place and returned; otherwise a new
-        contiguous tensor is returned.
+        contiguous) or ``fused`` (``triton_ops``, GPU; head_dim contiguous)
+        ``x`` is rotated in place and returned; otherwise a new contiguous
+        tensor is returned.
         """
         if native is not None:
             cpu_ops.rotary(native, x, cos, sin)
+            return x
+        if fused is not None and x.stride(2) == 1:
+            fused.rotary(x, cos, sin)
             return x
         half = x.shape[-1] // 2
         x1 = x[..., :half]

@@ -24,6 +24,8 @@ with no collective.
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any, Iterable, Optional
 
 import torch
@@ -54,6 +56,8 @@ _STACKED_PARAMS = (
 # Weights some checkpoints carry that have no parameter here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+
+logger = logging.getLogger(__name__)
 
 class LlamaAttention(nn.Module):
     """Self-attention with GQA, fused q/k/v projection and rotary embedding.
@@ -88,6 +92,7 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window
         self.attn_backend = attn_backend
         self.native: Any = None  # cpu_ops library (in-place rotary), set by finalize
+        self.fused: Any = None  # triton_ops.TritonOps (in-place rotary on a GPU), set by finalize
         self.layer_idx = layer_idx
         self.use_attention_op = False  # under torch.compile: attention as a custom op (compiled.py)
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -111,7 +116,7 @@ class LlamaAttention(nn.Module):
         # q and k are rotated together (one call for both), then split as views:
         # q [T, Hq, D] and k, v [T, Hkv, D] may be non-contiguous, with stride 1 on D.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, cos, sin, self.native)
+        qk = RotaryEmbedding.apply(qk, cos, sin, self.native, self.fused)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.use_attention_op:
@@ -295,16 +300,24 @@ class LlamaForCausalLM(nn.Module):
     def finalize(self, linear_backend: str, compile: bool = False) -> int:
         """Installs the (resolved) linear backend's kernels once the weights are
         loaded (``linear.py``) and, on CPU in float32, the fused native norms,
-        rotary and SiLU (``cpu_ops.py``); with ``compile`` the decoder stack
+        rotary and SiLU (``cpu_ops.py``), on a GPU their Triton kernels
+        (``triton_ops.py``); with ``compile`` the decoder stack
         runs under ``torch.compile`` (``compiled.py``). Returns the number of
         linear layers."""
         tied = (self.lm_head, self.model.embed_tokens) if self.arch.tie_word_embeddings else None
         count = finalize_linears(self, linear_backend, tied)
         weight = self.model.norm.weight
         native = cpu_ops.load() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        fused = None
+        if weight.device.type == "cuda":
+            from workers.model import triton_ops
+
+            fused = triton_ops.load(weight.device)
+            logger.info("fused norm, rotary and SiLU kernels: %s", "triton" if fused is not None else "off (torch)")
         for module in self.modules():
             if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
                 module.native = native
+                module.fused = fused
         if compile:
             from workers.model.compiled import CompiledDecoder
 
