@@ -26,6 +26,7 @@ from workers.model.attention import kv_int8
 from workers.model.attention.base import AttentionMetadata
 from workers.model.linear import weight_bytes
 from workers.model.sampler import Sampler, token_logprobs
+from workers.swap import BlockSwapper
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class ModelRunner:
             else lazy_zeros(cpu_shape, cache_dtype, device)
             for _ in range(num_layers)
         ] if num_cpu_blocks else []
+        self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches, device)
         self.sampler = Sampler(seed)
         self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
         self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
@@ -128,10 +130,11 @@ class ModelRunner:
         """Swaps blocks, runs the forward pass and samples (see SchedulerOutput)."""
         if sched.kv_moves:
             self._move_kv(sched.kv_moves)
+        self.swapper.flush()  # last step's swap-outs, now on the host (a no-op on CPU)
         if sched.swap_out:
-            self._copy_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
+            self.swapper.swap_out(sched.swap_out)
         if sched.swap_in:
-            self._copy_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
+            self.swapper.swap_in(sched.swap_in)
         reqs = sched.scheduled
         if not reqs:
             return ModelOutput(sampled_token_ids=[], logprobs=[])
@@ -373,11 +376,3 @@ class ModelRunner:
         for cache in self.kv_caches:
             flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
             flat[:, dst] = flat[:, src]
-
-    @staticmethod
-    def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        for src_layer, dst_layer in zip(src, dst):
-            moved = src_layer[:, src_ids.to(src_layer.device)]
-            dst_layer[:, dst_ids.to(dst_layer.device)] = moved.to(dst_layer.device, non_blocking=True)
