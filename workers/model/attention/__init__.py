@@ -4,8 +4,9 @@
     triton      Triton decode kernel + torch for prefill chunks (CUDA)
     flash_attn  flash-attn 2 over the paged cache (CUDA, fp16/bf16,
                 block_size a multiple of 256)
-    auto        flash_attn when it can serve this device, dtype and block
-                size, else torch
+    auto        on CUDA: flash_attn when it can serve the dtype and block
+                size, else triton when installed, else torch; on CPU: torch
+                (``auto_choice``; the choice and its reason are logged)
 
 Backends import their heavy dependencies (triton, flash_attn) only when built,
 so this package imports anywhere.
@@ -84,13 +85,35 @@ def _batch_invariant_backend(name: str, device: torch.device, dtype: Optional[to
     return TorchAttentionBackend(batch_invariant=True)
 
 
+def auto_choice(device_type: str, dtype: Optional[torch.dtype], block_size: Optional[int], *,
+                has_flash_attn: bool, has_triton: bool) -> tuple[str, str]:
+    """What ``auto`` builds, and why: ``(backend name, reason)``."""
+    if device_type != "cuda":
+        return "torch", f"{device_type}: the torch backend (native decode kernel where it builds)"
+    if has_flash_attn and dtype in (torch.float16, torch.bfloat16) and block_size is not None \
+            and block_size % 256 == 0:
+        return "flash_attn", f"CUDA, {dtype}, block_size {block_size}"
+    blockers = []
+    if not has_flash_attn:
+        blockers.append("flash-attn is not installed")
+    if dtype not in (torch.float16, torch.bfloat16):
+        blockers.append(f"flash-attn needs float16 or bfloat16, not {dtype}")
+    if block_size is None or block_size % 256:
+        blockers.append(f"flash-attn's paged KV needs block_size a multiple of 256, not {block_size}")
+    if has_triton:
+        return "triton", "CUDA without flash-attn (" + "; ".join(blockers) + "): the Triton decode kernel"
+    return "torch", "CUDA without flash-attn (" + "; ".join(blockers) + ") or triton: the torch backend"
+
+
 def _auto_backend(device: torch.device, dtype: Optional[torch.dtype], block_size: Optional[int]) -> AttentionBackend:
-    if device.type == "cuda":
-        try:
-            return _flash_attn_backend(device, dtype, block_size)
-        except (ImportError, ValueError) as exc:
-            # Expected on many GPU setups (no flash-attn, float32, block_size 16).
-            logger.info("attention backend auto: using torch, flash_attn unavailable (%s)", exc)
+    has_flash_attn = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    has_triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    name, reason = auto_choice(device.type, dtype, block_size, has_flash_attn=has_flash_attn, has_triton=has_triton)
+    logger.info("attention backend auto: %s (%s)", name, reason)
+    if name == "flash_attn":
+        return _flash_attn_backend(device, dtype, block_size)
+    if name == "triton":
+        return _triton_backend(device)
     from workers.model.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
