@@ -23,6 +23,7 @@ from workers.engine.spec_decode import RunnerProposer, Speculator
 from workers.model.config import ModelArchConfig
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
 from workers.provision import (
+    activation_bytes_for,
     load_model_for,
     num_cpu_blocks_for,
     num_kv_blocks_for,
@@ -67,7 +68,9 @@ def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int
     model, arch, dtype = load_model_for(config, model_dir, device)
     block_bytes = kv_block_bytes(arch.num_hidden_layers, config.cache.block_size, arch.num_key_value_heads,
                                  arch.head_dim, dtype, config.cache.kv_cache_dtype)
-    num_blocks = num_kv_blocks_for(config, block_bytes, device, max_model_len)
+    activations = activation_bytes_for(model, config, arch.num_key_value_heads, arch.head_dim, dtype, device,
+                                       max_model_len)
+    num_blocks = num_kv_blocks_for(config, block_bytes, device, max_model_len, activations)
     return ModelRunner(
         model,
         num_layers=arch.num_hidden_layers,

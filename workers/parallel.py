@@ -57,7 +57,7 @@ from workers.model.config import ModelArchConfig
 from workers.model.linear import weight_bytes
 from workers.model.loader import read_arch
 from workers.model.tp import TPContext, TPShard, plan_shards
-from workers.provision import load_model_for, num_cpu_blocks_for, num_kv_blocks_for
+from workers.provision import activation_bytes_for, load_model_for, num_cpu_blocks_for, num_kv_blocks_for
 from workers.runner import ModelRunner, kv_block_bytes
 
 logger = logging.getLogger(__name__)
@@ -176,8 +176,11 @@ class RankWorker:
             arch.num_hidden_layers, self.config.cache.block_size, self.shard.num_kv_heads, arch.head_dim, self.dtype,
             self.config.cache.kv_cache_dtype,
         )
+        # Every rank profiles (the forward's all-reduces need them all), each for its own device.
+        activations = activation_bytes_for(self.model, self.config, self.shard.num_kv_heads, arch.head_dim,
+                                           self.dtype, self.device, max_model_len)
         return RankInfo(
-            max_kv_blocks=num_kv_blocks_for(self.config, block_bytes, self.device, max_model_len),
+            max_kv_blocks=num_kv_blocks_for(self.config, block_bytes, self.device, max_model_len, activations),
             block_bytes=block_bytes,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
