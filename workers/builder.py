@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from tokenizers import Tokenizer
 
 from cluster.shared.config import EngineConfig
-from cluster.shared.sizes import GiB
+from cluster.shared.sizes import GiB, cdiv
 from workers.engine.block_pool import BlockPool
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
@@ -24,6 +24,7 @@ from workers.model.config import ModelArchConfig
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
 from workers.provision import (
     activation_bytes_for,
+    cuda_graph_sizes_for,
     load_model_for,
     num_cpu_blocks_for,
     num_kv_blocks_for,
@@ -83,6 +84,8 @@ def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int
         device=device,
         seed=config.seed,
         kv_cache_dtype=config.cache.kv_cache_dtype,
+        cuda_graph_sizes=cuda_graph_sizes_for(config, device, model),
+        max_blocks_per_seq=cdiv(max_model_len, config.cache.block_size),
     )
 
 

@@ -86,6 +86,23 @@ def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
     return batch
 
 
+def cuda_graph_sizes_for(config: EngineConfig, device: torch.device, model: LlamaForCausalLM,
+                         tensor_parallel: bool = False) -> Optional[list[int]]:
+    """Decode batch sizes to capture as CUDA graphs (``enforce_eager`` False on
+    a GPU, ``workers/cuda_graphs.py``), or None to run eagerly (logged why)."""
+    from workers.cuda_graphs import graph_batch_sizes
+
+    if config.enforce_eager or device.type != "cuda":
+        return None
+    backend = model.model.layers[0].self_attn.attn_backend.name
+    if tensor_parallel or backend != "triton":
+        why = "tensor parallelism" if tensor_parallel else f"the {backend!r} attention backend"
+        logger.info("enforce_eager False: CUDA graphs need the triton attention backend and no tensor "
+                    "parallelism; running eagerly with %s", why)
+        return None
+    return graph_batch_sizes(config.scheduler.max_num_seqs)
+
+
 def activation_bytes_for(model: LlamaForCausalLM, config: EngineConfig, num_kv_heads: int, head_dim: int,
                          dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
     """What ``num_kv_blocks_for`` keeps free for a step: profiled on a GPU

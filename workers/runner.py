@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from cluster.shared.sizes import cdiv
+from workers.cuda_graphs import DecodeGraphs
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.spec_decode import tree_paths
 from workers.model.attention import kv_int8
@@ -80,6 +81,11 @@ class ModelRunner:
         dtype: KV dtype (the model's compute dtype).
         device: Where the model and the KV cache live.
         seed: Seed of the sampler's generator for requests without a seed.
+        cuda_graph_sizes: Decode batch sizes to capture as CUDA graphs
+            (``workers/cuda_graphs.py``); None runs every step eagerly. The
+            cache then holds one block past ``num_kv_blocks`` for padding rows.
+        max_blocks_per_seq: Block-table width of the graphs' buffers.
+        graph_api: The graph calls (tests pass a fake; default CUDA's).
     """
 
     def __init__(
@@ -96,6 +102,9 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        cuda_graph_sizes: Optional[list[int]] = None,
+        max_blocks_per_seq: int = 0,
+        graph_api: Any = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -109,7 +118,8 @@ class ModelRunner:
         self.quantization: Optional[str] = getattr(model, "quantization", None)
         self.weight_bytes = weight_bytes(model) if isinstance(model, torch.nn.Module) else 0
         cache_dtype, row = kv_layout(head_dim, dtype, kv_cache_dtype)
-        shape = (2, num_kv_blocks, block_size, num_kv_heads, row)
+        pad_blocks = 1 if cuda_graph_sizes else 0  # where a graph's padding rows write (never a request's)
+        shape = (2, num_kv_blocks + pad_blocks, block_size, num_kv_heads, row)
         # Zeros, not empty: padded decode gathers read unused slots, and NaN
         # garbage there would poison masked softmax sums.
         self.kv_caches = [lazy_zeros(shape, cache_dtype, device) for _ in range(num_layers)]
@@ -124,6 +134,13 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
         self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
+        self.graphs: Optional[DecodeGraphs] = None
+        if cuda_graph_sizes:
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size=block_size, pad_block=num_kv_blocks,
+                                       max_blocks_per_seq=max_blocks_per_seq, sizes=cuda_graph_sizes, device=device,
+                                       graphs=graph_api)
+            with torch.inference_mode():
+                self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -243,7 +260,10 @@ class ModelRunner:
         order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i].input_token_ids) != 1, -reqs[i].seq_len))
         batch = [reqs[i] for i in order]
         input_ids, positions, meta = self._prepare(batch, tree_rows)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         sample_rows, sample_reqs, owners = [], [], []
         end = 0

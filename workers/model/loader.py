@@ -233,7 +233,7 @@ def load_model(
                                    checkpoint_layers=checkpoint_layers)
         model.quantization = summary.label
     compile = not enforce_eager and tp is None and backend == "native" and quantization is None
-    if not enforce_eager and not compile:
+    if not enforce_eager and not compile and device.type != "cuda":  # a GPU replays CUDA graphs instead
         logger.info("enforce_eager False: compiling needs the native linear backend and no tensor parallelism; "
                     "running eager")
     num_linears = model.finalize(backend, compile=compile)

@@ -243,8 +243,11 @@ class EngineConfig:
             of batch-mates except through prefill chunk boundaries. CPU,
             float32, ``linear_backend`` native.
         enforce_eager: Run the model eagerly. False compiles the decoder stack
-            with ``torch.compile`` (``workers/model/compiled.py``; the native
-            linear backend, no tensor parallelism). The default stays eager:
+            with ``torch.compile`` on CPU (``workers/model/compiled.py``; the
+            native linear backend, no tensor parallelism), and on a GPU
+            replays decode steps as CUDA graphs (``workers/cuda_graphs.py``;
+            the triton attention backend, no tensor parallelism). The default
+            stays eager:
             on CPU the native fused kernels already do what inductor would
             fuse, and measured steps are no faster compiled while the first
             steps pay ~30 s of compilation (``bench latency``).
