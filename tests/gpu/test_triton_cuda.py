@@ -27,3 +27,19 @@ def test_decode_matches_torch(block_size, hq, hkv, head_dim, window, dtype, atol
     cast = [t.to(dtype) for t in (q, k, v, kv_cache)]
     out = TritonAttentionBackend().forward(cast[0], cast[1], cast[2], cast[3], meta, scale, window)
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("block_size, hq, hkv, head_dim", [(16, 9, 3, 64), (32, 32, 8, 128), (1, 4, 1, 80)])
+def test_prefill_matches_torch(block_size, hq, hkv, head_dim, window, dtype, atol):
+    # Decodes first, then a fresh prompt, a chunk after a cached prefix and a long chunk.
+    seq_lens, query_lens = [40, 300, 17, 700, 1000], [1, 1, 17, 200, 1000]
+    case = make_paged_case(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed=hkv, extra_blocks=2)
+    case = case.to("cuda")
+    meta, kv_cache, q, k, v = case.meta, case.kv_cache, case.q, case.k, case.v
+    scale = head_dim**-0.5
+    expected = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, scale, window)
+    cast = [t.to(dtype) for t in (q, k, v, kv_cache)]
+    out = TritonAttentionBackend().forward(cast[0], cast[1], cast[2], cast[3], meta, scale, window)
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)

@@ -65,6 +65,46 @@ def test_mixed_batch_splits_decodes_and_prefill_chunks():
     torch.testing.assert_close(out, reference(case, 0.25, 9), atol=1e-5, rtol=1e-5)
 
 
+# Prefill chunks: fresh prompts and chunks after a cached prefix, lengths across
+# the 32-row / 32-key tiles, any block size, GQA, sliding windows shorter and
+# longer than a chunk.
+PREFILL_CASES = [
+    # block_size, hq, hkv, head_dim, seq_lens, query_lens, window
+    (16, 4, 4, 32, [40, 17, 5], [40, 17, 5], None),
+    (16, 6, 2, 24, [70, 33, 20], [37, 1, 20], None),
+    (4, 4, 1, 16, [50, 9], [30, 9], 7),
+    (1, 2, 2, 16, [35, 12], [35, 4], 40),
+    (8, 8, 2, 64, [66], [66], 20),
+]
+
+
+@pytest.mark.parametrize("block_size, hq, hkv, head_dim, seq_lens, query_lens, window", PREFILL_CASES)
+def test_prefill_kernel_matches_references(block_size, hq, hkv, head_dim, seq_lens, query_lens, window):
+    order = sorted(range(len(seq_lens)), key=lambda i: query_lens[i] != 1)  # decodes first, as the runner does
+    seq_lens, query_lens = [seq_lens[i] for i in order], [query_lens[i] for i in order]
+    case = make_paged_case(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed=hq + head_dim, table_padding=2)
+    scale = 1 / math.sqrt(head_dim)
+    torch_cache = case.kv_cache.clone()
+    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.kv_cache, case.meta, scale, window)
+    torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)
+    flat = case.kv_cache.view(2, -1, hkv, head_dim)
+    slots = case.meta.slot_mapping
+    assert torch.equal(flat[0, slots], case.k) and torch.equal(flat[1, slots], case.v)
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, torch_cache, case.meta, scale, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_in_float16_is_close_to_float32():
+    # 16-bit dots: float16 here (the interpreter mishandles bfloat16, numpy has none; tests/gpu covers it).
+    case = make_paged_case([45, 20], [30, 20], 16, 4, 2, 32, seed=11)
+    scale = 32 ** -0.5
+    want = reference(case, scale, None)
+    cast = [t.to(torch.float16) for t in (case.q, case.k, case.v, case.kv_cache)]
+    out = TritonAttentionBackend().forward(cast[0], cast[1], cast[2], cast[3], case.meta, scale, None)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), want, atol=5e-3, rtol=5e-3)
+
+
 class RecordingBackend:
     """A stand-in fallback that records what it was asked to run."""
 
@@ -150,6 +190,25 @@ for dtype, head_dim, group, window, arch in [
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"], "no cubin"
+
+from workers.model.attention import triton_prefill
+kernel = triton_prefill._paged_prefill_kernel
+names = kernel.arg_names
+for dtype, head_dim, group, window, arch in [
+    (torch.bfloat16, 64, 3, True, 90), (torch.float32, 128, 4, False, 80), (torch.float16, 80, 1, True, 90)
+]:
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    signature = {name: "i32" for name in names[7:]}
+    signature.update({name: "*" + ty for name in names[:4]})
+    signature.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32", scale="fp32")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps = triton_prefill._launch_config(dtype, block_d)
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, KV_BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_D=block_d, HAS_WINDOW=window, DOT_PRECISION="tf32x3")
+    signature.update({name: "constexpr" for name in consts})
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    assert compiled.asm["cubin"], "no prefill cubin"
 print("compiled")
 """
 

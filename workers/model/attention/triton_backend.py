@@ -1,13 +1,14 @@
-"""Attention backend with a Triton paged-decode kernel.
+"""Attention backend on Triton kernels over the paged cache, any block size.
 
-Requests with query length 1 (decodes) go to the Triton kernel in
-``triton_decode.py``; prefill chunks fall back to ``TorchAttentionBackend``.
-The runner orders decodes first (``meta.num_decodes``), so a mixed batch
-splits into two contiguous parts::
+Requests with query length 1 (decodes) go to the decode kernel in
+``triton_decode.py``; prefill chunks (with or without a cached prefix) to the
+varlen kernel in ``triton_prefill.py``, one launch for all of them. The
+runner orders decodes first (``meta.num_decodes``), so a mixed batch splits
+into two contiguous parts::
 
     requests  [0, num_decodes)          [num_decodes, B)
     tokens    [0, num_decodes)          [num_decodes, T)
-              Triton decode kernel      torch fallback (own sub-metadata)
+              Triton decode kernel      Triton prefill kernel (own sub-metadata)
 
 A batch whose every query has length 1 is all decodes, whatever
 ``num_decodes`` says. Neither triton nor the torch backend is imported until
@@ -34,11 +35,11 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 class TritonAttentionBackend:
-    """Triton decode kernel, torch fallback for prefill chunks.
+    """Triton decode and prefill kernels.
 
     Args:
-        fallback: Backend for prefill chunks; ``TorchAttentionBackend()`` when
-            None (created on first use).
+        fallback: A backend to run prefill chunks instead of the Triton
+            prefill kernel (tests); None uses the kernel.
     """
 
     name = "triton"
@@ -46,6 +47,7 @@ class TritonAttentionBackend:
     def __init__(self, fallback: Optional[AttentionBackend] = None) -> None:
         self._fallback = fallback
         self._decode_fn: Any = None
+        self._prefill_fn: Any = None
 
     def forward(
         self,
@@ -67,7 +69,7 @@ class TritonAttentionBackend:
         num_reqs = meta.num_requests
         num_decodes = num_reqs if meta.max_query_len == 1 else meta.num_decodes
         if num_decodes == 0:
-            return self._prefill_backend().forward(q, k, v, kv_cache, meta, scale, sliding_window)
+            return self._prefill(q, k, v, kv_cache, meta, scale, sliding_window)
         assert all(n == 1 for n in meta.query_lens_list[:num_decodes]), "decodes must come first"
         if num_decodes == num_reqs:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -76,9 +78,7 @@ class TritonAttentionBackend:
         out = torch.empty_like(q)
         write_kv(k[:nd], v[:nd], kv_cache, meta.slot_mapping[:nd])
         out[:nd] = self._decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window)
-        out[nd:] = self._prefill_backend().forward(
-            q[nd:], k[nd:], v[nd:], kv_cache, prefill_metadata(meta, nd), scale, sliding_window
-        )
+        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], kv_cache, prefill_metadata(meta, nd), scale, sliding_window)
         return out
 
     def _decode(
@@ -91,26 +91,34 @@ class TritonAttentionBackend:
         sliding_window: Optional[int],
     ) -> torch.Tensor:
         if self._decode_fn is None:
-            if not triton_runs_on(q.device):
-                raise ValueError(
-                    f"the triton attention backend needs a CUDA device, got {q.device}; "
-                    "use attention_backend='torch' on CPU (or TRITON_INTERPRET=1 in tests)"
-                )
-            try:
-                from workers.model.attention.triton_decode import paged_decode_attention
-            except ImportError as exc:
-                raise ImportError(
-                    "the triton attention backend needs the 'triton' package (pip install triton)"
-                ) from exc
-            self._decode_fn = paged_decode_attention
+            self._decode_fn = _import_kernel(q.device, "triton_decode", "paged_decode_attention")
         return self._decode_fn(q, kv_cache, block_tables, seq_lens, scale, sliding_window)
 
-    def _prefill_backend(self) -> AttentionBackend:
-        if self._fallback is None:
-            from workers.model.attention.torch_backend import TorchAttentionBackend
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+        """Chunks of several tokens: their K/V into the cache, then one launch for all."""
+        if self._fallback is not None:
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale, sliding_window)
+        if self._prefill_fn is None:
+            self._prefill_fn = _import_kernel(q.device, "triton_prefill", "paged_prefill_attention")
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._prefill_fn(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                meta.max_query_len, scale, sliding_window)
 
-            self._fallback = TorchAttentionBackend()
-        return self._fallback
+
+def _import_kernel(device: torch.device, module: str, name: str) -> Any:
+    """A kernel entry point of ``workers.model.attention.<module>``, with the errors a user can act on."""
+    if not triton_runs_on(device):
+        raise ValueError(
+            f"the triton attention backend needs a CUDA device, got {device}; "
+            "use attention_backend='torch' on CPU (or TRITON_INTERPRET=1 in tests)"
+        )
+    try:
+        import importlib
+
+        return getattr(importlib.import_module(f"workers.model.attention.{module}"), name)
+    except ImportError as exc:
+        raise ImportError("the triton attention backend needs the 'triton' package (pip install triton)") from exc
 
 
 def prefill_metadata(meta: AttentionMetadata, num_decodes: int) -> AttentionMetadata:
