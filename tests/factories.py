@@ -59,6 +59,22 @@ def make_tiny_model_dir(family: str, path: Path, seed: int = 0, with_tokenizer: 
     return path
 
 
+def make_default_shaped_model_dir(path: Path, seed: int = 0) -> Path:
+    """A random-init model with the default model's shape (SmolLM2-135M: 30
+    layers, hidden 576, 9 query / 3 KV heads, vocabulary 49152, tied
+    embeddings) and a tokenizer, for machines without the default model."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2)
+    model = make_hf_model(config, seed=seed)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, config.vocab_size)
+    return path
+
+
 def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
     """Trains a byte-level BPE of at most ``vocab_size`` tokens on a few
     sentences and saves it as ``tokenizer.json`` (ids 0-2 are special)."""

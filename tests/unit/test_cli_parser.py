@@ -26,3 +26,26 @@ def test_never_suggests_the_flag_that_was_typed(capsys):
 def test_names_the_commands_a_flag_belongs_to(capsys):
     err = _error(capsys, ["generate", "--rounds", "3"])
     assert "--rounds is a flag of bench latency" in err
+
+
+
+def test_commands_run_without_the_packages_other_commands_need(tmp_path):
+    # A bare GPU machine (scripts/gpu_check.sh) has torch but no redis or ray: bench latency must still
+    # parse and run, and a command that needs them says so.
+    import pathlib
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('redis', 'ray'):\n"
+        "    sys.modules[name] = None\n"
+        "from cluster.cli.main import build_parser, main\n"
+        "args = build_parser().parse_args(['bench', 'latency', '--batch-sizes', '1', '--roofline-tbps', '4.8'])\n"
+        "assert args.batch_sizes == [1] and args.roofline_tbps == 4.8\n"
+        "sys.exit(main(['redis-acl', '--anything']))\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "prefixserve redis-acl cannot run here: it needs the redis package" in result.stderr
