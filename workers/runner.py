@@ -24,7 +24,7 @@ from workers.cuda_graphs import DecodeGraphs
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.spec_decode import tree_paths
 from workers.model.attention import kv_int8
-from workers.model.attention.base import AttentionMetadata
+from workers.model.attention.base import AttentionMetadata, host_to_device
 from workers.model.linear import weight_bytes
 from workers.model.sampler import Sampler, token_logprobs
 from workers.swap import BlockSwapper
@@ -278,7 +278,7 @@ class ModelRunner:
         logprobs: list[Optional[list]] = [None for _ in reqs]
         prompt_logprobs = self._prompt_logprobs(hidden, order, batch)
         if sample_rows:
-            rows = torch.tensor(sample_rows, device=self.device)
+            rows = host_to_device(sample_rows, torch.long, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
                 return ModelOutput(sampled_token_ids=[], logprobs=[])
@@ -385,8 +385,8 @@ class ModelRunner:
             meta.tree_tails = (torch.tensor([lo for lo, _ in tails], dtype=torch.int32, device=dev),
                                torch.tensor([t + [0] * (width - len(t)) for _, t in tails], dtype=torch.int64,
                                             device=dev))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        ids = host_to_device(input_ids, torch.long, dev)
+        pos_t = host_to_device(positions, torch.long, dev)
         return ids, pos_t, meta
 
     def _move_kv(self, moves: list[tuple[int, int]]) -> None:

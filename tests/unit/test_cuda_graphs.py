@@ -95,3 +95,16 @@ def test_steps_a_graph_cannot_hold_run_eagerly(tiny):
     outs = llm.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=4))
     assert all(len(o.token_ids) == 4 for o in outs)
     assert fake.replayed == [] and runner.graphs.num_replays == 0
+
+
+def test_step_inputs_reach_a_gpu_through_pinned_memory_without_blocking(monkeypatch):
+    from workers.model.attention.base import host_to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: calls.append(
+        ("to", str(device), non_blocking)) or self)
+    out = host_to_device([3, 4], torch.int32, "cuda")
+    assert calls == ["pin", ("to", "cuda", True)] and out.tolist() == [3, 4]
+    calls.clear()
+    assert host_to_device([5], torch.long, "cpu").tolist() == [5] and calls == []  # CPU: no copy at all

@@ -82,10 +82,10 @@ class AttentionMetadata:
         for n in query_lens:
             starts.append(starts[-1] + n)
         return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot_mapping=host_to_device(slot_mapping, torch.long, device),
+            query_start_loc=host_to_device(starts, torch.int32, device),
+            seq_lens=host_to_device(seq_lens, torch.int32, device),
+            block_tables=host_to_device(tables, torch.int32, device),
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
             max_query_len=max(query_lens),
@@ -111,6 +111,17 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Writes k/v into the cache at ``meta.slot_mapping``, then attends."""
         ...
+
+
+def host_to_device(values: Sequence, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
+    """A step's host list as a tensor on ``device``. On a GPU the list goes
+    through pinned memory with a non-blocking copy, so building a step's
+    inputs does not wait for the GPU (a pageable copy synchronizes); the
+    caching host allocator keeps the pinned block until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
