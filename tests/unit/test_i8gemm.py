@@ -27,7 +27,9 @@ def reference(x, q, scales, bias):
     """The same quantization (in float32, as the kernel: q = round_half_even(x * (127 / max|x|)),
     scale max|x| / 127), then the products and sums in float64."""
     amax = x.abs().amax(dim=1, keepdim=True)
-    xq = torch.clamp(torch.round(x * (127.0 / amax)), -127, 127).double()
+    # A true division, as the kernel's 127.0f / amax: torch computes `127.0 / amax` as a reciprocal times
+    # 127, one more rounding, which flipped the rounding of a near-tie about once in 600 draws.
+    xq = torch.clamp(torch.round(x * (torch.full_like(amax, 127.0) / amax)), -127, 127).double()
     a = (amax / 127.0).double()
     y = (xq @ torch.from_numpy(q).double().T) * a * torch.from_numpy(scales).double()
     return y + (bias.double() if bias is not None else 0)
