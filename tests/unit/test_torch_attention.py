@@ -157,3 +157,28 @@ def test_tree_rows_read_their_own_path(head_dim, committed, window, kv_dtype):
         meta.tree_tails = (tail_lo, tail_slots)
         torch_out = TorchAttentionBackend(native_decode=False)._decode(q, cache, meta, scale, window)
         torch.testing.assert_close(torch_out, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_kv_rows_are_the_same_bytes_whichever_path_writes_them():
+    # Prefill chunks quantize in torch (kv_int8.write), decodes in the native kernel: the same
+    # token's row must be bitwise the same either way, or outputs would depend on the scheduling
+    # (a recompute preemption re-prefills tokens first written by decodes).
+    from workers.model.attention import cpu_decode, kv_int8
+
+    lib = cpu_decode.load(torch.int8)
+    if lib is None:
+        pytest.skip("no C compiler: the native kernel is not built")
+    torch.manual_seed(5)
+    blocks, bs, hkv, dim, rows = 1024, 16, 3, 64, 16384  # ~6M values: a few near-ties among them
+    k = torch.randn(rows, hkv, dim) * torch.rand(rows, 1, 1) * 8
+    v = torch.randn(rows, hkv, dim) * torch.rand(rows, 1, 1) * 8
+    slots = torch.randperm(blocks * bs)[:rows]
+    width = kv_int8.row_width(dim)
+    by_torch = torch.zeros(2, blocks, bs, hkv, width, dtype=torch.int8)
+    kv_int8.write(k, v, by_torch, slots)
+    by_kernel = torch.zeros_like(by_torch)
+    tables = (slots // bs).to(torch.int32).view(rows, 1)
+    lens = (slots % bs + 1).to(torch.int32)
+    q = torch.randn(rows, 9, dim)
+    cpu_decode.paged_decode(lib, q, by_kernel, tables, lens, 0.125, None, new_kv=(k, v, slots))
+    assert torch.equal(by_kernel, by_torch)

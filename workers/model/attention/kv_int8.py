@@ -27,7 +27,10 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     """``[..., head_dim]`` float -> ``[..., head_dim + 4]`` int8 rows (values, then the scale's bytes)."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A true division, as the native kernel's 127.0f / amax: torch computes `127.0 / amax` as a reciprocal
+    # times 127 (an ulp off for a quarter of the values), which could round a near-tie the other way, so
+    # a token's KV would depend on which path (prefill here, decode in C) wrote it.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.clamp(torch.round(x * inv), -127, 127).to(torch.int8)
     scale = (amax / 127.0).contiguous().view(torch.int8)  # [..., 4] bytes of the float32
     return torch.cat((q, scale), dim=-1)
