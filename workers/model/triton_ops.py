@@ -51,7 +51,7 @@ def _build() -> Any:
             tl.store(res_ptr + row * stride_res + cols, r, mask=mask)
         r32 = r.to(tl.float32)
         variance = tl.sum(r32 * r32, axis=0) / hidden
-        normed = (r32 * (1.0 / tl.sqrt(variance + eps))).to(r.dtype)
+        normed = (r32 * tl.math.rsqrt(variance + eps)).to(r.dtype)  # HF: x * torch.rsqrt(variance + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         out = w.to(tl.float32) * normed.to(tl.float32)
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
