@@ -41,22 +41,6 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_size, hq, hkv, head_dim, seq_lens, window", DECODE_CASES)
-def test_decode_matches_references(block_size, hq, hkv, head_dim, seq_lens, window):
-    case = make_paged_case(seq_lens, [1] * len(seq_lens), block_size, hq, hkv, head_dim, seed=hq + block_size,
-                           table_padding=1)
-    scale = 1 / math.sqrt(head_dim)
-    torch_cache = case.kv_cache.clone()
-    out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.kv_cache, case.meta, scale, window)
-    torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)
-    # The new keys and values were written to their slots.
-    flat = case.kv_cache.view(2, -1, hkv, head_dim)
-    slots = case.meta.slot_mapping
-    assert torch.equal(flat[0, slots], case.k) and torch.equal(flat[1, slots], case.v)
-    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, torch_cache, case.meta, scale, window)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-
 def test_mixed_batch_splits_decodes_and_prefill_chunks():
     # Two decodes, a chunk with cached context, a fresh prompt.
     seq_lens, query_lens = [20, 3, 14, 6], [1, 1, 5, 6]
@@ -78,15 +62,19 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_size, hq, hkv, head_dim, seq_lens, query_lens, window", PREFILL_CASES)
-def test_prefill_kernel_matches_references(block_size, hq, hkv, head_dim, seq_lens, query_lens, window):
+@pytest.mark.parametrize("block_size, hq, hkv, head_dim, seq_lens, query_lens, window",
+                         [(b, hq, hkv, d, lens, [1] * len(lens), w) for b, hq, hkv, d, lens, w in DECODE_CASES]
+                         + PREFILL_CASES)
+def test_kernels_match_references(block_size, hq, hkv, head_dim, seq_lens, query_lens, window):
     order = sorted(range(len(seq_lens)), key=lambda i: query_lens[i] != 1)  # decodes first, as the runner does
     seq_lens, query_lens = [seq_lens[i] for i in order], [query_lens[i] for i in order]
-    case = make_paged_case(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed=hq + head_dim, table_padding=2)
+    case = make_paged_case(seq_lens, query_lens, block_size, hq, hkv, head_dim, seed=hq + head_dim + block_size,
+                           table_padding=2)
     scale = 1 / math.sqrt(head_dim)
     torch_cache = case.kv_cache.clone()
     out = TritonAttentionBackend().forward(case.q, case.k, case.v, case.kv_cache, case.meta, scale, window)
     torch.testing.assert_close(out, reference(case, scale, window), atol=1e-5, rtol=1e-5)
+    # The new keys and values were written to their slots.
     flat = case.kv_cache.view(2, -1, hkv, head_dim)
     slots = case.meta.slot_mapping
     assert torch.equal(flat[0, slots], case.k) and torch.equal(flat[1, slots], case.v)

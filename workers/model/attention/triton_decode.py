@@ -44,6 +44,33 @@ _DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
+def _kv_tile_offsets(block_tables_ptr, table_offset, pos, valid, kv_head, dims, stride_c_block, stride_c_slot,
+                     stride_c_head, KV_BLOCK_SIZE: tl.constexpr):
+    """Element offsets ``[len(pos), len(dims)]`` of one KV head's keys (or values)
+    at token positions ``pos``, through the block table at ``table_offset``."""
+    block_ids = tl.load(block_tables_ptr + table_offset + pos // KV_BLOCK_SIZE, mask=valid, other=0)
+    # int64: block_id * stride overflows int32 on large caches.
+    slot_offs = block_ids.to(tl.int64) * stride_c_block + (pos % KV_BLOCK_SIZE) * stride_c_slot \
+        + kv_head * stride_c_head
+    return slot_offs[:, None] + dims[None, :]
+
+
+@triton.jit
+def _online_softmax_tile(scores, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: masked scores (-inf where not seen)
+    ``[M, N]`` and values ``[N, D]`` update the running max, sum and
+    accumulator. A row that has seen nothing yet keeps m = -inf and adds 0."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # P in V's dtype, as flash-attn does: 16-bit tensor-core dots with a float32 accumulator.
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     q_ptr,
@@ -92,28 +119,14 @@ def _paged_decode_kernel(
     for start in range(tile_start, seq_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = (pos < seq_len) & (pos >= first)
-        block_ids = tl.load(block_tables_ptr + req * stride_bt + pos // KV_BLOCK_SIZE, mask=valid, other=0)
-        # int64: block_id * stride overflows int32 on large caches.
-        slot_offs = (
-            block_ids.to(tl.int64) * stride_c_block
-            + (pos % KV_BLOCK_SIZE) * stride_c_slot
-            + kv_head * stride_c_head
-        )
-        kv_offs = slot_offs[:, None] + dims[None, :]
+        kv_offs = _kv_tile_offsets(block_tables_ptr, req * stride_bt, pos, valid, kv_head, dims, stride_c_block,
+                                   stride_c_slot, stride_c_head, KV_BLOCK_SIZE)
         kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_H, BLOCK_N] fp32
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        # P in V's dtype, as flash-attn does: 16-bit tensor-core dots with a
-        # float32 accumulator.
-        acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     o_offs = req * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
@@ -131,6 +144,19 @@ def _launch_config(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
     if dtype.itemsize == 2:
         return 64, 4 if block_d <= 128 else 8
     return 32, 4 if block_d <= 64 else 8
+
+
+def check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shape, dtype and stride checks both kernels' launchers make; ``q`` and
+    ``block_tables`` with a unit last stride."""
+    _, num_heads, head_dim = q.shape
+    cache_head_dim, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, kv_cache.shape)
+    assert q.dtype == kv_cache.dtype, (q.dtype, kv_cache.dtype)
+    assert kv_cache.stride(-1) == 1 and kv_cache[0].stride() == kv_cache[1].stride()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return q, block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
 
 
 def paged_decode_attention(
@@ -158,15 +184,11 @@ def paged_decode_attention(
     Returns:
         [B, num_heads, head_dim] in q's dtype.
     """
-    num_reqs, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, kv_cache.shape)
-    assert q.dtype == kv_cache.dtype, (q.dtype, kv_cache.dtype)
+    num_reqs = q.shape[0]
+    q, block_tables = check_inputs(q, kv_cache, block_tables)
     assert block_tables.shape[0] == num_reqs and seq_lens.shape == (num_reqs,)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    assert kv_cache.stride(-1) == 1 and kv_cache[0].stride() == kv_cache[1].stride()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(q)
     if num_reqs == 0:
         return out

@@ -32,7 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model.attention.triton_decode import _DOT_PRECISION, _MIN_DOT
+from workers.model.attention.triton_decode import (
+    _DOT_PRECISION,
+    _MIN_DOT,
+    _kv_tile_offsets,
+    _online_softmax_tile,
+    check_inputs,
+)
 
 
 @triton.jit
@@ -94,13 +100,8 @@ def _paged_prefill_kernel(
         for start in range(tile_start, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             key_ok = (pos < hi) & (pos >= lo)
-            block_ids = tl.load(block_tables_ptr + req * stride_bt + pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
-            slot_offs = (
-                block_ids.to(tl.int64) * stride_c_block
-                + (pos % KV_BLOCK_SIZE) * stride_c_slot
-                + kv_head * stride_c_head
-            )
-            kv_offs = slot_offs[:, None] + dims[None, :]
+            kv_offs = _kv_tile_offsets(block_tables_ptr, req * stride_bt, pos, key_ok, kv_head, dims,
+                                       stride_c_block, stride_c_slot, stride_c_head, KV_BLOCK_SIZE)
             kv_mask = key_ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
@@ -108,14 +109,8 @@ def _paged_prefill_kernel(
             if HAS_WINDOW:
                 seen = seen & (pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(seen, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_tile(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
@@ -159,16 +154,12 @@ def paged_prefill_attention(
     Returns:
         [T, num_heads, head_dim] in q's dtype.
     """
-    tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, kv_cache.shape)
-    assert q.dtype == kv_cache.dtype, (q.dtype, kv_cache.dtype)
+    tokens = q.shape[0]
+    q, block_tables = check_inputs(q, kv_cache, block_tables)
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
     assert block_tables.shape[0] == num_reqs and query_start_loc.shape == (num_reqs + 1,)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    assert kv_cache.stride(-1) == 1 and kv_cache[0].stride() == kv_cache[1].stride()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     out = torch.empty_like(q)
     if tokens == 0 or num_reqs == 0:
         return out
