@@ -160,3 +160,31 @@ def test_gemm_avx2_build_is_exact_and_invariant_too():
     torch.testing.assert_close(full, (x.double() @ w.double().T + b.double()).float(), atol=1e-4, rtol=1e-5)
     for size in (1, 5, 6, 7, 13, 31, 32, 33, 127, 128, 129):
         assert torch.equal(packed.matmul(x[3 : 3 + size]), full[3 : 3 + size]), size
+
+
+@pytest.mark.parametrize("cols", [1, 7, 15, 16, 17, 49152])
+def test_argmax_rows_is_torchs_argmax_with_ties_and_nans(cols):
+    lib = cpu_ops.load()
+    gen = torch.Generator().manual_seed(cols)
+    rows = []
+    rows.append(torch.randn(cols, generator=gen))
+    rows.append(torch.randint(0, 3, (cols,), generator=gen).float())  # many ties: the first maximum wins
+    rows.append(torch.full((cols,), float("-inf")))  # all -inf: index 0
+    zeros = torch.zeros(cols)
+    zeros[::2] = -0.0  # -0 and +0 tie
+    rows.append(zeros)
+    for where in {0, cols // 2, cols - 1}:  # a NaN anywhere wins, the first one
+        row = torch.randn(cols, generator=gen)
+        row[where] = float("nan")
+        if where + 3 < cols:
+            row[where + 3] = float("nan")
+        rows.append(row)
+    ascending = torch.arange(cols, dtype=torch.float32)
+    rows.append(ascending)  # the last element, found in the tail or the last lane
+    rows.append(ascending.flip(0))
+    x = torch.stack(rows)
+    assert torch.equal(cpu_ops.argmax_rows(lib, x), x.argmax(dim=-1))
+    # Strided rows (a view of wider logits) and many rows (threaded).
+    wide = torch.randn(64, cols + 5, generator=gen)
+    view = wide[:, 2 : 2 + cols]
+    assert torch.equal(cpu_ops.argmax_rows(lib, view), view.argmax(dim=-1))

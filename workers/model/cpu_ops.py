@@ -157,6 +157,61 @@ void silu_and_mul_f32(const float* gu, float* out, long tokens, long inter) {
         for (; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
 }
+
+/* out[r] = the index of the first maximum of row r, or of its first NaN if it
+   has one (torch.argmax's rule): the greedy sampler's argmax in one pass over
+   the logits, eight lanes at a time, rows split over the threads. */
+void argmax_rows_f32(const float* x, long rows, long cols, long ld, long* out) {
+    #pragma omp parallel for schedule(static) if (rows * cols >= 262144)
+    for (long r = 0; r < rows; ++r) {
+        const float* v = x + r * ld;
+        long best = 0, i = 0;
+        float top = v[0];
+        int has_nan = 0;
+#if defined(__AVX2__)
+        if (cols >= 16) {
+            __m256 bv = _mm256_loadu_ps(v);
+            __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bi;
+            const __m256i eight = _mm256_set1_epi32(8);
+            __m256 nan = _mm256_cmp_ps(bv, bv, _CMP_UNORD_Q);
+            for (i = 8; i + 8 <= cols; i += 8) {
+                idx = _mm256_add_epi32(idx, eight);
+                const __m256 cur = _mm256_loadu_ps(v + i);
+                const __m256 gt = _mm256_cmp_ps(cur, bv, _CMP_GT_OQ);  /* strictly: ties keep the earlier index */
+                bv = _mm256_blendv_ps(bv, cur, gt);
+                bi = _mm256_blendv_epi8(bi, idx, _mm256_castps_si256(gt));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(cur, cur, _CMP_UNORD_Q));
+            }
+            has_nan = _mm256_movemask_ps(nan);
+            if (!has_nan) {
+                float vals[8];
+                int idxs[8];
+                _mm256_storeu_ps(vals, bv);
+                _mm256_storeu_si256((__m256i*)idxs, bi);
+                top = vals[0];
+                best = idxs[0];
+                for (int j = 1; j < 8; ++j)
+                    if (vals[j] > top || (vals[j] == top && idxs[j] < best)) { top = vals[j]; best = idxs[j]; }
+            }
+        } else {
+            i = 1;
+        }
+#else
+        i = 1;
+#endif
+        if (has_nan) {
+            for (i = 0; i < cols && !isnan(v[i]); ++i) {}
+            best = i;
+        } else {
+            if (isnan(top)) i = cols;  /* v[0] is NaN: it is the answer */
+            for (; i < cols; ++i) {
+                if (isnan(v[i])) { best = i; break; }
+                if (v[i] > top) { top = v[i]; best = i; }
+            }
+        }
+        out[r] = best;
+    }
+}
 """
 
 # -ffp-contract=off: a * c - b * s is not fused into one FMA in some rows and not
@@ -169,6 +224,7 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _L, _L, _F],
     "rotary_f32": [_P, _L, _L, _L, _L, _P, _P],
     "silu_and_mul_f32": [_P, _P, _L, _L],
+    "argmax_rows_f32": [_P, _L, _L, _L, _P],
 }
 
 
@@ -210,4 +266,14 @@ def silu_and_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["add_rms_norm", "load", "rotary", "silu_and_mul", "_ok"]
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64) of float32 ``[N, V]`` rows with a unit column
+    stride, torch's answer for ties (the first) and NaNs (the first NaN)."""
+    rows, cols = x.shape
+    assert x.stride(1) == 1 and cols > 0
+    out = torch.empty(rows, dtype=torch.long)
+    lib.argmax_rows_f32(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr())
+    return out
+
+
+__all__ = ["add_rms_norm", "argmax_rows", "load", "rotary", "silu_and_mul", "_ok"]

@@ -181,6 +181,7 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._native: Optional[object] = None  # cpu_ops, for the greedy argmax on CPU (loaded on first use)
 
     def __call__(
         self, logits: torch.Tensor, requests: list[ScheduledRequest]
@@ -201,11 +202,25 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if all(p.greedy and not p.has_penalties for p in params):
             # Fast path: one argmax, no copies.
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self._argmax(logits)
         else:
             token_ids = self._sample(logits, requests)
         token_list = token_ids.tolist()
         return token_list, self._logprobs(logits, token_ids, requests)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)``; on CPU the native one-pass kernel (torch's
+        takes ~1.4 ms for 32 rows of 49152 here, the kernel ~0.2)."""
+        if logits.device.type == "cpu" and logits.stride(1) == 1 and logits.shape[1]:
+            if self._native is None:
+                from workers.model import cpu_ops
+
+                self._native = cpu_ops.load() or False
+            if self._native:
+                from workers.model.cpu_ops import argmax_rows
+
+                return argmax_rows(self._native, logits)
+        return logits.argmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Penalties, then greedy rows by argmax and random rows by the race."""
@@ -215,7 +230,7 @@ class Sampler:
             logits = logits.clone()
             index = torch.tensor(penalized_rows, device=logits.device)
             logits[index] = apply_penalties(logits[index], [requests[i] for i in penalized_rows])
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self._argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
