@@ -16,6 +16,11 @@ from the default model's file (F32 by default: the same float32 weights
 our engine computes with), with as many threads as ours, and its greedy
 output is checked against ours.
 
+With ``--compare``, decode steps of the two engines alternate, 8 of ours
+then 8 of llama.cpp's (``--interleave-steps``), both batches alive all the
+while: this machine's speed drifts by 10-40% over seconds to minutes, which
+separate measurements turn into noise in the ratio and interleaving cancels.
+
 ``--profile`` adds a per-step breakdown (linear, attention, LM head,
 sampler, the rest in Python) of a decode step at each batch size.
 
@@ -31,7 +36,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from cluster.client.table import format_table
 
@@ -50,6 +55,9 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-weights", choices=["f32", "q8_0", "q4_1"], default="f32",
                         help="llama.cpp's GGUF: f32 (our weights), or a quantized one")
     parser.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's)")
+    parser.add_argument("--interleave-steps", type=int, default=8,
+                        help="with --compare: decode steps of one engine before switching to the other, both "
+                             "engines' batches alive at once (0: one engine's steps, then the other's)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate both engines this many times and keep each figure's median "
                              "(evens out a machine whose speed drifts)")
@@ -68,6 +76,11 @@ def make_prompts(n: int, length: int, vocab_size: int, skip_ids: set[int], rng: 
 
 def engine_decode_steps(llm: Any, prompts: list[list[int]], num_steps: int) -> list[float]:
     """Seconds of each of ``num_steps`` decode steps with every prompt in the batch."""
+    return list(engine_decode_step_iter(llm, prompts, num_steps))
+
+
+def engine_decode_step_iter(llm: Any, prompts: list[list[int]], num_steps: int) -> Iterator[float]:
+    """``engine_decode_steps`` one step at a time (the prefill runs, untimed, before the first)."""
     from cluster.shared.types import SamplingParams
 
     engine = llm.engine
@@ -78,13 +91,33 @@ def engine_decode_steps(llm: Any, prompts: list[list[int]], num_steps: int) -> l
     started: set[str] = set()
     while len(started) < len(requests):  # prefill (maybe several steps), untimed
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
-    times = []
+    done = 0
     while engine.has_unfinished_requests():
         begin = time.perf_counter()
         outs = engine.step()
-        times.append(time.perf_counter() - begin)
+        elapsed = time.perf_counter() - begin
         assert all(len(o.new_token_ids) == 1 for o in outs), "every sequence decodes one token per step"
-    return times[:num_steps]
+        if done < num_steps:
+            done += 1
+            yield elapsed
+
+
+def interleaved_decode(ours: Iterator[float], theirs: Iterator[float], chunk: int) -> tuple[list[float], list[float]]:
+    """Runs two engines' decode steps alternately, ``chunk`` steps of one, then
+    ``chunk`` of the other, to the end of both: a machine whose speed drifts
+    over seconds then slows both alike, and the ratio of the medians holds."""
+    times: tuple[list[float], list[float]] = ([], [])
+    iters = [ours, theirs]
+    live = [True, True]
+    while any(live):
+        for which in (0, 1):
+            for _ in range(chunk if live[which] else 0):
+                step = next(iters[which], None)
+                if step is None:
+                    live[which] = False
+                    break
+                times[which].append(step)
+    return times
 
 
 def engine_prefill_seconds(llm: Any, prompt: list[int]) -> float:
@@ -131,6 +164,11 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         # Fresh prompts each round: nothing comes from the prefix cache.
         workload = {b: make_prompts(b, args.input_len, vocab, skip, rng) for b in args.batch_sizes}
         prefill_prompts = make_prompts(args.num_iters, args.prefill_len, vocab, skip, rng) if args.prefill_len else []
+        if args.compare == "llama.cpp" and args.interleave_steps > 0:
+            ours, theirs = _measure_interleaved(llm, workload, prefill_prompts, args, threads)
+            ours_rounds.append(ours)
+            peer_rounds.append(theirs)
+            continue
         ours_rounds.append(_measure_ours(llm, workload, prefill_prompts, args))
         if args.compare == "llama.cpp":
             peer_rounds.append(_measure_llama_cpp(llm, workload, prefill_prompts, args, threads))
@@ -140,6 +178,7 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "load_seconds": round(load_s, 2), "warmup_seconds": round(warmup_s, 2),
         "prefixserve": median_of_rounds(ours_rounds),
         "device": llm.runner.description, "weight_bytes": llm.runner.weight_bytes,
+        "interleave_steps": args.interleave_steps if args.compare == "llama.cpp" else 0,
     }
     if args.roofline_tbps:
         report["roofline"] = roofline(report["prefixserve"]["decode"], llm.runner.weight_bytes, args.roofline_tbps)
@@ -186,11 +225,8 @@ def _measure_ours(llm: Any, workload: dict[int, list[list[int]]], prefill_prompt
                   args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"decode": {}}
     for batch, prompts in workload.items():
-        times = engine_decode_steps(llm, prompts, args.output_len)
-        step = statistics.median(times)
-        out["decode"][str(batch)] = {"step_ms": round(step * 1e3, 2), "tokens_per_s": round(batch / step, 2),
-                                     "step_ms_min": round(min(times) * 1e3, 2)}
-        logger.info("prefixserve batch %d: %.1f ms/step, %.1f tok/s", batch, step * 1e3, batch / step)
+        out["decode"][str(batch)] = fig = _decode_figures(batch, engine_decode_steps(llm, prompts, args.output_len))
+        logger.info("prefixserve batch %d: %.1f ms/step, %.1f tok/s", batch, fig["step_ms"], fig["tokens_per_s"])
     if prefill_prompts:
         secs = statistics.median(engine_prefill_seconds(llm, p) for p in prefill_prompts)
         out["prefill"] = {"tokens": len(prefill_prompts[0]), "seconds": round(secs, 4),
@@ -199,8 +235,39 @@ def _measure_ours(llm: Any, workload: dict[int, list[list[int]]], prefill_prompt
     return out
 
 
+def _decode_figures(batch: int, times: list[float]) -> dict[str, float]:
+    step = statistics.median(times)
+    return {"step_ms": round(step * 1e3, 2), "tokens_per_s": round(batch / step, 2),
+            "step_ms_min": round(min(times) * 1e3, 2)}
+
+
+def _measure_interleaved(llm: Any, workload: dict[int, list[list[int]]], prefill_prompts: list[list[int]],
+                         args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One round with llama.cpp, the decode steps of both engines interleaved
+    (``interleaved_decode``); prefill as in ``_measure_ours`` / llama.cpp's own."""
+    from cluster.bench import llama_cpp_peer
+
+    ours = _measure_ours(llm, {}, prefill_prompts, args)
+    theirs = _measure_llama_cpp(llm, {}, prefill_prompts, args, threads, check_prompt=next(iter(workload.values()))[0])
+    gguf = Path(theirs["gguf"])
+    longest = max(len(p) for ps in workload.values() for p in ps) + args.output_len
+    with llama_cpp_peer.LlamaCppPeer(gguf, n_threads=threads, n_ctx=max(1024, longest),
+                                     n_seq_max=max([32, *workload])) as peer:
+        for batch, prompts in workload.items():
+            mine, other = interleaved_decode(engine_decode_step_iter(llm, prompts, args.output_len),
+                                             peer.decode_steps(prompts, args.output_len), args.interleave_steps)
+            ours["decode"][str(batch)] = _decode_figures(batch, mine)
+            theirs["decode"][str(batch)] = _decode_figures(batch, other)
+            logger.info("batch %d, interleaved every %d steps: prefixserve %.1f ms, llama.cpp %.1f ms a step", batch,
+                        args.interleave_steps, statistics.median(mine) * 1e3, statistics.median(other) * 1e3)
+    return ours, theirs
+
+
 def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_prompts: list[list[int]],
-                       args: argparse.Namespace, threads: int) -> dict[str, Any]:
+                       args: argparse.Namespace, threads: int, check_prompt: Optional[list[int]] = None
+                       ) -> dict[str, Any]:
+    """llama.cpp's figures for ``workload`` (may be empty: prefill only) and its
+    greedy agreement with ours on ``check_prompt`` (default the first prompt)."""
     from cluster.bench import llama_cpp_peer, peer_weights
     from cluster.shared.types import SamplingParams
     from cluster.shared.cache import cache_root
@@ -208,7 +275,7 @@ def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_p
     if llm.config.model is not None:
         raise ValueError("--compare llama.cpp runs on the default model (its GGUF file): drop --model")
     gguf = peer_weights.peer_gguf(args.peer_weights, cache_root())
-    first = next(iter(workload.values()))[0]
+    first = check_prompt if check_prompt is not None else next(iter(workload.values()))[0]
     ours = llm.generate([first], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
     prefill = prefill_prompts[0] if prefill_prompts else first
     raw = llama_cpp_peer.measure(gguf, workload, args.output_len, prefill, n_threads=threads)
@@ -253,6 +320,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
     lines = format_table(rows)
     lines.append(f"load {report['load_seconds']} s, warm-up {report['warmup_seconds']} s, {report['threads']} threads, "
                  f"median of {report['rounds']} round(s)"
+                 + (f"; decode steps interleaved with llama.cpp's, {report['interleave_steps']} at a time"
+                    if peer and report.get("interleave_steps") else "")
                  + (f"; greedy agreement with llama.cpp: {peer['greedy_agreement']}" if peer else ""))
     line = report.get("roofline")
     if line:

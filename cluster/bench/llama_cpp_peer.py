@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -208,7 +208,14 @@ class LlamaCppPeer:
         return time.perf_counter() - start
 
     def decode_step_seconds(self, prompts: list[list[int]], num_steps: int) -> list[float]:
-        """Seconds of each of ``num_steps`` decode steps of ``len(prompts)`` sequences together.
+        """Seconds of each of ``num_steps`` decode steps of ``len(prompts)`` sequences together
+        (``decode_steps``, run to the end)."""
+        return list(self.decode_steps(prompts, num_steps))
+
+    def decode_steps(self, prompts: list[list[int]], num_steps: int) -> Iterator[float]:
+        """Runs ``num_steps`` decode steps of ``len(prompts)`` sequences together,
+        yielding each step's seconds (so a caller can interleave them with
+        another engine's steps).
 
         Each prompt is prefilled into its own sequence (ids 0..B-1), untimed.
         Each step is one ``llama_decode`` of B tokens, one new (greedy) token
@@ -226,18 +233,17 @@ class LlamaCppPeer:
         tokens = [self._prefill(prompt, seq) for seq, prompt in enumerate(prompts)]
         positions = [len(p) for p in prompts]
         decoded = [[t] for t in tokens]
-        times: list[float] = []
         for _ in range(num_steps):
             self._fill([(tokens[s], positions[s], s, True) for s in range(n_seqs)])
             start = time.perf_counter()
             self._decode()
             tokens = [self._argmax(s) for s in range(n_seqs)]
-            times.append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
             positions = [p + 1 for p in positions]
             for seq, token in enumerate(tokens):
                 decoded[seq].append(token)
-        self.last_decoded = decoded
-        return times
+            self.last_decoded = decoded
+            yield elapsed
 
 
 def measure(

@@ -13,3 +13,18 @@ def test_bench_latency_roofline_line():
     text = "\n".join(format_report(report))
     assert "weight-read roofline at 4.8 TB/s: 0.113 ms a step (0.54 GB); reached 22% at batch 1, 11% at batch 32" \
         in text
+
+
+def test_interleaved_decode_alternates_in_chunks_to_the_end_of_both():
+    from cluster.bench.latency import interleaved_decode
+
+    order = []
+
+    def steps(name, n):
+        for i in range(n):
+            order.append(name)
+            yield float(i)
+
+    ours, theirs = interleaved_decode(steps("a", 5), steps("b", 9), chunk=2)
+    assert ours == [0.0, 1.0, 2.0, 3.0, 4.0] and theirs == [float(i) for i in range(9)]
+    assert "".join(order) == "aabbaabbabbbbb"
