@@ -130,8 +130,11 @@ def test_kernels_compile_for_cuda_without_a_gpu():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
                             text=True)
-    api_or_tool_missing = ("ImportError", "AttributeError", "FileNotFoundError")
-    if result.returncode and any(marker in result.stderr for marker in api_or_tool_missing):
+    # Skip only where triton's offline API or ptxas is missing (a module without the name, no file);
+    # any other error, e.g. a kernel's signature out of step with the script, fails.
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    api_or_tool_missing = ("ImportError", "ModuleNotFoundError", "FileNotFoundError", "AttributeError: module ")
+    if result.returncode and last.startswith(api_or_tool_missing):
         pytest.skip(f"cannot compile Triton kernels offline here: {result.stderr.strip().splitlines()[-1]}")
     assert result.returncode == 0, result.stderr
 

@@ -23,8 +23,16 @@ stored. Scores, softmax and the accumulator are float32; 16-bit caches use
 tensor-core dots on 16-bit inputs (P is cast to V's dtype, as in flash-attn),
 float32 caches use "tf32x3" dots (about float32 accuracy, ~1e-6 relative).
 
-Not done yet: splitting long sequences over several programs (flash-decoding),
-which would help small batches with long contexts on a GPU.
+Flash-decoding: a sequence longer than ``SPLIT`` (512) positions is cut at
+absolute multiples of it, each split attended by its own program (grid
+``(num_requests, num_kv_heads, splits)``), which keeps a small batch with long
+contexts from leaving the GPU's multiprocessors idle; a second kernel merges
+the splits' (max, sum, unnormalized output) in order. The cuts depend only on
+the request's own length, so its result never depends on its batch-mates,
+and a sequence of one split is written directly, as without splits. The grid's
+split count comes from the block-table width (no read of ``seq_lens`` on the
+host: no sync, and fixed inside a CUDA graph); programs past a request's
+splits return at once.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ import triton.language as tl
 
 # tl.dot needs every dimension >= 16.
 _MIN_DOT = 16
+# Positions per split of a long sequence (flash-decoding): cut at absolute
+# multiples, so a request's result depends on its own length only.
+SPLIT = 512
 # Float32 dots: "tf32x3" (three TF32 tensor-core passes) is float32-accurate
 # (~1e-6 relative); plain "tf32" is not, "ieee" spills registers. 16-bit
 # inputs ignore it.
@@ -73,6 +84,7 @@ def _online_softmax_tile(scores, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _paged_decode_kernel(
     out_ptr,
+    partial_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -96,9 +108,12 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
 
     rows = tl.arange(0, BLOCK_H)
@@ -111,14 +126,20 @@ def _paged_decode_kernel(
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(seq_len - window, 0)
-    tile_start = (first // BLOCK_N) * BLOCK_N
-
+    # Split `split` of this request: absolute positions [(first // SPLIT + split) * SPLIT, + SPLIT) within
+    # [first, seq_len); the cuts depend on the request alone, never on its batch.
+    num_splits = (seq_len - 1) // SPLIT - first // SPLIT + 1
+    if split >= num_splits:
+        return
+    split_lo = tl.maximum((first // SPLIT + split) * SPLIT, first)
+    split_hi = tl.minimum((first // SPLIT + split + 1) * SPLIT, seq_len)
+    tile_start = (split_lo // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for start in range(tile_start, seq_len, BLOCK_N):
+    for start in range(tile_start, split_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = (pos < seq_len) & (pos >= first)
+        valid = (pos < split_hi) & (pos >= split_lo)
         kv_offs = _kv_tile_offsets(block_tables_ptr, req * stride_bt, pos, valid, kv_head, dims, stride_c_block,
                                    stride_c_slot, stride_c_head, KV_BLOCK_SIZE)
         kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
@@ -128,9 +149,47 @@ def _paged_decode_kernel(
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         m_i, l_i, acc = _online_softmax_tile(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
-    o_offs = req * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if num_splits == 1:
+        out = acc / l_i[:, None]
+        o_offs = req * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:  # this split's running max, sum and unnormalized sum: _merge_splits_kernel combines them in order
+        part = partial_ptr + ((req * MAX_SPLITS + split) * (GROUP * tl.num_programs(1)) + heads) * (BLOCK_D + 2)
+        h_ok = rows < GROUP
+        tl.store(part, m_i, mask=h_ok)
+        tl.store(part + 1, l_i, mask=h_ok)
+        tl.store(part[:, None] + 2 + dims[None, :], acc, mask=h_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, partial_ptr, seq_lens_ptr, window, stride_o_tok, stride_o_head, num_heads,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One (request, query head) of a request with several splits: the splits'
+    results merged in order (flash-decoding's second pass)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    num_splits = (seq_len - 1) // SPLIT - first // SPLIT + 1
+    if num_splits > 1:
+        dims = tl.arange(0, BLOCK_D)
+        m = tl.full([1], float("-inf"), dtype=tl.float32)
+        for s in range(0, num_splits):
+            part = partial_ptr + ((req * MAX_SPLITS + s) * num_heads + head) * (BLOCK_D + 2)
+            m = tl.maximum(m, tl.load(part + tl.arange(0, 1)))
+        total = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s in range(0, num_splits):
+            part = partial_ptr + ((req * MAX_SPLITS + s) * num_heads + head) * (BLOCK_D + 2)
+            weight = tl.exp(tl.load(part + tl.arange(0, 1)) - m)
+            total += tl.load(part + 1 + tl.arange(0, 1)) * weight
+            acc += tl.load(part + 2 + dims) * weight
+        out = acc / total
+        tl.store(out_ptr + req * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_DIM)
 
 
 def _launch_config(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
@@ -196,8 +255,14 @@ def paged_decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     block_n, num_warps = _launch_config(kv_cache.dtype, block_d)
-    _paged_decode_kernel[(num_reqs, num_kv_heads)](
+    # The grid covers the most splits any request of this table width can have: a bound known on the
+    # host without reading seq_lens (no sync, and fixed for a CUDA graph's buffers).
+    max_splits = triton.cdiv(block_tables.shape[1] * block_size, SPLIT)
+    partial = torch.empty(num_reqs * max_splits * num_heads * (block_d + 2) if max_splits > 1 else 1,
+                          dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num_reqs, num_kv_heads, max_splits)](
         out,
+        partial,
         q,
         k_cache,
         v_cache,
@@ -221,6 +286,13 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_DOT_PRECISION,
+        SPLIT=SPLIT,
+        MAX_SPLITS=max_splits,
         num_warps=num_warps,
     )
+    if max_splits > 1:
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            out, partial, seq_lens, int(sliding_window or 0), out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=SPLIT, MAX_SPLITS=max_splits,
+            HAS_WINDOW=sliding_window is not None)
     return out
