@@ -218,6 +218,13 @@ def check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     return q, block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
 
 
+def scalar_args(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                scale: float, sliding_window: Optional[int]) -> tuple:
+    """The scale, window and strides both kernels take after their pointers, in their order."""
+    return (float(scale), int(sliding_window or 0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -268,16 +275,7 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         seq_lens,
-        float(scale),
-        int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        *scalar_args(q, out, k_cache, block_tables, scale, sliding_window),
         HEAD_DIM=head_dim,
         GROUP=group,
         KV_BLOCK_SIZE=block_size,

@@ -38,6 +38,7 @@ from workers.model.attention.triton_decode import (
     _kv_tile_offsets,
     _online_softmax_tile,
     check_inputs,
+    scalar_args,
 )
 
 
@@ -175,16 +176,7 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        float(scale),
-        int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        *scalar_args(q, out, k_cache, block_tables, scale, sliding_window),
         HEAD_DIM=head_dim,
         GROUP=num_heads // num_kv_heads,
         KV_BLOCK_SIZE=block_size,
