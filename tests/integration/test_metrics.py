@@ -317,14 +317,15 @@ def test_with_two_routers_each_replica_series_is_exported_once(cluster):
 
             # Read the replicas' own counts before and after the two scrapes: the last
             # request's tokens reach the directory with a heartbeat (1 s), so retry until
-            # nothing moved in between.
+            # nothing moved over more than a heartbeat (a shorter window let a late one land
+            # after it and change the counts the new lease holder exports below).
             deadline = time.monotonic() + WAIT_S
             while True:
                 own = await own_counts()
                 texts = [await r.render() for r in routers]
+                await asyncio.sleep(1.5)
                 if own == await own_counts() or time.monotonic() > deadline:
                     break
-                await asyncio.sleep(0.5)
             assert len(own) == 2 and sum(own.values()) > 0
             summed: dict[str, float] = defaultdict(float)
             for text in texts:
