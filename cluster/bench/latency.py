@@ -245,14 +245,21 @@ def _measure_interleaved(llm: Any, workload: dict[int, list[list[int]]], prefill
                          args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One round with llama.cpp, the decode steps of both engines interleaved
     (``interleaved_decode``); prefill as in ``_measure_ours`` / llama.cpp's own."""
-    from cluster.bench import llama_cpp_peer
+    from cluster.bench import llama_cpp_peer, peer_weights
+    from cluster.shared.cache import cache_root
 
+    if llm.config.model is not None:
+        raise ValueError("--compare llama.cpp runs on the default model (its GGUF file): drop --model")
     ours = _measure_ours(llm, {}, prefill_prompts, args)
-    theirs = _measure_llama_cpp(llm, {}, prefill_prompts, args, threads, check_prompt=next(iter(workload.values()))[0])
-    gguf = Path(theirs["gguf"])
-    longest = max(len(p) for ps in workload.values() for p in ps) + args.output_len
+    gguf = peer_weights.peer_gguf(args.peer_weights, cache_root())
+    longest = max([len(p) for p in prefill_prompts]
+                  + [len(p) + args.output_len for ps in workload.values() for p in ps])
+    # One llama.cpp context for the round: prefill, the greedy check and every batch size.
     with llama_cpp_peer.LlamaCppPeer(gguf, n_threads=threads, n_ctx=max(1024, longest),
-                                     n_seq_max=max([32, *workload])) as peer:
+                                     n_seq_max=max([32, *workload]),
+                                     n_batch=max([512, *(len(p) for p in prefill_prompts)])) as peer:
+        theirs = _measure_llama_cpp(llm, {}, prefill_prompts, args, threads,
+                                    check_prompt=next(iter(workload.values()))[0], peer=peer)
         for batch, prompts in workload.items():
             mine, other = interleaved_decode(engine_decode_step_iter(llm, prompts, args.output_len),
                                              peer.decode_steps(prompts, args.output_len), args.interleave_steps)
@@ -264,10 +271,11 @@ def _measure_interleaved(llm: Any, workload: dict[int, list[list[int]]], prefill
 
 
 def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_prompts: list[list[int]],
-                       args: argparse.Namespace, threads: int, check_prompt: Optional[list[int]] = None
-                       ) -> dict[str, Any]:
+                       args: argparse.Namespace, threads: int, check_prompt: Optional[list[int]] = None,
+                       peer: Any = None) -> dict[str, Any]:
     """llama.cpp's figures for ``workload`` (may be empty: prefill only) and its
-    greedy agreement with ours on ``check_prompt`` (default the first prompt)."""
+    greedy agreement with ours on ``check_prompt`` (default the first prompt),
+    on ``peer`` when given (else on contexts opened here)."""
     from cluster.bench import llama_cpp_peer, peer_weights
     from cluster.shared.types import SamplingParams
     from cluster.shared.cache import cache_root
@@ -278,9 +286,12 @@ def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_p
     first = check_prompt if check_prompt is not None else next(iter(workload.values()))[0]
     ours = llm.generate([first], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
     prefill = prefill_prompts[0] if prefill_prompts else first
-    raw = llama_cpp_peer.measure(gguf, workload, args.output_len, prefill, n_threads=threads)
-    with llama_cpp_peer.LlamaCppPeer(gguf, n_threads=threads) as peer:
+    raw = llama_cpp_peer.measure(gguf, workload, args.output_len, prefill, n_threads=threads, peer=peer)
+    if peer is not None:
         theirs = peer.greedy(first, 32)
+    else:
+        with llama_cpp_peer.LlamaCppPeer(gguf, n_threads=threads) as opened:
+            theirs = opened.greedy(first, 32)
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     result: dict[str, Any] = {
         "weights": args.peer_weights, "gguf": raw["gguf"], "greedy_agreement": f"{agree}/32",

@@ -16,11 +16,12 @@ the ids are the same (checked when the peer was written).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -252,8 +253,10 @@ def measure(
     num_steps: int,
     prefill_prompt: list[int],
     n_threads: int = 2,
+    peer: Optional["LlamaCppPeer"] = None,
 ) -> dict[str, Any]:
-    """llama.cpp's decode steps per batch size and its prefill speed, as plain (JSON) data.
+    """llama.cpp's decode steps per batch size and its prefill speed, as plain (JSON) data
+    (on ``peer`` when given, a context big enough for them; else on one opened here).
 
     Returns ``{"engine", "gguf", "n_threads", "prefill": {tokens, seconds
     (median of 3), tokens_per_s, runs_s}, "decode": [{batch_size, num_steps,
@@ -271,13 +274,11 @@ def measure(
             raise ValueError(f"batch size {size} was given {len(prompts)} prompts")
     longest = max([len(prefill_prompt)] + [len(p) + num_steps for ps in prompts_by_batch.values() for p in ps])
     n_seq_max = max([32] + list(prompts_by_batch))
-    with LlamaCppPeer(
-        gguf_path,
-        n_threads=n_threads,
-        n_ctx=max(1024, longest),
-        n_seq_max=n_seq_max,
-        n_batch=max(512, len(prefill_prompt)),
-    ) as peer:
+    opened = peer is None
+    if peer is None:
+        peer = LlamaCppPeer(gguf_path, n_threads=n_threads, n_ctx=max(1024, longest), n_seq_max=n_seq_max,
+                            n_batch=max(512, len(prefill_prompt)))
+    with peer if opened else contextlib.nullcontext(peer):
         peer.prefill_seconds(prefill_prompt)  # warm-up: graph allocation, page faults
         runs = [peer.prefill_seconds(prefill_prompt) for _ in range(3)]
         prefill_s = statistics.median(runs)

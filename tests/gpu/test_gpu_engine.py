@@ -88,8 +88,8 @@ def _hf(model_dir, prompts, dtype):
     return tokens, first_logprobs
 
 
-def _ours(prompts, preemptions=None, **engine_args):
-    with LLM(MODEL[0], device="cuda", **engine_args) as llm:
+def _ours(model_dir, prompts, preemptions=None, **engine_args):
+    with LLM(str(model_dir), device="cuda", **engine_args) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                                                     logprobs=1))
         result = [o.token_ids for o in outs], [o.logprobs[0].logprob for o in outs]
@@ -100,17 +100,9 @@ def _ours(prompts, preemptions=None, **engine_args):
     return result
 
 
-MODEL: list = [None]  # the folder _ours loads (set by the autouse fixture below)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _model_for_ours(model_dir):
-    MODEL[0] = str(model_dir)
-
-
 def test_float32_greedy_is_token_identical_to_transformers(model_dir, prompts):
     want, _ = _hf(model_dir, prompts, torch.float32)
-    got, _ = _ours(prompts, dtype="float32")
+    got, _ = _ours(model_dir, prompts, dtype="float32")
     assert got == want
 
 
@@ -118,7 +110,7 @@ def test_float32_greedy_is_token_identical_to_transformers(model_dir, prompts):
 def test_16_bit_within_tolerance_of_transformers(model, prompts, dtype, tol):
     model_dir, random_weights = model
     want, want_lp = _hf(model_dir, prompts, dtype)
-    got, got_lp = _ours(prompts, dtype=str(dtype).removeprefix("torch."))
+    got, got_lp = _ours(model_dir, prompts, dtype=str(dtype).removeprefix("torch."))
     for a, b in zip(got_lp, want_lp):
         assert abs(a - b) <= tol, (got_lp, want_lp)
     if random_weights:
@@ -128,9 +120,9 @@ def test_16_bit_within_tolerance_of_transformers(model, prompts, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_replay_the_eager_tokens(prompts, dtype):
-    eager, _ = _ours(prompts, dtype=dtype, attention_backend="triton", enforce_eager=True)
-    with LLM(device="cuda", dtype=dtype, attention_backend="triton", enforce_eager=False) as llm:
+def test_cuda_graphs_replay_the_eager_tokens(model_dir, prompts, dtype):
+    eager, _ = _ours(model_dir, prompts, dtype=dtype, attention_backend="triton", enforce_eager=True)
+    with LLM(str(model_dir), device="cuda", dtype=dtype, attention_backend="triton", enforce_eager=False) as llm:
         assert llm.runner.graphs is not None, "enforce_eager False on a GPU captures graphs"
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
         assert llm.runner.graphs.num_replays > 0
@@ -138,10 +130,11 @@ def test_cuda_graphs_replay_the_eager_tokens(prompts, dtype):
     assert [o.token_ids for o in outs] == eager
 
 
-def test_swap_preemption_under_load_keeps_the_tokens(prompts):
+def test_swap_preemption_under_load_keeps_the_tokens(model_dir, prompts):
     many = [p + [i] for i in range(6) for p in prompts]  # 24 requests
-    roomy, _ = _ours(many, dtype="float32")
+    roomy, _ = _ours(model_dir, many, dtype="float32")
     preemptions: list[int] = []
-    tight, _ = _ours(many, preemptions, dtype="float32", num_kv_blocks=24, preemption_mode="swap", swap_space=1)
+    tight, _ = _ours(model_dir, many, preemptions, dtype="float32", num_kv_blocks=24, preemption_mode="swap",
+                     swap_space=1)
     assert preemptions[0] > 0, "the pool should be too small to hold every request"
     assert tight == roomy

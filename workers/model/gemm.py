@@ -179,9 +179,7 @@ void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
     const int parallel = (double)M * (double)N * (double)K > 262144.0;
     if (M < PACK_ROWS) {
         const long kc = M > MR ? KC : K;
-        ukr_fn ukrs[MR + 1];
-        memcpy(ukrs, UKRS, sizeof(ukrs));
-        if (M == 1) ukrs[1] = ukr_stream_1;
+        const ukr_fn one_row = M == 1 ? ukr_stream_1 : UKRS[1];
         #pragma omp parallel for schedule(static) if (parallel)
         for (long p = 0; p < P; ++p) {
             const float* w = wp + p * K * NR;
@@ -191,8 +189,9 @@ void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
                 const long k1 = k0 + kc < K ? k0 + kc : K;
                 for (long m = 0; m < M; m += MR) {
                     const int rows = (M - m) < MR ? (int)(M - m) : MR;
-                    ukrs[rows](x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
-                               k1 == K ? b : 0, k0 == 0);
+                    const ukr_fn ukr = rows == 1 ? one_row : UKRS[rows];
+                    ukr(x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
+                        k1 == K ? b : 0, k0 == 0);
                 }
             }
         }

@@ -24,6 +24,7 @@ Triton cannot run (no triton, or a CPU tensor without ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -82,15 +83,8 @@ def _build() -> Any:
         silu = g / (1.0 + tl.exp(-g))
         tl.store(out_ptr + row * stride_out + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
-    class Kernels:
-        pass
-
-    kernels = Kernels()
-    kernels.triton = triton
-    kernels.add_rms_norm = add_rms_norm_kernel
-    kernels.rotary = rotary_kernel
-    kernels.silu_and_mul = silu_and_mul_kernel
-    return kernels
+    return SimpleNamespace(triton=triton, add_rms_norm=add_rms_norm_kernel, rotary=rotary_kernel,
+                           silu_and_mul=silu_and_mul_kernel)
 
 
 class TritonOps:
