@@ -173,6 +173,30 @@ static const attend_fn ATTEND_128[9] = {0, attend_1_128, attend_2_128, attend_3_
 #define FAST_F32 1
 
 """ + cpu_ops.EXP8_AVX2 + r"""
+/* Software prefetch into L2 (T1), PREFETCH_AHEAD blocks ahead, spread over the block's scores: the
+   hardware prefetcher alone stops at each block's end (blocks lie anywhere in the pool), and a burst
+   of L1 prefetches stalls on the core's few miss buffers; measured here (paged_decode at batch 32,
+   150 positions) 11 GB/s without, 16 GB/s with. */
+#define PREFETCH_AHEAD 2
+static inline void prefetch_rows(const float* k, const float* v, long span) {
+    for (long d = 0; d < span; d += 16) {
+        _mm_prefetch((const char*)(k + d), _MM_HINT_T1);
+        _mm_prefetch((const char*)(v + d), _MM_HINT_T1);
+    }
+}
+
+/* The largest lane; the lanes' sum in a fixed order. */
+static inline float hmax8(__m256 a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+static inline float hsum8(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
 /* The sums of four vectors, as the four lanes of one. */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -203,6 +227,11 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
     const __m128 vscale = _mm_set1_ps(scale);
     const long span = (long)(h1 - h0) * D;      /* floats of a row read here */
     const int first = lo - lo % block_size;
+    for (int b = 0; b < PREFETCH_AHEAD && first + b * block_size < len; ++b) {  /* the first blocks, at once */
+        const long nb = (long)table[first / block_size + b] * block_size * row + (long)h0 * D;
+        for (int j = 0; j < block_size; ++j)
+            prefetch_rows(k_cache + nb + (long)j * row, v_cache + nb + (long)j * row, span);
+    }
     for (int start = first; start < len; start += block_size) {
         const int bi = start / block_size;
         const int j0 = start < lo ? lo - start : 0;
@@ -210,12 +239,19 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
         long offs[MAX_BLOCK];  /* row j's offset (heads from h0): in the block, or a tree row's own slot */
         row_offsets(offs, j0, j1, start, ((long)table[bi] * block_size) * row, row, tslots, tlo);
         for (int j = j0; j < j1; ++j) offs[j] += (long)h0 * D;
-        for (int j = j0; j < j1; ++j)   /* this block's values arrive while its scores are computed */
-            for (long d = 0; d < span; d += 16)
-                _mm_prefetch((const char*)(v_cache + offs[j] + d), _MM_HINT_T0);
         /* scores s[g][j] for j in [j0, j1), four keys at a time (a short tail repeats the last key);
            the block's rows are read in order */
+        /* the keys and values of the block PREFETCH_AHEAD blocks on, into L2, four rows with
+           every four keys scored (spread out, not in a burst) */
+        const float *pk = 0, *pv = 0;
+        if (start + PREFETCH_AHEAD * block_size < len) {
+            const long nb = (long)table[bi + PREFETCH_AHEAD] * block_size * row + (long)h0 * D;
+            pk = k_cache + nb; pv = v_cache + nb;
+        }
         for (int j = j0; j < j1; j += 4) {
+            if (pk)
+                for (int jj = j; jj < j + 4 && jj < block_size; ++jj)
+                    prefetch_rows(pk + (long)jj * row, pv + (long)jj * row, span);
             for (int h = 0; h < h1 - h0; ++h) {
                 const float* kb = k_cache + (long)h * D;
                 const float* k0 = kb + offs[j];
@@ -236,25 +272,28 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                 }
             }
         }
-        if (start + block_size < len) {  /* the next block's keys arrive while these values are summed */
-            const long nb = (long)table[bi + 1] * block_size * row + (long)h0 * D;
-            const int rows = (len - start - block_size) < block_size ? (len - start - block_size) : block_size;
-            for (int j = 0; j < rows; ++j)
-                for (long d = 0; d < span; d += 16)
-                    _mm_prefetch((const char*)(k_cache + nb + (long)j * row + d), _MM_HINT_T0);
-        }
         for (int g = 0; g < NQ; ++g) {
             const float* vb = v_cache + (long)(g / G) * D;
-            float mx = m[g];
-            for (int j = j0; j < j1; ++j) mx = s[g][j] > mx ? s[g][j] : mx;
-            const float corr = expf(m[g] - mx);
+            /* the block's max (exact in any order), then p_j = exp(s_j - max) and their sum, eight
+               lanes at a time in a fixed order (lanes past j1 masked out) */
+            __m256 vmax = _mm256_set1_ps(m[g]);
+            int j = j0;
+            for (; j + 8 <= j1; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(&s[g][j]));
+            float mx = hmax8(vmax);
+            for (; j < j1; ++j) mx = s[g][j] > mx ? s[g][j] : mx;
+            const float corr = mx == m[g] ? 1.0f : expf(m[g] - mx);
             m[g] = mx;
             const __m256 vmx = _mm256_set1_ps(mx);
-            for (int j = j0; j < j1; j += 8)
-                _mm256_storeu_ps(&s[g][j], exp8(_mm256_sub_ps(_mm256_loadu_ps(&s[g][j]), vmx)));
-            float sum = 0.0f;
-            for (int j = j0; j < j1; ++j) sum += s[g][j];
-            l[g] = l[g] * corr + sum;
+            __m256 vsum = _mm256_setzero_ps();
+            for (j = j0; j < j1; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&s[g][j]), vmx));
+                if (j1 - j < 8)
+                    e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(j1 - j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+                _mm256_storeu_ps(&s[g][j], e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            l[g] = l[g] * corr + hsum8(vsum);
             /* acc[g] = acc[g] * corr + sum_j p_j V_j, one chunk of up to 64 floats in registers */
             float* ag = acc + (long)g * D;
             const __m256 vc = _mm256_set1_ps(corr);
