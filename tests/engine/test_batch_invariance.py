@@ -3,8 +3,9 @@ whatever else shares its steps.
 
 Default engine (native GEMM, fused CPU ops, native decode attention): the same
 request alone and among batch-mates that arrive with it or while it decodes,
-with prefills that fit one step. With ``batch_invariant=True`` also when its
-prompt's prefill is cut into different chunks, or recomputed after a
+with prefills that fit one step; on a CPU with AVX-512 (the native prefill
+kernel) also when its prompt's prefill is cut into different chunks. With
+``batch_invariant=True`` on any CPU for chunks, and when recomputed after a
 preemption. Logprobs are floats straight from the logits, so any difference
 in any kernel's arithmetic shows.
 """
@@ -86,13 +87,20 @@ def test_batch_invariant_mode_covers_chunked_prefill_and_recompute(model_dir):
     assert tight.engine.scheduler.num_preemptions_total > 0
 
 
-def test_chunking_changes_rounding_without_batch_invariant(model_dir):
-    """Documents what the option buys: without it, a different prefill chunking is
-    allowed to change float rounding (the tokens stay those of transformers)."""
-    whole = LLM(str(model_dir), block_size=4)
-    chunked = LLM(str(model_dir), block_size=4, max_num_batched_tokens=3, max_num_seqs=3)
+@pytest.mark.parametrize("block_size,budget", [(4, 3), (16, 7)])
+def test_chunked_prefill_without_batch_invariant(model_dir, block_size, budget):
+    """Without the option a different prefill chunking keeps the tokens (those of
+    transformers); where the native prefill kernel serves (AVX-512) the logprobs
+    are bitwise the same too: its key tiles are cut at absolute positions, so a
+    prompt row's arithmetic does not depend on the chunk that carries it."""
+    from workers.model.attention import cpu_prefill
+
+    whole = LLM(str(model_dir), block_size=block_size)
+    chunked = LLM(str(model_dir), block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=3)
     a, b = whole.generate([PROMPT], params())[0], chunked.generate([PROMPT], params())[0]
     assert a.token_ids == b.token_ids
+    if cpu_prefill.load() is not None:
+        assert fingerprint(a) == fingerprint(b)
 
 
 def test_batch_invariant_refuses_what_it_cannot_guarantee(model_dir):

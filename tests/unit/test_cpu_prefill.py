@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.attention_cases import make_paged_case, reference
 from workers.model.attention import cpu_prefill
-from workers.model.attention.base import write_kv
+from workers.model.attention.base import AttentionMetadata, write_kv
 from workers.model.attention.torch_backend import TorchAttentionBackend
 
 LIB = cpu_prefill.load()
@@ -86,3 +87,22 @@ def test_unsupported_layouts_fall_back_to_torch():
     assert not cpu_prefill.supports(torch.zeros(3, 34, 16), torch.zeros(2, 4, 16, 2, 16))  # group of 17
     assert not cpu_prefill.supports(torch.zeros(3, 4, 16), torch.zeros(2, 4, 16, 2, 16, dtype=torch.int8))
     assert cpu_prefill.supports(torch.zeros(3, 4, 16), torch.zeros(2, 4, 16, 2, 16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,window", [(16, None), (16, 37), (32, 37), (24, None), (4, 9)])
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked(block_size, window):
+    # Key tiles are cut at absolute positions and masked keys add exact
+    # zeros, so a row's result does not depend on the chunk (or query tile)
+    # that carries it: one 90-token prefill against chunks of 7, 40 and 43.
+    full = make_paged_case([90], [90], block_size, 9, 3, 64, seed=21)
+    whole = _run(full, 0.125, window, (0, 1))
+    pieces, done = [], 0
+    for qlen in (7, 40, 43):
+        done += qlen  # the same request with its first done - qlen keys cached: a chunk with context
+        meta = AttentionMetadata.build(full.meta.slot_mapping[done - qlen : done].tolist(), [qlen], [done],
+                                       full.meta.block_tables.tolist())
+        chunk = SimpleNamespace(kv_cache=full.kv_cache, meta=meta,
+                                **{name: getattr(full, name)[done - qlen : done] for name in ("q", "k", "v")})
+        pieces.append(_run(chunk, 0.125, window, (0, 1)))
+    assert torch.equal(torch.cat(pieces), whole)

@@ -138,9 +138,12 @@ static inline __attribute__((always_inline)) void prefill_task_d(
     const int last = p0 + nq - 1;
     int kp = (window > 0 && p0 + 1 > window) ? p0 + 1 - window : 0;
     while (kp <= last) {
+        /* a tile ends at the block's end, the next multiple of 16 or the task's last position: cut at
+           absolute positions, so a row's visible keys fall in the same tiles whichever task (query tile,
+           chunk of the prompt) holds it; masked lanes add exact zeros */
         const int off = kp % block_size;
         int n = block_size - off;
-        if (n > 16) n = 16;
+        if (n > 16 - kp % 16) n = 16 - kp % 16;
         if (n > last + 1 - kp) n = last + 1 - kp;
         const long base = ((long)table[kp / block_size] * block_size + off) * row + (long)h * D;
         for (int j = 0; j < n; ++j) memcpy(kt + (long)j * D, k_cache + base + (long)j * row, sizeof(float) * D);
