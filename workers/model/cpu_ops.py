@@ -27,30 +27,42 @@ import torch
 
 from workers.model import native
 
+# exp(x) of a vector of floats, the same Cephes polynomial, instruction for
+# instruction, as ``exp_poly`` below, so a lane and the scalar tail agree bit
+# for bit. ``W`` stands for the vector width in bits.
+_EXP_TEMPLATE = r"""
+static inline __mW expN(__mW x) {
+    x = _mmW_max_ps(_mmW_min_ps(x, _mmW_set1_ps(88.0f)), _mmW_set1_ps(-87.0f));
+    const __mW n = ROUND_PS(_mmW_mul_ps(x, _mmW_set1_ps(1.44269504088896341f)),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __mW r = _mmW_fmadd_ps(n, _mmW_set1_ps(-0.693359375f), x);
+    r = _mmW_fmadd_ps(n, _mmW_set1_ps(2.12194440e-4f), r);
+    __mW p = _mmW_set1_ps(1.9875691500e-4f);
+    p = _mmW_fmadd_ps(p, r, _mmW_set1_ps(1.3981999507e-3f));
+    p = _mmW_fmadd_ps(p, r, _mmW_set1_ps(8.3334519073e-3f));
+    p = _mmW_fmadd_ps(p, r, _mmW_set1_ps(4.1665795894e-2f));
+    p = _mmW_fmadd_ps(p, r, _mmW_set1_ps(1.6666665459e-1f));
+    p = _mmW_fmadd_ps(p, r, _mmW_set1_ps(5.0000001201e-1f));
+    p = _mmW_add_ps(_mmW_fmadd_ps(p, _mmW_mul_ps(r, r), r), _mmW_set1_ps(1.0f));
+    const __mWi e = _mmW_slli_epi32(_mmW_add_epi32(_mmW_cvtps_epi32(n), _mmW_set1_epi32(127)), 23);
+    return _mmW_mul_ps(p, _mmW_castsiW_ps(e));
+}
+"""
+
+
+def exp_source(bits: int) -> str:
+    """``exp8`` (256-bit, AVX2) or ``exp16`` (512-bit, AVX-512F): C source, no include or guard."""
+    rounding = {256: "_mm256_round_ps", 512: "_mm512_roundscale_ps"}[bits]
+    return (_EXP_TEMPLATE.replace("expN", f"exp{bits // 32}").replace("ROUND_PS", rounding)
+            .replace("castsiW", f"castsi{bits}").replace("W", str(bits)))
+
+
 # exp(x) of eight floats with AVX2, shared by the kernels that need it (SiLU
-# here, the softmax of ``attention/cpu_decode.py``): the same Cephes
-# polynomial, instruction for instruction, as ``exp_poly`` below, so a lane
-# and the scalar tail agree bit for bit.
-EXP8_AVX2 = r"""
+# here, the softmax of ``attention/cpu_decode.py``).
+EXP8_AVX2 = """
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
+""" + exp_source(256) + """#endif
 """
 
 _SOURCE = r"""
