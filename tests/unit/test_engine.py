@@ -181,3 +181,88 @@ def test_runner_guesses_are_priced_like_the_drafts_they_become():
     run(engine)
     assert [drafts for _, drafts, _ in seen] == asked  # no drafts verified here: the guesses asked, step by step
     assert asked[0] == 2 * 3  # at first, 3 guesses per sequence
+
+
+class CountingDecoder(DigitDecoder):
+    """DigitDecoder that counts its calls and the threads making them."""
+
+    def __init__(self):
+        self.calls, self.threads = 0, set()
+
+    def decode(self, ids, skip_special_tokens=True):
+        import threading
+
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        return super().decode(ids, skip_special_tokens)
+
+
+def counting_engine() -> tuple[LLMEngine, CountingDecoder]:
+    engine = make_engine()
+    decoder = engine.tokenizer = CountingDecoder()
+    return engine, decoder
+
+
+def test_text_without_stop_strings_is_detokenized_by_its_reader_in_order():
+    import pickle
+
+    engine, decoder = counting_engine()
+    engine.add_request(req("a", [10, 11, 12], max_tokens=9))
+    engine.add_request(req("b", range(40, 60), max_tokens=7))
+    outputs = [out for _ in range(40) if engine.has_unfinished_requests() for out in engine.step()]
+    assert decoder.calls == 0  # the steps decoded nothing
+    for rid, prompt, n in (("a", [10, 11, 12], 9), ("b", range(40, 60), 7)):
+        mine = [out for out in outputs if out.request_id == rid]
+        assert mine[-1].finish_reason == FinishReason.LENGTH
+        copy = pickle.loads(pickle.dumps(mine[len(mine) // 2]))  # unread: crosses a process boundary resolved
+        deltas = [out.new_text for out in reversed(mine)][::-1]  # read last first
+        assert "".join(deltas) == DigitDecoder().decode(expected_output(prompt, n))
+        assert [len(d) for d in deltas] == [len(out.new_token_ids) for out in mine]  # one letter per token
+        assert copy.new_text == deltas[len(mine) // 2] and copy == mine[len(mine) // 2]
+    assert_all_blocks_free_or_cached(engine.scheduler)
+
+
+def test_deferred_outputs_equal_the_outputs_detokenized_in_the_step():
+    engine, _ = counting_engine()
+    eager = make_engine()
+    for e, stop in ((engine, ()), (eager, ["!"])):  # a stop string (never decoded): detokenized in the step
+        e.add_request(req("a", [10, 11, 12], max_tokens=5, stop=stop))
+    deferred = [out for _ in range(10) for out in engine.step()]
+    in_step = [out for _ in range(10) for out in eager.step()]
+    for out in deferred + in_step:
+        out.queue_time = None  # the engines' clocks differ
+    assert type(deferred[0]) is not type(in_step[0])
+    assert deferred == in_step and in_step == deferred
+    deferred[0].new_text = "changed"
+    assert deferred != in_step
+
+
+def test_abort_gives_the_deferred_text_held_back_and_frees_blocks():
+    engine, decoder = counting_engine()
+    engine.add_request(req("a", range(20, 40), max_tokens=30))
+    outputs = [out for _ in range(4) for out in engine.step()]
+    final = engine.abort_request("a")
+    assert final.finish_reason == FinishReason.ABORT and decoder.calls == 0
+    text = "".join(out.new_text for out in outputs + [final])
+    assert text == DigitDecoder().decode([t for out in outputs for t in out.new_token_ids])
+    assert_all_blocks_free_or_cached(engine.scheduler)
+
+
+def test_async_engine_leaves_the_text_to_the_stream_reader():
+    import threading
+
+    engine, decoder = counting_engine()
+    front = AsyncEngine(engine)
+
+    async def main():
+        text = ""
+        async for out in front.generate(req("r", [3, 4, 5], max_tokens=12)):
+            text += out.new_text
+        return text
+
+    try:
+        text = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert text == DigitDecoder().decode(expected_output([3, 4, 5], 12))
+    assert decoder.threads == {threading.main_thread().name}  # never the engine thread
