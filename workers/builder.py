@@ -101,6 +101,7 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
     if heads.shortlist is not None:
         heads.shortlist = heads.shortlist.to(runner.device)
     heads.bind_lm_head(runner.model.lm_head)
+    heads.bind_embedding(runner.model.model.embed_tokens)
     logger.info("Medusa heads from %s: %d heads of %d block(s)%s", folder, heads.num_heads, heads.num_layers,
                 f", scored on a shortlist of {len(heads.shortlist)} tokens" if heads.shortlist is not None else "")
     return RunnerProposer()

@@ -250,7 +250,7 @@ class ModelRunner:
                     prompt_logprobs[row] = entry
         result = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         # Heads read the row that sampled each request's last kept token.
-        result.spec_proposals = self._head_proposals(reqs, last_rows)
+        result.spec_proposals = self._head_proposals(reqs, last_rows, sampled)
         return result
 
     def _execute(self, reqs: list[ScheduledRequest], with_proposals: bool = True,
@@ -290,13 +290,15 @@ class ModelRunner:
                 self._sample_hidden = (hidden, dict(zip(owners, sample_rows)))
         out = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if with_proposals and sample_rows:
-            out.spec_proposals = self._head_proposals(reqs, list(range(len(reqs))))
+            out.spec_proposals = self._head_proposals(reqs, list(range(len(reqs))), sampled)
         return out
 
-    def _head_proposals(self, reqs: list[ScheduledRequest], rows: list[int]) -> Optional[list[Optional[list[int]]]]:
+    def _head_proposals(self, reqs: list[ScheduledRequest], rows: list[int], sampled: list[list[int]]
+                        ) -> Optional[list[Optional[list[int]]]]:
         """Medusa heads' guesses for the next step of each request asking for
         them (``num_proposals``), from the hidden state of ``rows[i]``, the row
-        (of the last ``_execute``) that sampled request i's last token."""
+        (of the last ``_execute``) that sampled request i's last token,
+        ``sampled[i][-1]`` (token-conditioned heads read it too)."""
         if self.medusa is None:
             return None
         hidden, row_of = self._sample_hidden
@@ -306,7 +308,8 @@ class ModelRunner:
         index = torch.tensor([row_of[rows[i]] for i in wanted], device=self.device)
         k = max(reqs[i].num_proposals for i in wanted)
         m = max(reqs[i].num_proposal_candidates for i in wanted)
-        candidates = self.medusa.propose_candidates(hidden.index_select(0, index), k, m, self.model.lm_head)
+        tokens = torch.tensor([sampled[i][-1] for i in wanted], device=self.device)
+        candidates = self.medusa.propose_candidates(hidden.index_select(0, index), k, m, self.model.lm_head, tokens)
         out: list[Optional[list[list[int]]]] = [None] * len(reqs)
         for i, guesses in zip(wanted, candidates):
             out[i] = [guess[: reqs[i].num_proposals] for guess in guesses[: reqs[i].num_proposal_candidates]]

@@ -23,14 +23,17 @@ logger = logging.getLogger(__name__)
 def add_train_heads_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="folder to write the heads to (created)")
     parser.add_argument("--num-heads", type=int, default=4, help="heads: guesses per step (default 4)")
-    parser.add_argument("--num-prompts", type=int, default=128, help="prompts answered for training")
+    parser.add_argument("--num-prompts", type=int, default=512, help="prompts answered for training")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens of each raw-text prompt")
     parser.add_argument("--gen-len", type=int, default=128, help="tokens of each greedy answer")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (one cycle)")
     parser.add_argument("--train-seed", type=int, default=0, help="prompt order and initialization")
     parser.add_argument("--shortlist", type=int, default=8192,
                         help="score the heads on the N tokens the answers use most (0: every token)")
+    parser.add_argument("--token-conditioned", action=argparse.BooleanOptionalAction, default=True,
+                        help="heads also read the token just sampled (medusa_token_conditioned; "
+                             "--no-token-conditioned: Medusa's plain heads)")
 
 
 def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -46,6 +49,7 @@ def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> in
     with LLM(**engine_args) as llm:
         summary = train_heads(llm, out, num_heads=args.num_heads, num_prompts=args.num_prompts,
                               prompt_len=args.prompt_len, gen_len=args.gen_len, epochs=args.epochs, lr=args.lr,
-                              seed=args.train_seed, shortlist=args.shortlist)
+                              seed=args.train_seed, shortlist=args.shortlist,
+                              token_conditioned=args.token_conditioned)
     print(json.dumps(summary, indent=2))  # the command's output
     return 0

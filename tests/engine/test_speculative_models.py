@@ -234,14 +234,14 @@ def test_draft_model_config_errors_name_the_fix(tiny_dir, tmp_path, monkeypatch)
         LLM(str(tiny_dir), speculative_config={"method": "draft_model", "draft_num_layers": 2})
 
 
-@pytest.mark.parametrize("heads", ["identity", "random"])
+@pytest.mark.parametrize("heads", ["identity", "random", "random_token_conditioned"])
 def test_medusa_heads_keep_tokens(tiny_dir, tmp_path, heads):
     """Identity heads (zero blocks: each guesses the next token again) and
     random ones: proposals are made every step and the tokens never change."""
     from workers.model.medusa import MedusaHeads
 
-    medusa = MedusaHeads(64, 512, num_heads=3, num_layers=1)
-    if heads == "random":
+    medusa = MedusaHeads(64, 512, num_heads=3, num_layers=1, token_conditioned=heads.endswith("conditioned"))
+    if heads.startswith("random"):
         torch.manual_seed(3)
         for p in medusa.parameters():
             p.data.normal_(0, 0.2)
@@ -269,6 +269,7 @@ def test_train_heads_on_a_tiny_model(tiny_dir, tmp_path):
     assert summary["num_sequences"] == 12 and summary["num_positions"] >= 12 * 20
     assert len(summary["held_out_top1_accuracy"]) == 2
     heads = MedusaHeads.load(tmp_path / "heads", 64, 512)
+    assert heads.token_conditioned  # the default: the heads read the sampled token too
     assert any(float(w.abs().sum()) > 0 for w in heads.weights)  # trained away from the zero start
     spec = LLM(str(tiny_dir), block_size=4, speculative_config={"method": "medusa", "model": str(tmp_path / "heads")})
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -285,3 +286,33 @@ def test_trees_are_refused_at_load_when_the_backend_cannot_verify_them(tiny_dir,
     with pytest.raises(ValueError, match="num_candidates > 1 .* needs the torch attention backend"):
         LLM(str(tiny_dir), block_size=4, speculative_config=TREE)
     LLM(str(tiny_dir), block_size=4, speculative_config=ALWAYS)  # a chain verifies on any backend
+
+
+def test_token_conditioned_heads_read_each_request_last_sampled_token(tiny_dir, tmp_path):
+    # The runner hands the heads, with each row, the token that row sampled:
+    # after every step, the token the heads saw is the request's last output
+    # token so far (a chain step or a verified step alike).
+    from workers.model.medusa import MedusaHeads
+
+    MedusaHeads(64, 512, num_heads=3, num_layers=1, token_conditioned=True).save(tmp_path / "heads")
+    config = {"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(tiny_dir), block_size=4, speculative_config=config)
+    heads = llm.runner.medusa
+    seen: list[list[int]] = []
+    propose = heads.propose_candidates
+    heads.propose_candidates = lambda hidden, k, m, lm_head, tokens=None: (
+        seen.append(tokens.tolist()), propose(hidden, k, m, lm_head, tokens))[1]
+    engine = llm.engine
+    for i, prompt in enumerate(repetitive_prompts(2)):
+        engine.add_request(llm.make_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
+    outputs: dict[str, list[int]] = {}
+    checked = 0
+    while engine.has_unfinished_requests():
+        seen.clear()
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        running = [ids for rid, ids in outputs.items() if len(ids) < 24]
+        if seen and len(running) == 2:  # both asked (adaptive off): one token each, in batch order
+            assert sorted(seen[0]) == sorted(ids[-1] for ids in running)
+            checked += 1
+    assert checked >= 3 and engine.scheduler.speculator.stats.num_drafts >= 3

@@ -43,6 +43,42 @@ def test_layout_round_trip_and_proposals(tmp_path, own):
     assert loaded.propose(x, 2, lambda h: F.linear(h, lm)).shape == (5, 2)
 
 
+def test_token_conditioned_heads_read_the_sampled_token(tmp_path):
+    # Their first block reads [x; e(t)] (W of [H, 2H]); the flag is saved and
+    # read back, a config that disagrees with the weights is refused, and
+    # proposing without the sampled tokens says what is missing.
+    torch.manual_seed(4)
+    heads = MedusaHeads(16, 40, 3, num_layers=2, token_conditioned=True)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.3)
+    heads.save(tmp_path / "h")
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["medusa_token_conditioned"] is True
+    loaded = MedusaHeads.load(tmp_path / "h", 16, 40)
+    assert loaded.token_conditioned and tuple(loaded.weights[0].shape) == (16, 32)
+    embedding, lm = torch.randn(40, 16), torch.randn(40, 16)
+    x, tokens = torch.randn(5, 16), torch.tensor([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="bind_embedding"):
+        loaded.propose(x, 3, lambda h: F.linear(h, lm), tokens)
+    loaded.bind_embedding(lambda ids: embedding[ids])
+    with pytest.raises(ValueError, match="sampled tokens"):
+        loaded.propose(x, 3, lambda h: F.linear(h, lm))
+    got = loaded.propose(x, 3, lambda h: F.linear(h, lm), tokens)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "h" / WEIGHTS), framework="pt") as f:
+        for i in range(3):  # by hand, from the layout's names
+            w = [(f.get_tensor(f"{i}.{j}.linear.weight"), f.get_tensor(f"{i}.{j}.linear.bias")) for j in range(2)]
+            h = x + F.silu(F.linear(torch.cat([x, embedding[tokens]], 1), *w[0]))
+            h = h + F.silu(F.linear(h, *w[1]))
+            assert torch.equal(got[:, i], F.linear(h, lm).argmax(dim=-1))
+    assert not torch.equal(got, loaded.propose(x, 3, lambda h: F.linear(h, lm), tokens.flip(0)))
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    config["medusa_token_conditioned"] = False
+    (tmp_path / "h" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="reads 32 inputs, not 16: medusa_token_conditioned"):
+        MedusaHeads.load(tmp_path / "h", 16, 40)
+
+
 def test_heads_for_another_model_are_refused(tmp_path):
     random_heads(16, 40, 2, own=True).save(tmp_path / "h")
     with pytest.raises(ValueError, match="hidden size 16, the model 32"):
