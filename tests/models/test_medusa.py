@@ -79,6 +79,34 @@ def test_token_conditioned_heads_read_the_sampled_token(tmp_path):
         MedusaHeads.load(tmp_path / "h", 16, 40)
 
 
+@pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "token_conditioned"])
+def test_bound_heads_compute_every_block_in_one_gemm_as_transform_does(conditioned):
+    # bind_lm_head packs the heads' blocks into one GEMM (CPU, one block per
+    # head): the logits are transform()'s through the LM head, to rounding.
+    from workers.model import gemm
+    from workers.model.linear import Linear
+
+    if gemm.load() is None:
+        pytest.skip("the native GEMM does not build here")
+    torch.manual_seed(6)
+    heads = MedusaHeads(16, 40, 3, num_layers=1, token_conditioned=conditioned)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.3)
+    embedding = torch.randn(40, 16)
+    heads.bind_embedding(lambda ids: embedding[ids])
+    lm = Linear(16, 40, bias=False)
+    lm.weight.data.normal_()
+    x, tokens = torch.randn(5, 16), torch.tensor([3, 1, 4, 1, 5])
+    before, _ = heads._head_logits(x, 3, lm, tokens)
+    heads.bind_lm_head(lm)
+    assert heads._blocks is not None
+    after, _ = heads._head_logits(x, 3, lm, tokens)
+    embeds = embedding[tokens] if conditioned else None
+    by_hand = torch.stack([F.linear(heads.transform(x, i, embeds), lm.weight) for i in range(3)], dim=1)
+    assert torch.allclose(after, by_hand, atol=1e-4) and torch.allclose(before, by_hand, atol=1e-4)
+    assert torch.allclose(heads._head_logits(x, 2, lm, tokens)[0], by_hand[:, :2], atol=1e-4)
+
+
 def test_heads_for_another_model_are_refused(tmp_path):
     random_heads(16, 40, 2, own=True).save(tmp_path / "h")
     with pytest.raises(ValueError, match="hidden size 16, the model 32"):
