@@ -11,22 +11,17 @@ One step::
       -> scheduler.update_from_output()   (token-level stops, frees blocks)
       -> detokenize, stop strings         (may finish more requests)
       -> list[RequestOutput]
-
-Only requests with stop strings are detokenized in the step (a stop must end
-the request before the next one); the others' text is detokenized when it is
-first read (``outputs.DeferredText``), by the replica's event loop or the
-``LLM`` API, not on the engine thread between forwards.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Protocol
 
 from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
-from workers.engine.outputs import DeferredText, DeferredTextOutput, ModelOutput, RequestOutput, SchedulerOutput
+from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.validation import check_request
@@ -69,8 +64,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.model_fingerprint = model_fingerprint
         self._clock = clock
-        # A request's detokenizer: in the step (stop strings), deferred to its reader, or None (no tokenizer).
-        self._detok: dict[str, Union[IncrementalDetokenizer, DeferredText, None]] = {}
+        self._detok: dict[str, Optional[IncrementalDetokenizer]] = {}
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.schedule_seconds = 0.0  # in schedule(), proposals included (bench spec: what speculation costs)
@@ -105,12 +99,11 @@ class LLMEngine:
         )
         seq.queued_time = self._clock()
         self._seqs[request.request_id] = seq
-        detok = None
-        if self.tokenizer is not None:
-            stop = request.sampling_params.stop
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop)
-            detok = detok if stop else DeferredText(detok)
-        self._detok[request.request_id] = detok
+        self._detok[request.request_id] = (
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, request.sampling_params.stop)
+            if self.tokenizer is not None
+            else None
+        )
         self.scheduler.add_request(seq)
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
@@ -166,45 +159,42 @@ class LLMEngine:
 
     def _make_output(self, seq: Sequence, new_ids: list[int], new_logprobs) -> RequestOutput:
         detok = self._detok.get(seq.request_id)
-        if isinstance(detok, DeferredText):  # no stop strings: the reader detokenizes
-            if seq.finish_reason is not None:
-                return self._finish_output(seq, new_ids, new_logprobs, seq.finish_reason)
-            return DeferredTextOutput(detok, detok.add(new_ids, final=False),
-                                      **self._output_fields(seq, new_ids, new_logprobs, None))
         text = detok.append(new_ids) if detok is not None else ""
         reason = seq.finish_reason
         if detok is not None and detok.stopped and reason is None:
             self.scheduler.finish_request(seq.request_id, FinishReason.STOP)
             reason = FinishReason.STOP
         if reason is None:
-            return RequestOutput(new_text=text, **self._output_fields(seq, new_ids, new_logprobs, None))
+            return RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=new_ids,
+                new_text=text,
+                finish_reason=None,
+                num_prompt_tokens=len(seq.prompt_token_ids),
+                num_output_tokens=len(seq.output_token_ids),
+                num_cached_tokens=seq.num_cached_tokens,
+                new_logprobs=new_logprobs,
+                prompt_logprobs=_take_prompt_logprobs(seq),
+                queue_time=_queue_time(seq),
+            )
         out = self._finish_output(seq, new_ids, new_logprobs, reason)
         out.new_text = text + out.new_text
         return out
 
     def _finish_output(self, seq: Sequence, new_ids, new_logprobs, reason: FinishReason) -> RequestOutput:
-        """The request's last output; its text is what the detokenizer held back
-        (and, when deferred, ``new_ids``' text before it)."""
         detok = self._detok.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
-        fields = self._output_fields(seq, new_ids, new_logprobs, reason)
-        if isinstance(detok, DeferredText):
-            return DeferredTextOutput(detok, detok.add(new_ids, final=True), **fields)
-        return RequestOutput(new_text=detok.flush() if detok is not None else "", **fields)
-
-    @staticmethod
-    def _output_fields(seq: Sequence, new_ids: list[int], new_logprobs, reason: Optional[FinishReason]) -> dict:
-        """A ``RequestOutput``'s fields but its text (takes the prompt logprobs off ``seq``)."""
-        return dict(
+        return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
+            new_text=detok.flush() if detok is not None else "",
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=new_logprobs,
             prompt_logprobs=_take_prompt_logprobs(seq),
-            finish_message=seq.finish_message if reason is not None else None,
+            finish_message=seq.finish_message,
             queue_time=_queue_time(seq),
         )
 

@@ -26,10 +26,8 @@ One step, as the runner sees it (B scheduled requests, T tokens)::
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 from cluster.shared.types import FinishReason, SamplingParams, TokenLogprob
 
@@ -129,73 +127,3 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-class DeferredText:
-    """The detokenization of one request without stop strings, run by whoever
-    reads its outputs' text (the replica's event loop, the ``LLM`` API) instead
-    of on the engine thread between steps: nothing the engine decides depends
-    on that text (stop strings do, and requests with them are detokenized in
-    the step). Outputs are detokenized in their order whatever order they are
-    read in (or read by several threads), each once; outputs nobody reads, nor
-    any later one, are never detokenized.
-
-    Args:
-        detok: The request's ``IncrementalDetokenizer`` (``append`` / ``flush``).
-    """
-
-    def __init__(self, detok: Any) -> None:
-        self._detok = detok
-        self._lock = threading.Lock()  # the engine thread adds, a reader resolves
-        self._pending: deque[tuple[list[int], bool]] = deque()
-        self._texts: list[str] = []  # the deltas so far, by output number (as long as the outputs)
-        self._count = 0
-
-    def add(self, new_token_ids: list[int], final: bool) -> int:
-        """Queues one output's tokens (``final``: then flush); returns its number."""
-        with self._lock:
-            number = self._count
-            self._count += 1
-            self._pending.append((new_token_ids, final))
-            return number
-
-    def text(self, number: int) -> str:
-        """Output ``number``'s text delta (detokenizing the outputs before it first)."""
-        with self._lock:
-            while len(self._texts) <= number:
-                ids, final = self._pending.popleft()
-                text = self._detok.append(ids) if ids else ""
-                self._texts.append(text + self._detok.flush() if final else text)
-            return self._texts[number]
-
-
-class DeferredTextOutput(RequestOutput):
-    """A ``RequestOutput`` whose ``new_text`` comes from a ``DeferredText`` on first read.
-
-    Equality, ``repr`` and pickling see the resolved text.
-    """
-
-    def __init__(self, source: DeferredText, number: int, **fields: Any) -> None:
-        super().__init__(new_text="", **fields)
-        self._source: Optional[DeferredText] = source
-        self._number = number
-
-    @property  # type: ignore[override]
-    def new_text(self) -> str:
-        if self._source is not None:
-            self._text, self._source = self._source.text(self._number), None
-        return self._text
-
-    @new_text.setter
-    def new_text(self, value: str) -> None:
-        self._text, self._source = value, None
-
-    def __eq__(self, other: object) -> bool:  # as a RequestOutput with this text
-        return isinstance(other, RequestOutput) and all(
-            getattr(self, f.name) == getattr(other, f.name) for f in fields(RequestOutput))
-
-    __hash__ = None  # type: ignore[assignment]  # as RequestOutput's (a mutable dataclass)
-
-    def __getstate__(self) -> dict:
-        self.new_text  # noqa: B018 - resolve before crossing a process boundary
-        return {k: v for k, v in self.__dict__.items() if k != "_source"} | {"_source": None}
