@@ -1,7 +1,9 @@
 """``prefixserve bench spec``: decode speed with speculative decoding against
 without it, on the same loaded model, in one run.
 
-Workloads (per batch size B, B distinct prompts):
+Workloads (per batch size B, B distinct prompts; for ``grounded`` and
+``chat`` below batch 8, 8 // B groups of B prompts, decoded one group after
+another and counted together, so a batch-1 figure is not one prompt's):
 
 * ``grounded``: repeat a given passage of English text (the language
   reference shipped with Python, ``cluster/shared/text_corpus.py``): the
@@ -99,15 +101,44 @@ def random_prompts(llm: Any, n: int, length: int, rng: random.Random) -> list[li
     return make_prompts(n, length, llm.engine.vocab_size, skip, rng)
 
 
-def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: bool = False) -> dict[str, Any]:
+GROUPED = ("grounded", "chat")  # workloads whose prompts differ in kind: several groups below batch 8
+
+
+def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: bool = False,
+               group_size: Optional[int] = None) -> dict[str, Any]:
     """``output_len`` tokens each, greedy (or ``sampled``: temperature 1, a seed
-    per request): decode tokens/s after every first token, the outputs, and
-    what speculation did meanwhile."""
+    per request), ``group_size`` prompts at a time (default: all at once):
+    decode tokens/s after every first token, the outputs, and what
+    speculation did meanwhile, over every group."""
+    size = group_size or len(prompts)
+    groups = [_decode_group(llm, prompts[i : i + size], output_len, sampled, first=i)
+              for i in range(0, len(prompts), size)]
+    seconds = sum(g["seconds"] for g in groups)
+    steps = sum(g["steps"] for g in groups)
+    result: dict[str, Any] = {
+        "decode_tokens_per_s": sum(g["generated"] for g in groups) / seconds if seconds > 0 else 0.0,
+        "seconds": seconds, "steps": steps,
+        "schedule_ms_per_step": 1e3 * sum(g["scheduling"] for g in groups) / max(1, steps),
+        "outputs": [out for g in groups for out in g["outputs"]],
+    }
+    if "spec" in groups[0]:
+        keys = groups[0]["spec"]
+        drafted, accepted, drafts, trials, wins = (sum(g["spec"][k] for g in groups) for k in keys)
+        result.update(branch_trials=trials, branch_win_rate=wins / trials if trials else 0.0)
+        result.update(draft_tokens=drafted, accepted_tokens=accepted,
+                      acceptance_rate=accepted / drafted if drafted else 0.0,
+                      mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
+    return result
+
+
+def _decode_group(llm: Any, prompts: list[list[int]], output_len: int, sampled: bool, first: int
+                  ) -> dict[str, Any]:
+    """One batch of ``decode_run`` (seeds from ``first``, the group's first prompt): raw counts."""
     from cluster.shared.types import SamplingParams
 
     engine = llm.engine
     params = [SamplingParams(max_tokens=output_len, temperature=1.0 if sampled else 0.0,
-                             seed=i if sampled else None, ignore_eos=True) for i in range(len(prompts))]
+                             seed=first + i if sampled else None, ignore_eos=True) for i in range(len(prompts))]
     requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params)]
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for req in requests:
@@ -117,32 +148,22 @@ def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: boo
             outputs[out.request_id].extend(out.new_token_ids)
     speculator = engine.scheduler.speculator
     before = speculator.stats.as_dict() if speculator is not None else None
-    first = sum(len(o) for o in outputs.values())
+    before_tokens = sum(len(o) for o in outputs.values())
     steps0, scheduling0 = engine.num_steps, engine.schedule_seconds
     begin = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
-    seconds = time.perf_counter() - begin
-    generated = sum(len(o) for o in outputs.values()) - first
-    result: dict[str, Any] = {
-        "decode_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
-        "seconds": seconds, "steps": engine.num_steps - steps0,
-        "schedule_ms_per_step": 1e3 * (engine.schedule_seconds - scheduling0) / max(1, engine.num_steps - steps0),
+    group: dict[str, Any] = {
+        "seconds": time.perf_counter() - begin, "generated": sum(len(o) for o in outputs.values()) - before_tokens,
+        "steps": engine.num_steps - steps0, "scheduling": engine.schedule_seconds - scheduling0,
         "outputs": [outputs[r.request_id] for r in requests],
     }
     if speculator is not None and before is not None:
         after = speculator.stats.as_dict()
-        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
-        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-        drafts = after["num_drafts"] - before["num_drafts"]
-        trials = after["num_branch_trials"] - before["num_branch_trials"]
-        wins = after["num_branch_hits"] - before["num_branch_hits"]
-        result.update(branch_trials=trials, branch_win_rate=wins / trials if trials else 0.0)
-        result.update(draft_tokens=drafted, accepted_tokens=accepted,
-                      acceptance_rate=accepted / drafted if drafted else 0.0,
-                      mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
-    return result
+        group["spec"] = {key: after[key] - before[key] for key in (
+            "num_draft_tokens", "num_accepted_tokens", "num_drafts", "num_branch_trials", "num_branch_hits")}
+    return group
 
 
 def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -169,10 +190,10 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     rng = random.Random(0)
     decode_run(llm, random_prompts(llm, max_batch, 16, rng), 8)  # warm-up: kernels built, caches warm
     cases = [(w, b) for w in args.workloads for b in args.batch_sizes]
-    makers = {"grounded": lambda b: grounded_prompts(llm, b, args.input_len), "chat": lambda b: chat_prompts(llm, b),
-              "random": lambda b: random_prompts(llm, b, args.input_len, rng),
-              "sampled": lambda b: random_prompts(llm, b, args.input_len, rng)}
-    prompts = {(w, b): makers[w](b) for w, b in cases}
+    makers = {"grounded": lambda n: grounded_prompts(llm, n, args.input_len), "chat": lambda n: chat_prompts(llm, n),
+              "random": lambda n: random_prompts(llm, n, args.input_len, rng),
+              "sampled": lambda n: random_prompts(llm, n, args.input_len, rng)}
+    prompts = {(w, b): makers[w](b * (max(1, 8 // b) if w in GROUPED else 1)) for w, b in cases}
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for round_index in range(max(1, args.rounds)):
         for case in cases:
@@ -182,12 +203,13 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 llm.engine.scheduler.speculator = Speculator(config, proposer) if config is not None else None
                 llm.engine.scheduler.kv_manager.reset_prefix_cache()  # every mode prefills alike
                 runs.setdefault((*case, mode), []).append(
-                    decode_run(llm, prompts[case], args.output_len, sampled=case[0] == "sampled"))
+                    decode_run(llm, prompts[case], args.output_len, sampled=case[0] == "sampled", group_size=case[1]))
     llm.engine.scheduler.speculator = None
     report = {"model": str(llm.model_dir), "speculative_config": spec.__dict__, "rounds": max(1, args.rounds),
               "load_seconds": round(load_s, 2), "output_len": args.output_len, "cases": []}
     for workload, batch in cases:
         row: dict[str, Any] = {"workload": workload, "batch_size": batch,
+                               "groups": len(prompts[(workload, batch)]) // batch,
                                "prompt_tokens": statistics.mean(len(p) for p in prompts[(workload, batch)])}
         reference = runs[(workload, batch, "off")][0]["outputs"]
         for mode in modes:
@@ -237,8 +259,11 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
         costs = ", ".join(f"{mode} {case[mode]['schedule_ms_per_step']:.2f}" for mode in modes)
         lines.append(f"{case['workload']} batch {case['batch_size']}: schedule() ms per step (proposals included): "
                      f"{costs}; off step {case['off']['step_ms']:.1f} ms")
+    grouped = [f"{c['workload']} batch {c['batch_size']}: {c['groups']} groups"
+               for c in report["cases"] if c["groups"] > 1]
     lines.append(f"speculative_config {json.dumps(report['speculative_config'])}; {report['output_len']} tokens per "
-                 f"sequence; median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
+                 f"sequence; {'; '.join(grouped) + ' one after another; ' if grouped else ''}"
+                 f"median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
                  "drafting step; other branch won: where a tree's first candidate was rejected at a node with "
                  "others, how often another candidate's token was taken")
     return lines

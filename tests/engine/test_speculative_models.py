@@ -316,3 +316,20 @@ def test_token_conditioned_heads_read_each_request_last_sampled_token(tiny_dir, 
             assert sorted(seen[0]) == sorted(ids[-1] for ids in running)
             checked += 1
     assert checked >= 3 and engine.scheduler.speculator.stats.num_drafts >= 3
+
+
+def test_bench_spec_decodes_groups_one_after_another(tiny_dir):
+    # bench spec's batch-1 chat and grounded cases decode several prompts one
+    # group after another and count them together (cluster/bench/spec.py).
+    from cluster.bench.spec import decode_run
+
+    llm = LLM(str(tiny_dir), block_size=4)
+    prompts = repetitive_prompts(4)
+    together = decode_run(llm, prompts, 8)
+    oracle = OracleProposer({tuple(p): out for p, out in zip(prompts, together["outputs"])})
+    llm.engine.scheduler.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3, adaptive=False), oracle)
+    grouped = decode_run(llm, prompts, 8, group_size=1)
+    assert grouped["outputs"] == together["outputs"] and len(grouped["outputs"]) == 4
+    assert grouped["steps"] > together["steps"] and grouped["draft_tokens"] > 0  # every group counted
+    assert grouped["acceptance_rate"] == grouped["accepted_tokens"] / grouped["draft_tokens"]
+    assert sum(len(o) for o in grouped["outputs"]) == 4 * 8
