@@ -260,7 +260,7 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
         lines.append(f"{case['workload']} batch {case['batch_size']}: schedule() ms per step (proposals included): "
                      f"{costs}; off step {case['off']['step_ms']:.1f} ms")
     grouped = [f"{c['workload']} batch {c['batch_size']}: {c['groups']} groups"
-               for c in report["cases"] if c["groups"] > 1]
+               for c in report["cases"] if c.get("groups", 1) > 1]
     lines.append(f"speculative_config {json.dumps(report['speculative_config'])}; {report['output_len']} tokens per "
                  f"sequence; {'; '.join(grouped) + ' one after another; ' if grouped else ''}"
                  f"median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "

@@ -170,8 +170,8 @@ def test_runner_guesses_are_priced_like_the_drafts_they_become():
     engine = make_engine(speculator=speculator)
     seen = []
     observe = speculator.observe_step
-    speculator.observe_step = lambda tokens, drafts, seqs, seconds: (seen.append((tokens, drafts, seqs)),
-                                                                     observe(tokens, drafts, seqs, seconds))
+    speculator.observe_step = lambda tokens, drafts, seqs, seconds, num_guesses: (
+        seen.append((tokens, drafts, seqs, num_guesses)), observe(tokens, drafts, seqs, seconds, num_guesses))
     asked = []
     execute = engine.runner.execute
     engine.runner.execute = lambda sched: (asked.append(sum(r.num_proposals for r in sched.scheduled)),
@@ -179,5 +179,6 @@ def test_runner_guesses_are_priced_like_the_drafts_they_become():
     engine.add_request(req("a", [1, 2, 3], max_tokens=4))
     engine.add_request(req("b", [4, 5], max_tokens=4))
     run(engine)
-    assert [drafts for _, drafts, _ in seen] == asked  # no drafts verified here: the guesses asked, step by step
+    assert [drafts for _, drafts, _, _ in seen] == asked  # no drafts verified here: the guesses asked, step by step
+    assert [guesses for *_, guesses in seen] == asked  # told apart, for the price of a draft (next test file)
     assert asked[0] == 2 * 3  # at first, 3 guesses per sequence

@@ -87,6 +87,30 @@ def speculator(adaptive: bool = True) -> Speculator:
     return Speculator(SpeculativeConfig(num_speculative_tokens=4, adaptive=adaptive))
 
 
+def test_a_runner_proposers_draft_is_priced_with_the_guess_it_was():
+    # Medusa heads guess a step before their guesses are verified: a draft
+    # costs its guess (in that earlier step) and its row, both units of the
+    # cost model. With a guess per draft its threshold is twice an n-gram
+    # draft's, on the same steps, and a draft that pays for n-gram
+    # lookup (acceptance ~0.4 against ~0.27) does not pay for the heads (~0.53).
+    from workers.engine.spec_decode import RunnerProposer
+
+    ngram = speculator()
+    heads = Speculator(SpeculativeConfig(method="medusa", model="h", num_speculative_tokens=4),
+                       proposer=RunnerProposer())
+    for _ in range(30):  # batch 8, 24 ms, a unit (guess or draft) 0.8 ms
+        for s, guesses in ((ngram, 0), (heads, 4)):
+            s.observe_step(8, 0, 8, 0.024)
+            s.observe_step(8, 4 + guesses, 8, 0.024 + 0.0008 * (4 + guesses), num_guesses=guesses)
+    assert heads._threshold() == pytest.approx(2 * ngram._threshold(), rel=0.05)
+    assert ngram._threshold() == pytest.approx(0.0008 * 8 / 0.024, rel=0.05)
+    for s in (ngram, heads):
+        for i in range(30):
+            s.observe_result("r", 1, int(i % 5 in (0, 2)))  # 2 of 5 accepted
+        assert 0.3 < s.acceptance("r") < 0.5
+    assert ngram.depth_limit("r") >= 1 and heads.depth_limit("r") == 0
+
+
 def test_depth_follows_acceptance_and_step_cost():
     s = speculator()
     assert s.depth_limit("r") == 4  # nothing measured yet: try

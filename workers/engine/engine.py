@@ -142,7 +142,7 @@ class LLMEngine:
                 # priced with the drafts they become, so heads that cost more than they bring stop.
                 num_guesses = sum(r.num_proposals for r in sched.scheduled) if speculator.from_runner else 0
                 speculator.observe_step(sched.num_batched_tokens - num_drafts, num_drafts + num_guesses,
-                                        num_sampling, time.perf_counter() - started)
+                                        num_sampling, time.perf_counter() - started, num_guesses=num_guesses)
         outputs = []
         for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
             outputs.append(self._make_output(seq, new_ids, new_logprobs))

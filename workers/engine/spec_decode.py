@@ -347,6 +347,8 @@ class Speculator:
         self._last_step: tuple[int, int] = (1, 1)  # (tokens, sequences that sampled) of the last step
         # Where a tree's first candidate was rejected at a node with others: (times another was taken, times), decayed.
         self._branch = (self.PRIOR_BRANCH * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT)
+        # Runner proposers: (guesses asked, drafts verified), decayed; prior one guess per draft.
+        self._guesses = (self.PRIOR_WEIGHT, self.PRIOR_WEIGHT)
 
     # ---------------------------------------------------------------- proposing
     def acceptance(self, request_id: str) -> float:
@@ -374,8 +376,13 @@ class Speculator:
         plain_step = base + a * tokens  # the step without drafts
         if b <= 0.0 or plain_step <= 0.0:
             return None
-        # A draft pays when its expected tokens per b seconds beat the plain step's seqs tokens per plain_step.
-        return b * seqs / plain_step
+        # A runner proposer's draft costs the guess it was (the heads' pass, a step earlier) and then its
+        # verified row: both are units of the cost model, so a draft costs b * (1 + guesses per draft).
+        guesses, drafts = self._guesses
+        per_draft = b * (1.0 + guesses / drafts) if self.from_runner else b
+        # A draft pays when its expected tokens per per_draft seconds beat the plain step's seqs tokens per
+        # plain_step.
+        return per_draft * seqs / plain_step
 
     def depth_limit(self, request_id: str) -> int:
         """How many drafts pay for this request now (0 to ``num_speculative_tokens``)."""
@@ -478,11 +485,18 @@ class Speculator:
             receive(request_id, num_tokens, candidates)
 
     # ---------------------------------------------------------------- learning
-    def observe_step(self, num_tokens: int, num_draft_tokens: int, num_sampling_seqs: int, seconds: float) -> None:
-        """One executed step: its own tokens, the drafts it verified, the
-        sequences that sampled, and its duration."""
+    def observe_step(self, num_tokens: int, num_draft_tokens: int, num_sampling_seqs: int, seconds: float,
+                     num_guesses: int = 0) -> None:
+        """One executed step: its own tokens, the draft tokens it verified
+        (with the runner's guesses for the next step, ``num_guesses`` of
+        them, which the cost model prices alike), the sequences that sampled,
+        and its duration."""
         self.cost.observe(num_tokens, num_draft_tokens, seconds)
         self._last_step = (max(1, num_tokens), max(1, num_sampling_seqs))
+        if num_guesses or num_draft_tokens:
+            guesses, drafts = self._guesses
+            decay = self.GLOBAL_DECAY
+            self._guesses = (guesses * decay + num_guesses, drafts * decay + num_draft_tokens - num_guesses)
 
     def observe_result(self, request_id: str, num_proposed: int, num_accepted: int,
                        num_nodes: Optional[int] = None, branches: tuple[int, int] = (0, 0),
