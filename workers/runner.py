@@ -308,7 +308,8 @@ class ModelRunner:
         index = torch.tensor([row_of[rows[i]] for i in wanted], device=self.device)
         k = max(reqs[i].num_proposals for i in wanted)
         m = max(reqs[i].num_proposal_candidates for i in wanted)
-        tokens = torch.tensor([sampled[i][-1] for i in wanted], device=self.device)
+        tokens = (torch.tensor([sampled[i][-1] for i in wanted], device=self.device)
+                  if self.medusa.token_conditioned else None)
         candidates = self.medusa.propose_candidates(hidden.index_select(0, index), k, m, self.model.lm_head, tokens)
         out: list[Optional[list[list[int]]]] = [None] * len(reqs)
         for i, guesses in zip(wanted, candidates):

@@ -102,6 +102,7 @@ def random_prompts(llm: Any, n: int, length: int, rng: random.Random) -> list[li
 
 
 GROUPED = ("grounded", "chat")  # workloads whose prompts differ in kind: several groups below batch 8
+SPEC_COUNTS = ("num_draft_tokens", "num_accepted_tokens", "num_drafts", "num_branch_trials", "num_branch_hits")
 
 
 def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: bool = False,
@@ -122,8 +123,9 @@ def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: boo
         "outputs": [out for g in groups for out in g["outputs"]],
     }
     if "spec" in groups[0]:
-        keys = groups[0]["spec"]
-        drafted, accepted, drafts, trials, wins = (sum(g["spec"][k] for g in groups) for k in keys)
+        total = {key: sum(g["spec"][key] for g in groups) for key in SPEC_COUNTS}
+        drafted, accepted, drafts = total["num_draft_tokens"], total["num_accepted_tokens"], total["num_drafts"]
+        trials, wins = total["num_branch_trials"], total["num_branch_hits"]
         result.update(branch_trials=trials, branch_win_rate=wins / trials if trials else 0.0)
         result.update(draft_tokens=drafted, accepted_tokens=accepted,
                       acceptance_rate=accepted / drafted if drafted else 0.0,
@@ -161,8 +163,7 @@ def _decode_group(llm: Any, prompts: list[list[int]], output_len: int, sampled: 
     }
     if speculator is not None and before is not None:
         after = speculator.stats.as_dict()
-        group["spec"] = {key: after[key] - before[key] for key in (
-            "num_draft_tokens", "num_accepted_tokens", "num_drafts", "num_branch_trials", "num_branch_hits")}
+        group["spec"] = {key: after[key] - before[key] for key in SPEC_COUNTS}
     return group
 
 

@@ -493,7 +493,7 @@ class Speculator:
         and its duration."""
         self.cost.observe(num_tokens, num_draft_tokens, seconds)
         self._last_step = (max(1, num_tokens), max(1, num_sampling_seqs))
-        if num_guesses or num_draft_tokens:
+        if self.from_runner and num_draft_tokens:
             guesses, drafts = self._guesses
             decay = self.GLOBAL_DECAY
             self._guesses = (guesses * decay + num_guesses, drafts * decay + num_draft_tokens - num_guesses)
