@@ -79,6 +79,8 @@ def continuation(request: GenerationRequest, generated: list[int], attempt: int)
         request_id=f"{request.request_id}-m{attempt}",
         prompt_token_ids=list(request.prompt_token_ids) + list(generated),
         sampling_params=new_sampling,
+        # A structured-output constraint resumes after the streamed tokens (the replica replays them).
+        num_resumed_output_tokens=request.num_resumed_output_tokens + len(generated),
     )
 
 

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from tokenizers import Tokenizer
 
-from cluster.shared.config import EngineConfig
+from cluster.shared.config import EngineConfig, SpeculativeConfig
 from cluster.shared.sizes import GiB, cdiv
 from workers.engine.block_pool import BlockPool
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.scheduler import Scheduler
 from workers.engine.spec_decode import RunnerProposer, Speculator
+from workers.engine.structured import JumpForwardProposer
 from workers.model.config import ModelArchConfig
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
 from workers.provision import (
@@ -32,6 +33,7 @@ from workers.provision import (
     resolve_max_model_len,
 )
 from workers.runner import ModelRunner, kv_block_bytes
+from workers.structured import make_backend
 
 if TYPE_CHECKING:
     from workers.parallel import TensorParallelRunner
@@ -107,6 +109,23 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
     return RunnerProposer()
 
 
+def _tokenizer_file(model_dir: Path, tokenizer: Optional[str]) -> Optional[Path]:
+    path = Path(tokenizer) if tokenizer else model_dir
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return path if path.is_file() else None
+
+
+def with_jump_forward(speculator: Optional[Speculator], grammar_of, limit: int) -> Speculator:
+    """The speculator that proposes a constrained sequence's forced tokens
+    first (``workers/engine/structured.py``), then the configured proposer's;
+    without a speculative config, forced tokens only, as adaptive as any
+    proposer (its acceptance and the step's measured cost size the drafts)."""
+    if speculator is None:
+        return Speculator(SpeculativeConfig(num_speculative_tokens=limit),
+                          proposer=JumpForwardProposer(grammar_of, limit))
+    return Speculator(speculator.config, proposer=JumpForwardProposer(grammar_of, limit, speculator.proposer))
+
+
 def freeze_heap() -> None:
     """Takes every object alive now out of the cyclic garbage collector's
     reach (``gc.freeze()``, as vLLM and SGLang do after start-up).
@@ -162,8 +181,18 @@ def build_engine(config: EngineConfig) -> EngineParts:
         elif config.speculative.method == "medusa":
             proposer = attach_medusa_heads(runner, config.speculative.model, arch)
         speculator = Speculator(config.speculative, proposer=proposer)
+    structured = make_backend(_tokenizer_file(model_dir, config.tokenizer), arch.vocab_size, eos,
+                              config.structured_outputs)
+    scheduler: Optional[Scheduler] = None
+
+    def grammar_of(request_id: str):  # the jump-forward proposer reads the scheduler built below
+        seq = scheduler.get_request(request_id) if scheduler is not None else None
+        return seq.grammar if seq is not None else None
+
+    if structured is not None and config.structured_outputs.jump_forward:
+        speculator = with_jump_forward(speculator, grammar_of, config.structured_outputs.max_jump_forward_tokens)
     scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
-                          sliding_window=window, speculator=speculator)
+                          sliding_window=window, speculator=speculator, structured=structured)
     engine = LLMEngine(
         scheduler,
         runner,

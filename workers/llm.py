@@ -121,12 +121,29 @@ class LLM:
         requests = [self.make_request(p, sp, pr) for p, sp, pr in zip(prompts, params, prios)]
         for req in requests:  # validate all before queuing any
             self.engine.validate(req)
+        grammars = self._compile_grammars(requests)  # before queuing any, too
         results = {r.request_id: CompletionOutput(r.request_id, list(r.prompt_token_ids)) for r in requests}
-        for req in requests:
-            self.engine.add_request(req)
+        for req, grammar in zip(requests, grammars):
+            self.engine.add_request(req, grammar)
         for out in self.stream_until_done():
             _accumulate(results[out.request_id], out)
         return [results[r.request_id] for r in requests]
+
+    def _compile_grammars(self, requests: list[GenerationRequest]) -> list[object]:
+        """Each request's compiled structured-output grammar (None without
+        one), all compiling at once on the backend's pool.
+
+        Raises:
+            ValueError: One does not compile, or not in time.
+        """
+        backend = self.engine.structured
+        if backend is None:
+            return [None] * len(requests)
+        for req in requests:
+            if req.sampling_params.structured_outputs is not None:
+                backend.prepare(req.sampling_params.structured_outputs)
+        return [backend.compile(req.sampling_params.structured_outputs)
+                if req.sampling_params.structured_outputs is not None else None for req in requests]
 
     def stream_until_done(self) -> Iterator[RequestOutput]:
         """Steps the engine until no request is left, yielding every output."""

@@ -19,6 +19,9 @@ Where the figures come from::
     counters    spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total,
                 spec_decode_num_accepted_tokens_per_pos_total{position}
                 <- the speculator's stats                 (record_spec_decode, ditto)
+    counters    structured_output_{requests,grammar_cache_hits,grammar_failures,
+                jump_forward_tokens}_total; histogram structured_output_compile_seconds
+                <- the grammar backend's stats            (record_structured, ditto)
     counters    prompt_tokens_total, generation_tokens_total
     histograms  time_to_first_token_seconds, inter_token_latency_seconds,
                 e2e_request_latency_seconds, request_queue_time_seconds
@@ -46,6 +49,7 @@ from workers.engine.outputs import RequestOutput
 LABELS = ("replica", "model")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so quantiles compare.
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -98,6 +102,19 @@ class ReplicaMetrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Speculated tokens accepted, by position in the draft.",
             (*LABELS, "position"), registry=self.registry)
         self._spec_counts: dict[str, int] = {}
+        self._structured = {
+            "requests": counter("structured_output_requests_total", "Requests with a structured-output constraint."),
+            "cache_hits": counter("structured_output_grammar_cache_hits_total",
+                                  "Constraints whose compiled grammar was cached (or being compiled)."),
+            "failures": counter("structured_output_grammar_failures_total",
+                                "Constraints that did not compile, or not within compile_timeout_s."),
+            "jump_forward_tokens": counter("structured_output_jump_forward_tokens_total",
+                                           "Forced tokens proposed by jump-forward decoding."),
+        }
+        self._structured_counts: dict[str, int] = {}
+        self.structured_compile_seconds = histogram(
+            "structured_output_compile_seconds", "Time to compile a constraint's grammar (cache misses).",
+            COMPILE_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.time_to_first_token = histogram(
@@ -165,6 +182,20 @@ class ReplicaMetrics:
             if delta > 0:
                 counter.inc(delta)
                 self._spec_counts[name] = value
+
+    def record_structured(self, *, num_requests: int, num_cache_hits: int, num_failures: int,
+                          num_jump_forward_tokens: int, compile_seconds: list[float]) -> None:
+        """Advances the structured-output counters to the backend's cumulative
+        values and observes the compile times taken since the last call."""
+        values = {"requests": num_requests, "cache_hits": num_cache_hits, "failures": num_failures,
+                  "jump_forward_tokens": num_jump_forward_tokens}
+        for name, value in values.items():
+            delta = value - self._structured_counts.get(name, 0)
+            if delta > 0:
+                self._structured[name].inc(delta)
+                self._structured_counts[name] = value
+        for seconds in compile_seconds:
+            self.structured_compile_seconds.observe(seconds)
 
     def start_request(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
         """A timer for one request, started now."""

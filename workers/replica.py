@@ -247,6 +247,14 @@ class ReplicaServer:
             self.metrics.record_spec_decode(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
                                             num_accepted_tokens=stats.num_accepted_tokens,
                                             accepted_per_position=stats.accepted_per_position)
+        structured = getattr(self.engine, "structured", None)
+        if structured is not None:
+            grammar = structured.stats
+            proposer = getattr(scheduler.speculator, "proposer", None)
+            self.metrics.record_structured(
+                num_requests=grammar.num_constrained_requests, num_cache_hits=grammar.num_cache_hits,
+                num_failures=grammar.num_failures, compile_seconds=grammar.take_compile_seconds(),
+                num_jump_forward_tokens=getattr(proposer, "num_proposed_tokens", 0))
 
     def _collect_events(self) -> None:
         """Engine thread: drain this step's KV events for the publisher."""

@@ -202,15 +202,17 @@ class ModelRunner:
                 assert drafts[j] not in kids[parent + 1], ("sibling proposals repeat a token", req.request_id)
                 kids[parent + 1][drafts[j]] = j + 1
             rows_here = [len(rows)]
+            masks = req.grammar_bitmask  # row 0: the fed token's; row 1 + j: proposal j's
             rows.append(dataclasses.replace(req, input_token_ids=[req.input_token_ids[0]], num_sample_tokens=1,
-                                            spec_token_ids=(), spec_parents=()))
+                                            spec_token_ids=(), spec_parents=(),
+                                            grammar_bitmask=None if masks is None else masks[0:1]))
             owner.append(i)
             table = req.block_ids
             for j, path in enumerate(paths):
                 row = dataclasses.replace(
                     req, input_token_ids=[drafts[j]], num_computed_tokens=c + len(path), num_sample_tokens=1,
                     output_token_ids=[*req.output_token_ids, *(drafts[a] for a in path)], spec_token_ids=(),
-                    spec_parents=())
+                    spec_parents=(), grammar_bitmask=None if masks is None else masks[j + 1:j + 2])
                 if not is_chain:
                     slot_of = [table[(c + 1 + a) // bs] * bs + (c + 1 + a) % bs for a in path]
                     tree_rows[id(row)] = (slot_of[-1], c + 1, slot_of)

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
+from cluster.shared.structured import StructuredOutputsParams
+
 # Hard caps that keep one request from taking a replica down. They are not
 # user knobs; the router validates tighter per-deployment limits later.
 MAX_STOP_STRINGS = 64
@@ -67,6 +69,9 @@ class SamplingParams:
         prompt_logprobs: The same for every prompt token after the first
             (vLLM's knob: perplexity, scoring). Such a prompt is computed in
             full, never read from the prefix cache.
+        structured_outputs: A constraint the output must match (JSON
+            schema, regex, choice, grammar; ``cluster/shared/structured.py``),
+            enforced in the engine; a dict is read as vLLM's request object.
     """
 
     max_tokens: int = 16
@@ -83,8 +88,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_mapping(self.structured_outputs))
         # Accept lists from users; store tuples so the object stays hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -130,6 +138,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
@@ -163,6 +175,9 @@ class GenerationRequest:
     priority: int = 0  # lower value = served first (vLLM convention)
     cache_salt: str = ""  # isolates prefix-cache entries between tenants
     arrival_time: float = 0.0
+    # The last N prompt tokens are output a client has already received (a stream migrated from a
+    # replica that died, ``router/migration.py``): a structured-output constraint starts after them.
+    num_resumed_output_tokens: int = 0
 
 
 @dataclass

@@ -127,7 +127,10 @@ def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
                 "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
                 "e2e_request_latency_seconds", "request_queue_time_seconds", "model_weight_bytes", "kv_cache_bytes",
                 "model_info", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
+                "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+                "structured_output_requests", "structured_output_grammar_cache_hits",
+                "structured_output_grammar_failures", "structured_output_jump_forward_tokens",
+                "structured_output_compile_seconds"}
     assert set(families) == {"prefixserve:" + name for name in expected}
     for family in families.values():
         assert all(s.labels["replica"] == "r1" and s.labels["model"] == "tiny" for s in family.samples)
@@ -306,3 +309,18 @@ def test_directory_degraded_period_is_counted_and_ends():
     assert value("prefixserve:router_directory_degraded_seconds_total") == 5.5
     assert value("prefixserve:router_directory_available") == 1
     assert value("prefixserve:router_directory_errors_total") == 2
+
+
+def test_structured_output_counters_follow_the_backend_and_never_go_back():
+    metrics = ReplicaMetrics("r1", "tiny")
+    metrics.record_structured(num_requests=3, num_cache_hits=2, num_failures=1, num_jump_forward_tokens=40,
+                              compile_seconds=[0.004, 0.02])
+    metrics.record_structured(num_requests=3, num_cache_hits=1, num_failures=1, num_jump_forward_tokens=45,
+                              compile_seconds=[])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    labels = (("model", "tiny"), ("replica", "r1"))
+    assert samples[("prefixserve:structured_output_requests_total", labels)] == 3
+    assert samples[("prefixserve:structured_output_grammar_cache_hits_total", labels)] == 2
+    assert samples[("prefixserve:structured_output_jump_forward_tokens_total", labels)] == 45
+    assert samples[("prefixserve:structured_output_compile_seconds_count", labels)] == 2

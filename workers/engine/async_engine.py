@@ -34,6 +34,7 @@ from typing import AsyncIterator, Callable, Optional, TypeVar
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestOutput
+from workers.engine.structured import timeout_message
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,11 @@ class AsyncEngine:
         self.engine.validate(request)  # read-only checks; fail fast in the caller
         self._admit()
         self.start()
+        compiled = await self._compile_grammar(request)  # off the engine thread: other requests step on
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request.request_id] = (asyncio.get_running_loop(), out_queue)
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", (request, compiled)))
         finished = False
         try:
             while True:
@@ -134,6 +136,29 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self._inbox.put(("abort", request.request_id))
+
+    async def _compile_grammar(self, request: GenerationRequest) -> object:
+        """The request's structured-output grammar, compiled on the backend's
+        pool (None without a constraint).
+
+        Raises:
+            ValueError: It does not compile, or not within the backend's
+                ``compile_timeout_s`` (this request alone fails).
+        """
+        params = request.sampling_params.structured_outputs
+        backend = getattr(self.engine, "structured", None)
+        if params is None or backend is None:
+            return None
+        future = asyncio.wrap_future(backend.prepare(params))
+        # asyncio.wait, not wait_for: a timeout must not cancel a compile other requests may share.
+        done, _ = await asyncio.wait({future}, timeout=backend.config.compile_timeout_s)
+        if not done:
+            backend.stats.num_failures += 1
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+            raise ValueError(timeout_message(params, backend.config.compile_timeout_s))
+        if future.exception() is not None:
+            backend.stats.num_failures += 1
+        return future.result()
 
     @property
     def num_unfinished(self) -> int:
@@ -227,9 +252,10 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed
             pass
 
-    def _add(self, request: GenerationRequest) -> None:
+    def _add(self, payload: tuple[GenerationRequest, object]) -> None:
+        request, compiled = payload
         try:
-            self.engine.add_request(request)
+            self.engine.add_request(request, compiled)
         except ValueError as exc:
             self._send(request.request_id, exc)
         except Exception as exc:  # noqa: BLE001 - bad input must never end the engine loop

@@ -68,25 +68,37 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.schedule_seconds = 0.0  # in schedule(), proposals included (bench spec: what speculation costs)
+        self.structured = scheduler.structured  # the grammar backend of structured outputs (None: refused)
 
     # ----------------------------------------------------------- requests
     def validate(self, request: GenerationRequest) -> None:
         """Raises ValueError saying what to change if the request cannot run
         (``validation.py``: the request itself, then whether it fits). No mutation."""
         check_request(request, self.vocab_size)
+        if request.sampling_params.structured_outputs is not None and self.structured is None:
+            raise ValueError("structured_outputs needs a grammar backend, and this engine has none: install "
+                             "xgrammar (pip install xgrammar) and give the model a tokenizer.json")
         if request.request_id in self._seqs:
             raise ValueError(f"request id {request.request_id!r} is already running: use a unique id")
         problem = self.scheduler.check_request_fits(len(request.prompt_token_ids), request.sampling_params.max_tokens)
         if problem:
             raise ValueError(problem)
 
-    def add_request(self, request: GenerationRequest) -> None:
+    def add_request(self, request: GenerationRequest, compiled_grammar: object = None) -> None:
         """Validates and queues a request (mutates engine state).
 
+        Args:
+            request: The request.
+            compiled_grammar: Its structured-output grammar, compiled ahead
+                (``AsyncEngine`` compiles off this thread); None compiles it
+                here when the request has one (cached, with the timeout).
+
         Raises:
-            ValueError: The request cannot run; nothing was queued.
+            ValueError: The request cannot run (or its grammar does not
+                compile); nothing was queued.
         """
         self.validate(request)
+        grammar = self._new_grammar(request, compiled_grammar)
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -98,6 +110,7 @@ class LLMEngine:
             arrival_time=request.arrival_time or self._clock(),
         )
         seq.queued_time = self._clock()
+        seq.grammar = grammar
         self._seqs[request.request_id] = seq
         self._detok[request.request_id] = (
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, request.sampling_params.stop)
@@ -105,6 +118,21 @@ class LLMEngine:
             else None
         )
         self.scheduler.add_request(seq)
+
+    def _new_grammar(self, request: GenerationRequest, compiled: object) -> object:
+        """The request's grammar state, advanced over the output tokens a
+        migrated stream already delivered (None without a constraint)."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return None
+        assert self.structured is not None  # validate() refused it otherwise
+        state = self.structured.new_state(params, compiled)
+        resumed = request.prompt_token_ids[len(request.prompt_token_ids) - request.num_resumed_output_tokens:]
+        for i, token in enumerate(resumed if request.num_resumed_output_tokens else ()):
+            if not state.accept(token):
+                raise ValueError(f"num_resumed_output_tokens: resumed output token {i} ({token}) is outside the "
+                                 "request's structured-output grammar")
+        return state
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Aborts a request at any point and frees its blocks (mutates state).

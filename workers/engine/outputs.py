@@ -27,7 +27,7 @@ One step, as the runner sees it (B scheduled requests, T tokens)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from cluster.shared.types import FinishReason, SamplingParams, TokenLogprob
 
@@ -51,6 +51,10 @@ class ScheduledRequest:
     spec_parents: Sequence[int] = ()
     num_proposals: int = 0  # guesses the runner's own proposer (Medusa heads) makes for the next step
     num_proposal_candidates: int = 1  # candidate continuations it makes (a tree when > 1)
+    # With a structured-output grammar: the allowed tokens of each of the num_sample_tokens rows
+    # (the fed token's, then each draft's), a backend buffer of packed bits ([rows, ceil(V / 32)]
+    # int32 for xgrammar); None: unconstrained.
+    grammar_bitmask: Any = None
 
     @property
     def num_input_tokens(self) -> int:

@@ -80,7 +80,7 @@ class RequestQueue:
         queue.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.finish_message = message
+        seq.finish_message = message if message is not None else seq.finish_message
         del self._by_id[seq.request_id]
         del self._arrival_index[seq.request_id]
 

@@ -53,6 +53,7 @@ from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutpu
 from workers.engine.request_queue import RequestQueue
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.spec_decode import Speculator, accepted_path, tree_depth
+from workers.engine.structured import GrammarBackend, fill_draft_masks, trim_drafts
 from workers.engine.validation import Capacity, fit_problem
 
 StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
@@ -85,6 +86,8 @@ class Scheduler:
             positions, blocks outside the window are released after each step.
         speculator: Proposes tokens for decoding sequences, verified by the
             runner in the same step (``spec_decode.py``); None: one token per step.
+        structured: Makes the token masks of sequences with a grammar
+            (``structured.py``); None where the engine has no grammar backend.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         sliding_window: Optional[int] = None,
         speculator: Optional[Speculator] = None,
+        structured: Optional[GrammarBackend] = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token, one output), got {max_model_len}")
@@ -107,6 +111,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.sliding_window = sliding_window
         self.speculator = speculator
+        self.structured = structured
 
         self.queue = RequestQueue()
         self._finished_ids: set[str] = set()  # since the last schedule()
@@ -275,7 +280,13 @@ class Scheduler:
             return {}
         drafts = self.speculator.propose_batch([(seq.request_id, seq.all_token_ids, room, slots)
                                                 for seq, room, slots in asks])
-        return {seq: d for (seq, _, _), d in zip(asks, drafts) if d[0]}
+        out = {}
+        for (seq, _, _), d in zip(asks, drafts):
+            if d[0] and seq.grammar is not None:  # a draft the grammar rejects could never be accepted
+                d = trim_drafts(seq.grammar, *d)
+            if d[0]:
+                out[seq] = d
+        return out
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, plan: _StepPlan) -> bool:
         """Allocates ``num_new`` slots for a running ``seq``, preempting the
@@ -403,6 +414,10 @@ class Scheduler:
         num_known = num_new - len(drafts)  # tokens of the sequence; the drafts follow
         samples = start + num_known == seq.num_tokens
         guesses = self.speculator.runner_proposals_wanted(seq.request_id) if samples and self.speculator else 0
+        masks = None
+        if samples and seq.grammar is not None:
+            assert self.structured is not None, "a sequence with a grammar needs the engine's grammar backend"
+            masks = fill_draft_masks(seq.grammar, self.structured, drafts, parents)
         return ScheduledRequest(
             request_id=seq.request_id,
             input_token_ids=seq.all_token_ids[start : start + num_known] + list(drafts),
@@ -416,6 +431,7 @@ class Scheduler:
             spec_parents=list(parents),
             num_proposals=guesses,
             num_proposal_candidates=self.speculator.num_candidates if guesses else 1,
+            grammar_bitmask=masks,
         )
 
     # ------------------------------------------------------------------ update
@@ -518,7 +534,14 @@ class Scheduler:
         return kept
 
     def _check_stop(self, seq: Sequence, token_id: int) -> Optional[FinishReason]:
+        """Why ``seq`` ends after appending ``token_id`` (None: it goes on);
+        a sequence with a grammar advances it by the token first."""
         params = seq.sampling_params
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            # The masks make this unreachable; a sequence is never continued outside its grammar.
+            seq.finish_message = (f"request {seq.request_id!r}: token {token_id} is outside its "
+                                  "structured-output grammar; the output so far is returned")
+            return FinishReason.ABORT
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:

@@ -91,6 +91,9 @@ class Sequence:
         # first), filled as chunks are computed; handed out once, with the first output.
         self.prompt_logprobs: Optional[list] = None
         self.prompt_logprobs_sent = False
+        # With sampling_params.structured_outputs: the grammar state (workers/engine/structured.py),
+        # advanced by every token the sequence keeps.
+        self.grammar = None
 
         # Owned by the KV manager.
         self.block_ids: list[int] = []  # device block table while RUNNING

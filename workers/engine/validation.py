@@ -51,6 +51,12 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
     bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    resumed = request.num_resumed_output_tokens
+    if not isinstance(resumed, int) or not 0 <= resumed < max(1, len(ids)):
+        raise ValueError(f"num_resumed_output_tokens must be in [0, {len(ids)}) (the prompt's tail), got {resumed!r}")
+    if params.structured_outputs is not None and params.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with structured_outputs: the grammar ends the output "
+                         "with the end-of-sequence token; unset ignore_eos")
 
 
 def fit_problem(num_prompt_tokens: int, max_tokens: int, capacity: Capacity) -> Optional[str]:

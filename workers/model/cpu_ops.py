@@ -224,6 +224,48 @@ void argmax_rows_f32(const float* x, long rows, long cols, long ld, long* out) {
         out[r] = best;
     }
 }
+
+/* Structured outputs: in each listed row of x, -inf where the row's packed
+   mask clears the token's bit (bit i % 32 of 32-bit word i / 32, xgrammar's
+   layout). Words with every bit set are skipped, cleared words are filled
+   eight lanes at a time; only the constrained rows are touched. */
+void mask_rows_f32(float* x, long ld, long cols, const long* rows, long num_rows, const unsigned int* masks,
+                   long words) {
+    const float neg_inf = -INFINITY;
+    for (long r = 0; r < num_rows; ++r) {
+        float* v = x + rows[r] * ld;
+        const unsigned int* m = masks + r * words;
+        long full = cols / 32;
+        if (full > words) full = words;
+        for (long w = 0; w < full; ++w) {
+            const unsigned int bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            float* p = v + w * 32;
+#if defined(__AVX2__)
+            const __m256 ninf = _mm256_set1_ps(neg_inf);
+            if (bits == 0u) {
+                _mm256_storeu_ps(p, ninf); _mm256_storeu_ps(p + 8, ninf);
+                _mm256_storeu_ps(p + 16, ninf); _mm256_storeu_ps(p + 24, ninf);
+                continue;
+            }
+            const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            for (int g = 0; g < 4; ++g) {
+                const __m256i byte = _mm256_set1_epi32((int)((bits >> (8 * g)) & 0xFFu));
+                const __m256i off = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bits), _mm256_setzero_si256());
+                const __m256 cur = _mm256_loadu_ps(p + 8 * g);
+                _mm256_storeu_ps(p + 8 * g, _mm256_blendv_ps(cur, ninf, _mm256_castsi256_ps(off)));
+            }
+#else
+            for (int b = 0; b < 32; ++b)
+                if (!((bits >> b) & 1u)) p[b] = neg_inf;
+#endif
+        }
+        for (long i = full * 32; i < cols; ++i) {
+            const long w = i / 32;
+            if (w >= words || !((m[w] >> (i % 32)) & 1u)) v[i] = neg_inf;
+        }
+    }
+}
 """
 
 # -ffp-contract=off: a * c - b * s is not fused into one FMA in some rows and not
@@ -237,6 +279,7 @@ _SIGNATURES = {
     "rotary_f32": [_P, _L, _L, _L, _L, _P, _P],
     "silu_and_mul_f32": [_P, _P, _L, _L],
     "argmax_rows_f32": [_P, _L, _L, _L, _P],
+    "mask_rows_f32": [_P, _L, _L, _P, _L, _P, _L],
 }
 
 
@@ -288,4 +331,15 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["add_rms_norm", "argmax_rows", "load", "rotary", "silu_and_mul", "_ok"]
+def mask_rows(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+    """In place: ``x[rows[r], i] = -inf`` where bit ``i`` of ``masks[r]`` is
+    clear (``masks`` ``[len(rows), words]`` int32, bit ``i % 32`` of word
+    ``i // 32``; tokens past ``32 * words`` are disallowed). ``x`` is float32
+    ``[N, V]`` with a unit column stride; ``rows`` int64."""
+    assert x.stride(1) == 1 and masks.dtype == torch.int32 and masks.is_contiguous() and rows.dtype == torch.long
+    assert masks.shape[0] == rows.shape[0]
+    lib.mask_rows_f32(x.data_ptr(), x.stride(0), x.shape[1], rows.data_ptr(), rows.shape[0], masks.data_ptr(),
+                      masks.shape[1])
+
+
+__all__ = ["add_rms_norm", "argmax_rows", "mask_rows", "load", "rotary", "silu_and_mul", "_ok"]

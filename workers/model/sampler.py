@@ -3,6 +3,8 @@
 Pipeline of one step (rows are requests; every stage is batched with masks)::
 
     logits [N, V] float32
+      |-- grammar masks: -inf outside each constrained row's allowed tokens,
+      |                  in place, native (rows with grammar_bitmask)
       |-- logprobs: log_softmax(raw logits)          (rows with logprobs != None)
       |-- penalties: repetition (prompt + output),
       |              frequency / presence (output)   (rows with penalties)
@@ -13,7 +15,9 @@ Pipeline of one step (rows are requests; every stage is batched with masks)::
 Choices worth knowing:
 
 * **Logprobs come from the raw model distribution**, ``log_softmax(logits)``
-  before penalties, temperature and truncation. They then describe the model,
+  before penalties, temperature and truncation (after a structured-output
+  grammar's mask, as in vLLM: a constrained row's logprobs are those of the
+  tokens it may emit). They then describe the model,
   not the sampling knobs, and a sampled token always has a finite logprob.
   vLLM's default (``logprobs_mode="raw_logprobs"``) does the same.
 * **Exponential race.** ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks
@@ -190,7 +194,8 @@ class Sampler:
         """Samples the next token of each request.
 
         Args:
-            logits: [N, V] float32 logits of the rows that sample (not modified).
+            logits: [N, V] float32 logits of the rows that sample; rows with a
+                grammar mask are masked in place (the rest is not modified).
             requests: The N requests, aligned with the rows.
 
         Returns:
@@ -200,6 +205,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
         if logits.dtype != torch.float32:
             logits = logits.float()
+        constrained = [i for i, r in enumerate(requests) if r.grammar_bitmask is not None]
+        if constrained:
+            self._apply_grammar(logits, constrained, [requests[i].grammar_bitmask for i in constrained])
         params = [r.sampling_params for r in requests]
         if all(p.greedy and not p.has_penalties for p in params):
             # Fast path: one argmax, no copies.
@@ -208,6 +216,19 @@ class Sampler:
             token_ids = self._sample(logits, requests)
         token_list = token_ids.tolist()
         return token_list, self._logprobs(logits, token_ids, requests)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
+        """-inf, in place, where a constrained row's packed mask (first row of
+        each ``[1+, ceil(V / 32)]`` int32 buffer) disallows the token: on CPU one
+        native pass over those rows only, else torch on the device."""
+        packed = torch.cat([m[:1] for m in masks]) if len(masks) > 1 else masks[0][:1].contiguous()
+        if logits.device.type == "cpu" and logits.stride(1) == 1:
+            if self._native is None:
+                self._native = cpu_ops.load() or False
+            if self._native:
+                cpu_ops.mask_rows(self._native, logits, torch.tensor(rows, dtype=torch.long), packed)
+                return
+        apply_token_bitmask(logits, rows, packed)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(dim=-1)``; on CPU the native one-pass kernel (torch's
@@ -305,6 +326,23 @@ class Sampler:
         for i, entry in zip(wanted, entries):
             result[i] = [entry]
         return result
+
+
+def unpack_bitmask(packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[R, V]`` bool of packed ``[R, words]`` int32 masks (bit ``i % 32`` of word ``i // 32``)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(packed.shape[0], -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # tokens past the mask's width are not allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], packed: torch.Tensor) -> None:
+    """Torch version of the native mask (GPUs, no compiler): in place on ``rows``."""
+    index = torch.tensor(rows, device=logits.device)
+    allowed = unpack_bitmask(packed.to(logits.device), logits.shape[1])
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:

@@ -37,10 +37,11 @@ from cluster.shared.config.engine import (
     SpeculativeConfig,
     SPECULATIVE_METHODS,
 )
+from cluster.shared.config.structured import STRUCTURED_BACKENDS, StructuredOutputsConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
-    "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS",
+    "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS", "STRUCTURED_BACKENDS",
     "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
-    "RouterConfig", "SchedulerConfig", "SpeculativeConfig",
+    "RouterConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

@@ -13,6 +13,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cluster.shared.config.structured import StructuredOutputsConfig
+
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
@@ -255,6 +257,9 @@ class EngineConfig:
         speculative_config: Speculative decoding (``SpeculativeConfig``: a
             mapping or its JSON, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}``); None turns it off.
+        structured_outputs_config: How output constraints are compiled and
+            enforced (``StructuredOutputsConfig``: a mapping or its JSON);
+            None takes the defaults.
     """
 
     model: Optional[str] = None
@@ -270,6 +275,7 @@ class EngineConfig:
     enforce_eager: bool = True
     device: Optional[str] = None
     speculative_config: Optional[dict] = None
+    structured_outputs_config: Optional[dict] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -290,6 +296,9 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.structured_outputs_config is not None:
+            parsed = StructuredOutputsConfig.from_mapping(self.structured_outputs_config)
+            object.__setattr__(self, "structured_outputs_config", dataclasses.asdict(parsed))
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_mapping(self.speculative_config)
             object.__setattr__(self, "speculative_config", dataclasses.asdict(spec))  # JSON given: a dict from now
@@ -301,6 +310,11 @@ class EngineConfig:
                 raise ValueError("speculative_config num_candidates > 1 (tree verification) needs "
                                  "attention_backend 'torch' (the CPU default); set num_candidates 1 or "
                                  f"attention_backend 'torch' (now {self.attention_backend!r}, device {self.device!r})")
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """The parsed ``structured_outputs_config`` (defaults when None)."""
+        return StructuredOutputsConfig(**(self.structured_outputs_config or {}))
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:
