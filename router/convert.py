@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import uuid
 from dataclasses import fields
 from typing import Optional
 
+from cluster.shared.structured import StructuredOutputsParams
 from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
 from router.limits import Limits
 from router.pb import generation_pb2 as pb
+from router.structured_request import check_json_schema
 from router.tokenizer import RouterTokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -40,7 +43,9 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 _OFFLINE_ONLY = ("prompt_logprobs",)
 # Every other SamplingParams field must have a proto counterpart (a test checks it too).
 assert {f.name for f in fields(SamplingParams)} == (set(_OPTIONAL_FIELDS) | {"stop", "stop_token_ids", "ignore_eos"}
-                                                    | set(_OFFLINE_ONLY))
+                                                    | {"structured_outputs"} | set(_OFFLINE_ONLY))
+_STRUCTURED = "sampling.structured_outputs"
+_PROTO_KINDS = "json_schema, json_object, regex, choice, grammar or structural_tag"
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -56,10 +61,58 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """Builds the output constraint, its JSON schema checked as the HTTP API checks it.
+
+    Raises:
+        ValueError: No kind set, a bad value, an invalid schema or one the
+            engine cannot enforce; the message names ``sampling.structured_outputs.<field>``.
+    """
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(f"{_STRUCTURED} sets no constraint: set one of {_PROTO_KINDS}, or leave it unset")
+    if kind == "json_object" and not msg.json_object:
+        raise ValueError(f"{_STRUCTURED}.json_object must be true when set: set another kind, or leave it unset")
+    kwargs: dict = {"disable_any_whitespace": msg.disable_any_whitespace}
+    if msg.HasField("whitespace_limit"):
+        kwargs["whitespace_limit"] = msg.whitespace_limit
+    if kind == "json_schema":
+        kwargs["json"] = msg.json_schema
+    elif kind == "choice":
+        kwargs["choice"] = tuple(msg.choice.items)
+    else:
+        kwargs[kind] = getattr(msg, kind)
+    try:
+        params = StructuredOutputsParams(**kwargs)
+    except ValueError as exc:  # its messages name the Python field `json`; the proto's is json_schema
+        raise ValueError("sampling." + re.sub(r"structured_outputs\.json\b", "structured_outputs.json_schema",
+                                              str(exc))) from None
+    if params.json is not None:
+        check_json_schema(params.schema(), f"{_STRUCTURED}.json_schema")
+    return params
+
+
+def structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.StructuredOutputs:
+    """The proto of an output constraint (an unset whitespace limit stays unset)."""
+    msg = pb.StructuredOutputs(disable_any_whitespace=params.disable_any_whitespace)
+    if params.whitespace_limit is not None:
+        msg.whitespace_limit = params.whitespace_limit
+    kind = params.kind
+    if kind == "json":
+        msg.json_schema = params.json or ""
+    elif kind == "choice":
+        msg.choice.items.extend(params.choice or ())
+    else:
+        setattr(msg, kind, getattr(params, kind))
+    return msg
 
 
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -71,6 +124,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return msg
 
 

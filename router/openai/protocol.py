@@ -20,7 +20,10 @@ from cluster.shared.types import GenerationRequest, SamplingParams, StreamChunk,
 from router.backend import ModelInfo
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import LimitError, Limits
+from router.structured_request import StructuredRequestError, structured_outputs_from_body
 from router.tokenizer import RouterTokenizer
+from router.tools import (ToolError, ToolPlan, apply_tool_constraint, message_tool_fields, parse_tool_plan,
+                          resolve_parser)
 
 MAX_CACHE_SALT_CHARS = 256
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -83,6 +86,7 @@ class ParsedRequest:
     include_usage: bool
     chat: bool
     echo_model: str
+    tools: Optional[ToolPlan] = None  # tools offered: the output is parsed for calls (router/tools)
 
 
 def _number(body: dict, name: str, integer: bool) -> Any:
@@ -133,8 +137,7 @@ def _check_unsupported(body: dict) -> None:
         raise bad_request("suffix is not supported: leave it unset", "suffix")
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported: leave it unset", "logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools are not supported: leave tools unset", "tools")
+    # tools / tool_choice / functions: _tool_plan (router/tools) on chat, refused on completions
 
 
 def _prompt_ids(body: dict, tokenizer: RouterTokenizer) -> list[int]:
@@ -180,18 +183,40 @@ def _message_content(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _chat_ids(body: dict, tokenizer: RouterTokenizer, limits: Limits) -> list[int]:
+def _tool_plan(body: dict, chat: bool, tokenizer: RouterTokenizer) -> Optional[ToolPlan]:
+    """The request's tool plan (None without tools); tools on completions are refused."""
+    if not chat:
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if body.get(name) is not None:
+                raise bad_request(f"{name} is only supported on /v1/chat/completions: leave it unset here", name)
+        return None
+    template = tokenizer.chat_template
+    try:
+        parser = resolve_parser(getattr(tokenizer, "tool_call_parser", "auto"), template.source if template else None)
+        return parse_tool_plan(body, parser)
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def _chat_message(msg: Any, i: int) -> dict[str, Any]:
+    """One message as the chat template takes it (tool calls and tool results kept)."""
+    if not isinstance(msg, dict):
+        raise bad_request(f"messages[{i}] must be an object with role and content", "messages")
+    try:
+        tool_fields = message_tool_fields(msg, f"messages[{i}]")
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return {"role": msg.get("role"), "content": _message_content(msg.get("content"), i), **tool_fields}
+
+
+def _chat_ids(body: dict, tokenizer: RouterTokenizer, limits: Limits, tools: Optional[ToolPlan] = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     limits.check_messages(len(messages), "messages")
-    plain = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}] must be an object with role and content", "messages")
-        plain.append({"role": msg.get("role"), "content": _message_content(msg.get("content"), i)})
+    plain = [_chat_message(msg, i) for i, msg in enumerate(messages)]
     try:
-        ids = tokenizer.render_chat(plain)
+        ids = tokenizer.render_chat(plain, tools=tools.prompt_tools() if tools else None)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     if not ids:
@@ -236,6 +261,10 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, 
             raise bad_request("ignore_eos must be true or false", "ignore_eos")
         kwargs["ignore_eos"] = ignore_eos
     kwargs["logprobs"] = _logprobs(body, chat, limits)
+    try:  # response_format, structured_outputs, guided_*: enforced in the engine, never ignored
+        kwargs["structured_outputs"] = structured_outputs_from_body(body)
+    except StructuredRequestError as exc:
+        raise bad_request(str(exc), exc.param) from None
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -295,8 +324,13 @@ def _parse_request(
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object like {'include_usage': true}", "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    prompt_ids = _chat_ids(body, tokenizer, limits) if chat else _prompt_ids(body, tokenizer)
+    tools = _tool_plan(body, chat, tokenizer)
+    prompt_ids = _chat_ids(body, tokenizer, limits, tools) if chat else _prompt_ids(body, tokenizer)
     params = _sampling_params(body, chat, len(prompt_ids), model, limits)
+    try:
+        params = apply_tool_constraint(params, tools)
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
         raise bad_request(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
@@ -305,7 +339,7 @@ def _parse_request(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling_params=params,
         priority=priority, cache_salt=salt, arrival_time=time.time(),
     )
-    return ParsedRequest(request, stream, include_usage, chat, name)
+    return ParsedRequest(request, stream, include_usage, chat, name, tools)
 
 
 def usage_body(last: Optional[StreamChunk]) -> dict[str, Any]:

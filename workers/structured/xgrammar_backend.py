@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from cluster.shared.config import StructuredOutputsConfig
+from cluster.shared.schema_check import unsupported_schema_features
 from cluster.shared.structured import StructuredOutputsParams
 from workers.engine.structured import timeout_message
 
@@ -70,6 +71,35 @@ def _json_kwargs(params: StructuredOutputsParams) -> dict[str, Any]:
     if limit is None:
         return {"any_whitespace": False}
     return {"any_whitespace": True, "max_whitespace_cnt": limit}
+
+
+# Formats xgrammar approximates loosely (any month has 31 days; ipv4 octets may have leading zeros),
+# compiled as patterns that accept only what a strict checker (jsonschema's) accepts: the 29th of
+# February is left out, so these are stricter than the format, never looser.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+EXACT_FORMAT_PATTERNS = {
+    "date": ("^[1-9][0-9]{3}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+             "|02-(0[1-9]|1[0-9]|2[0-8]))$"),
+    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+}
+
+
+_VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
+
+
+def exact_formats(schema: Any) -> Any:
+    """``schema`` with each ``format`` of ``EXACT_FORMAT_PATTERNS`` (on a
+    string schema without its own pattern) replaced by its pattern."""
+    if isinstance(schema, list):
+        return [exact_formats(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _VALUE_KEYWORDS else exact_formats(value) for key, value in schema.items()}
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt in EXACT_FORMAT_PATTERNS and "pattern" not in schema:
+        del out["format"]
+        out["pattern"] = EXACT_FORMAT_PATTERNS[fmt]
+    return out
 
 
 def _choice_grammar(choices: Sequence[str]) -> str:
@@ -164,8 +194,10 @@ class XGrammarBackend:
         started = time.perf_counter()
         try:
             if kind == "json":
-                _check_schema_features(params.schema())
-                compiled = compiler.compile_json_schema(params.json, strict_mode=True, **_json_kwargs(params))
+                schema = params.schema()
+                _check_schema_features(schema)
+                compiled = compiler.compile_json_schema(json.dumps(exact_formats(schema)), strict_mode=True,
+                                                        **_json_kwargs(params))
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=True,
                                                         **_json_kwargs(params))
@@ -259,10 +291,7 @@ class XGrammarBackend:
 
 
 def _check_schema_features(schema: Any) -> None:
-    try:  # TEMP until schema_check lands
-        from cluster.shared.schema_check import unsupported_schema_features
-    except ImportError:
-        return
+    """Refuses a schema with keywords xgrammar would not enforce (``cluster/shared/schema_check.py``)."""
     problems = unsupported_schema_features(schema)
     if problems:
         raise ValueError(f"structured_outputs.json uses {', '.join(problems)}, which structured outputs cannot "
