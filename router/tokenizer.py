@@ -48,6 +48,9 @@ class RouterTokenizer:
             tokenizer's vocabulary with added tokens.
         segment_cache: Tokenize long prompts from cached segments where that
             is exact for this tokenizer (``router/token_cache.py``).
+        tool_call_parser: How to read tool calls out of this model's output:
+            ``auto`` (from the chat template), ``hermes`` or ``llama3_json``
+            (``router/tools``).
     """
 
     def __init__(
@@ -57,20 +60,23 @@ class RouterTokenizer:
         model_fingerprint: str,
         vocab_size: Optional[int] = None,
         segment_cache: bool = True,
+        tool_call_parser: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.segment_cache = SegmentTokenCache.for_tokenizer(tokenizer) if segment_cache else None
         self.chat_template = chat_template
         self.model_fingerprint = model_fingerprint
         self.vocab_size = vocab_size if vocab_size is not None else tokenizer.get_vocab_size(with_added_tokens=True)
+        self.tool_call_parser = tool_call_parser
 
     @classmethod
-    def from_model_dir(cls, path: Union[str, os.PathLike]) -> "RouterTokenizer":
+    def from_model_dir(cls, path: Union[str, os.PathLike], tool_call_parser: str = "auto") -> "RouterTokenizer":
         """Loads ``tokenizer.json``, the chat template and the fingerprint of a model folder.
 
         Args:
             path: A model folder as ``workers.model.loader.resolve_model``
                 returns it (config.json, safetensors, tokenizer files).
+            tool_call_parser: See the class (a router flag's value).
 
         Raises:
             ValueError: The folder has no ``tokenizer.json`` (the router needs
@@ -89,7 +95,7 @@ class RouterTokenizer:
         if config_file.is_file():
             # The model's embedding may be larger than the tokenizer's vocabulary (padding).
             vocab_size = json.loads(config_file.read_text()).get("vocab_size")
-        return cls(tokenizer, template, compute_fingerprint(folder), vocab_size)
+        return cls(tokenizer, template, compute_fingerprint(folder), vocab_size, tool_call_parser=tool_call_parser)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``prompt``, as the engine's ``LLM.encode`` computes them.
@@ -103,7 +109,8 @@ class RouterTokenizer:
             return self.segment_cache.encode(prompt, add_special_tokens)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
         """Token ids of a conversation, rendered with the chat template.
 
         The generation prompt is appended, and the rendered text is encoded
@@ -111,14 +118,18 @@ class RouterTokenizer:
         offline CLI's ``--chat``.
 
         Args:
-            messages: ``{"role": ..., "content": ...}`` mappings.
+            messages: ``{"role": ..., "content": ...}`` mappings (assistant
+                ones may carry ``tool_calls``, tool ones ``tool_call_id``).
+            tools: OpenAI tool objects offered to the model: passed to a
+                template that takes ``tools``, else written in the built-in
+                format (``cluster/shared/chat_template.py``).
 
         Raises:
             ValueError: The model has no chat template, or a message is invalid.
         """
         if self.chat_template is None:
             raise ValueError("this model has no chat template: send prompt or prompt_token_ids instead of messages")
-        return self.encode(self.chat_template.render(messages), add_special_tokens=False)
+        return self.encode(self.chat_template.render(messages, tools=tools), add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (whole sequences; streaming uses the replica's deltas)."""

@@ -4,6 +4,14 @@ events (``data: {...}`` chunks, then ``data: [DONE]``).
 Both close the backend stream however they end (done, error, client gone),
 which makes the replica abort the sequence and free its blocks. A client that
 disconnects from a non-streamed request cancels its generation (HTTP 499).
+
+A chat request that offers tools has its output read by a tool-call parser
+(``router/tools``): calls become ``message.tool_calls`` (streamed as
+``delta.tool_calls[i]``: ``id``, ``type`` and ``function.name`` in a call's
+first delta, ``function.arguments`` pieces after), the rest is ``content``
+(None when only calls), and ``finish_reason`` is ``tool_calls`` when calls
+were made and the output ended by itself. The whole answer feeds the same
+parser as the stream, so both give the same calls.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from router.openai.protocol import (
     internal_error,
     usage_body,
 )
+from router.tools import ParserDelta, make_parser, parse_tool_output, tool_finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +106,15 @@ async def whole_response(
     want_logprobs = parsed.request.sampling_params.logprobs is not None
     if parsed.chat:
         lp = chat_logprobs(result.logprobs, tokenizer) if want_logprobs else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "logprobs": lp, "finish_reason": reason}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        tool_output = parse_tool_output(parsed.tools, result.text)
+        if tool_output is not None and tool_output.tool_calls:
+            message = {"role": "assistant", "content": tool_output.content,
+                       "tool_calls": [call.body() for call in tool_output.tool_calls]}
+            reason = tool_finish_reason(reason, len(tool_output.tool_calls))
+        elif tool_output is not None:
+            message["content"] = tool_output.content
+        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion"
     else:
         lp = completion_logprobs(result.logprobs, tokenizer, 0) if want_logprobs else None
@@ -139,6 +155,7 @@ async def event_stream(
 
     last: Optional[StreamChunk] = None
     offset = 0
+    tool_parser = make_parser(parsed.tools) if parsed.chat else None
     try:
         if parsed.chat:  # the role comes first, as OpenAI sends it
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -149,16 +166,21 @@ async def event_stream(
             if chunk.text or chunk.finished or chunk.logprobs:
                 entries = chunk.logprobs or []
                 if parsed.chat:
-                    choice = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {},
+                    delta, reason = _chat_delta(chunk, tool_parser)
+                    choice = {"index": 0, "delta": delta,
                               "logprobs": chat_logprobs(entries, tokenizer) if want_logprobs else None,
-                              "finish_reason": finish_reason(chunk)}
+                              "finish_reason": reason}
+                    # Text the tool-call parser holds back (a possible call) sends nothing yet.
+                    held = not delta and reason is None and not (want_logprobs and entries)
                 else:
                     choice = {"index": 0, "text": chunk.text,
                               "logprobs": (completion_logprobs(entries, tokenizer, offset)
                                            if want_logprobs else None),
                               "finish_reason": finish_reason(chunk)}
+                    held = False
                 offset += len(chunk.text)
-                yield event([choice])
+                if not held:
+                    yield event([choice])
             if chunk.finished:
                 break
             chunk = await anext(stream, None)
@@ -175,6 +197,21 @@ async def event_stream(
             logger.info("stream %s ended early: closing the backend stream", parsed.request.request_id)
         await close_stream(stream)
     yield "data: [DONE]\n\n"
+
+
+def _chat_delta(chunk: StreamChunk, tool_parser: Any) -> tuple[dict[str, Any], Optional[str]]:
+    """The chat ``delta`` and finish reason of one chunk, through the tool-call parser if any."""
+    if tool_parser is None:
+        return ({"content": chunk.text} if chunk.text else {}), finish_reason(chunk)
+    out: ParserDelta = tool_parser.feed(chunk.text)
+    if chunk.finished:
+        out = out + tool_parser.finish()
+    delta: dict[str, Any] = {}
+    if out.content:
+        delta["content"] = out.content
+    if out.tool_calls:
+        delta["tool_calls"] = [piece.body() for piece in out.tool_calls]
+    return delta, tool_finish_reason(finish_reason(chunk), tool_parser.num_calls)
 
 
 async def _wait_disconnect(request: Request) -> None:

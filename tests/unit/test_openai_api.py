@@ -38,7 +38,8 @@ def cached_tokens(prompt_len: int) -> int:
 
 
 class FakeBackend:
-    """Streams ``max_tokens`` chunks " w0", " w1", ... and records every request and finalization."""
+    """Streams ``max_tokens`` chunks " w0", " w1", ... (or the pieces of ``script``, the
+    last ending with ``script_finish``) and records every request and finalization."""
 
     def __init__(self, tokenizer: RouterTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -49,13 +50,17 @@ class FakeBackend:
         self.fail: Optional[Exception] = None
         self.delay = 0.0
         self.fail_after: Optional[int] = None
+        self.script: Optional[list[str]] = None
+        self.script_finish = FinishReason.STOP
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         self.requests.append(request)
         try:
             if self.fail is not None:
                 raise self.fail
-            n = request.sampling_params.max_tokens
+            pieces = self.script or [f" w{i}" for i in range(request.sampling_params.max_tokens)]
+            finish = self.script_finish if self.script else FinishReason.LENGTH
+            n = len(pieces)
             prompt_len = len(request.prompt_token_ids)
             for i in range(n):
                 if self.delay:
@@ -68,8 +73,8 @@ class FakeBackend:
                 yield StreamChunk(
                     request_id=request.request_id,
                     token_ids=[100 + i],
-                    text=f" w{i}",
-                    finish_reason=FinishReason.LENGTH if i == n - 1 else None,
+                    text=pieces[i],
+                    finish_reason=finish if i == n - 1 else None,
                     logprobs=logprobs,
                     prompt_tokens=prompt_len,
                     completion_tokens=i + 1,
@@ -106,6 +111,7 @@ def served(router_tok):
 def backend(served) -> FakeBackend:
     fake, _ = served
     fake.fail, fake.delay, fake.fail_after = None, 0.0, None
+    fake.script, fake.script_finish = None, FinishReason.STOP
     fake.finalized_event.clear()
     return fake
 
@@ -340,3 +346,138 @@ def test_stop_closes_the_port(router_tok):
     port = asyncio.run(main())
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(f"http://127.0.0.1:{port}/health")
+
+
+# --------------------------------------------------------------------------- tools
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# A Hermes answer: text, a call with a literal </tool_call> in an argument, a second call.
+TOOL_ANSWER = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+EXPECTED_CALLS = [("get_weather", '{"city": "a</tool_call>b"}'), ("get_time", "{}")]
+TOOL_MODEL_LEN = 4096  # the tiny BPE spends ~500 tokens on the built-in tool block
+
+
+@pytest.fixture()
+def tool_backend(backend) -> FakeBackend:
+    """The fake with a context long enough for the tool block."""
+    backend.model = ModelInfo(MODEL, TOOL_MODEL_LEN)
+    yield backend
+    backend.model = ModelInfo(MODEL, MAX_MODEL_LEN)
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_chat_with_tools_returns_tool_calls(client, tool_backend, router_tok):
+    tool_backend.script = _pieces(TOOL_ANSWER, 5)
+    messages = [{"role": "user", "content": "hello"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL])
+    message = out.choices[0].message
+    assert message.content == "Checking." and out.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == EXPECTED_CALLS
+    assert all(c.type == "function" and c.id.startswith("call_") and len(c.id) == 29 for c in message.tool_calls)
+    request = tool_backend.requests[-1]
+    # The tiny template takes no tools: the built-in block rides in a system message of its own.
+    assert request.prompt_token_ids == router_tok.render_chat(messages, tools=[WEATHER_TOOL, TIME_TOOL])
+    assert "<tools>" in router_tok.decode(request.prompt_token_ids)
+    assert request.sampling_params.structured_outputs is None  # auto without strict tools: free text
+
+
+def test_streamed_tool_calls_assemble_to_the_same_calls(client, tool_backend):
+    for size in (1, 3, 7, 64):
+        tool_backend.script = _pieces(TOOL_ANSWER, size)
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], tools=[WEATHER_TOOL, TIME_TOOL], stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls: dict[int, list] = {}
+        for chunk in chunks:
+            for piece in chunk.choices[0].delta.tool_calls or []:
+                if piece.id is not None:
+                    assert piece.index not in calls and piece.type == "function" and piece.function.name
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+        assert content == "Checking." and [tuple(calls[i]) for i in sorted(calls)] == EXPECTED_CALLS
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_named_tool_choice_constrains_and_streams_arguments(client, tool_backend):
+    tool_backend.script = ['{"city"', ': "Paris"}']
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL, TIME_TOOL],
+                tool_choice=choice)
+    out = client.chat.completions.create(**body)
+    params = tool_backend.requests[-1].sampling_params
+    assert params.structured_outputs.schema() == WEATHER_TOOL["function"]["parameters"]
+    call = out.choices[0].message.tool_calls[0]
+    assert (out.choices[0].message.content, call.function.name, call.function.arguments) == (
+        None, "get_weather", '{"city": "Paris"}')
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    pieces = [c.choices[0].delta.tool_calls[0].function.arguments for c in chunks if c.choices[0].delta.tool_calls]
+    assert pieces == ['{"city"', ': "Paris"}']
+
+
+def test_required_tool_choice_gets_an_array_schema(client, tool_backend):
+    tool_backend.script = ['[{"name": "get_time", "parameters": {}}]']
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                                         parallel_tool_calls=False)
+    schema = tool_backend.requests[-1].sampling_params.structured_outputs.schema()
+    assert schema["type"] == "array" and (schema["minItems"], schema["maxItems"]) == (1, 1)
+    assert [t["properties"]["name"] for t in schema["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                           {"const": "get_time"}]
+    assert [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls] == [("get_time", "{}")]
+
+
+def test_cut_call_stays_content_with_finish_length(client, tool_backend):
+    tool_backend.script = _pieces('<tool_call>\n{"name": "get_time", "argu', 4)
+    tool_backend.script_finish = FinishReason.LENGTH
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         tools=[TIME_TOOL])
+    message = out.choices[0].message
+    assert message.tool_calls is None and message.content == '<tool_call>\n{"name": "get_time", "argu'
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_tool_history_renders_and_tool_choice_none_is_plain_text(client, tool_backend, router_tok):
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_x", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_x", "content": "12:00"},
+    ]
+    tool_backend.script = ["<tool_call>", "\n{}"]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=[TIME_TOOL], tool_choice="none")
+    assert out.choices[0].message.content == "<tool_call>\n{}" and out.choices[0].finish_reason == "stop"
+    text = router_tok.decode(tool_backend.requests[-1].prompt_token_ids)
+    assert '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>' in text
+    assert "<tool_response>\n12:00\n</tool_response>" in text and "<tools>" in text  # none still offers them
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "must match"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "deprecated"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "response_format"),
+    ({"messages": [{"role": "tool", "content": "12:00"}]}, "messages", "tool_call_id"),
+])
+def test_bad_tool_requests_get_400(served, tool_backend, extra, param, words):
+    _, handle = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = httpx2.post(handle.url + "/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and words in error["message"], error
+
+
+def test_tools_on_completions_get_400(served):
+    _, handle = served
+    response = httpx2.post(handle.url + "/completions", json={"prompt": "hi", "tools": [WEATHER_TOOL]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
