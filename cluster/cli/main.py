@@ -80,6 +80,8 @@ COMMANDS = (
             "cluster.bench.latency", "add_latency_args", "run_latency"),
     Command(("bench", "spec"), "speculative decoding on and off, same model, one run: tokens/s, acceptance",
             "cluster.bench.spec", "add_spec_args", "run_spec"),
+    Command(("bench", "structured"), "structured outputs: mask cost, jump-forward speedup, compile latency",
+            "cluster.bench.structured", "add_structured_args", "run_structured"),
     Command(("bench", "kernels"), "every linear-layer backend on the model's shapes: time and batch invariance",
             "cluster.bench.kernels", "add_kernels_args", "run_kernels"),
     Command(("bench", "quant"), "every quantization on one table: perplexity, agreement, weights, speed",

@@ -188,3 +188,46 @@ def test_a_compile_past_the_timeout_fails_that_request_only(smol):
     assert outs[-1].finished and outs[-1].num_output_tokens == 3
     assert timeout.engine.structured.stats.num_failures >= 1
     assert_all_blocks_free_or_cached(timeout.engine.scheduler)
+
+
+@pytest.mark.slow
+def test_outputs_of_200_generated_schemas_that_stop_all_validate():
+    """Nested objects, arrays with minItems / maxItems, enum, anyOf, pattern,
+    format, ranges, required, additionalProperties false, $defs / $ref."""
+    from cluster.bench.schemas import make_schemas, schema_prompt, validates
+
+    llm = LLM(block_size=16, max_model_len=1024, max_num_seqs=32)
+    schemas = make_schemas(200, seed=0)
+    prompts = [chat(llm, schema_prompt(schema)) for _, schema in schemas]
+    outs = llm.generate(prompts, [greedy(StructuredOutputsParams(json=schema), 160) for _, schema in schemas])
+    stopped = [(shape, schema, out.text) for (shape, schema), out in zip(schemas, outs)
+               if out.finish_reason is FinishReason.STOP]
+    assert len(stopped) >= 150, len(stopped)  # most finish: the check below is about something
+    invalid = [(shape, text) for shape, schema, text in stopped if not validates(schema, text)]
+    assert invalid == []
+    assert {shape for shape, _, _ in stopped} == {shape for shape, _ in schemas}
+    assert_all_blocks_free_or_cached(llm.engine.scheduler)
+
+
+@pytest.mark.parametrize("schema, feature", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+])
+def test_a_schema_feature_that_cannot_be_enforced_is_named(smol, schema, feature):
+    with pytest.raises(ValueError, match=f"{feature}.*cannot enforce"):
+        smol.generate([chat(smol, "Hi")], greedy(StructuredOutputsParams(json=schema)))
+    assert not smol.engine.has_unfinished_requests()
+
+
+def test_dates_and_ipv4_are_as_strict_as_jsonschema_checks_them(smol):
+    from cluster.bench.schemas import validates
+
+    schema = {"type": "object", "required": ["day", "ip"], "additionalProperties": False,
+              "properties": {"day": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"}}}
+    prompts = [chat(smol, f"Give a JSON object with a date and an IPv4 address, example {i}.") for i in range(6)]
+    params = [SamplingParams(temperature=1.2, seed=i, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json=schema)) for i in range(6)]
+    for out in smol.generate(prompts, params):
+        if out.finish_reason is FinishReason.STOP:
+            assert validates(schema, out.text), out.text
