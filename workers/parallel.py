@@ -391,8 +391,9 @@ def _get_all(refs: list[Any], timeout: Optional[float] = None) -> list[Any]:
 
 def _without_sampling_inputs(sched: SchedulerOutput) -> SchedulerOutput:
     """The step as ranks other than 0 need it: no prompt / output token lists
-    (only rank 0 samples, and penalties and seeds need them)."""
-    light = [dataclasses.replace(r, prompt_token_ids=(), output_token_ids=()) for r in sched.scheduled]
+    (only rank 0 samples, and penalties and seeds need them) and no grammar masks."""
+    light = [dataclasses.replace(r, prompt_token_ids=(), output_token_ids=(), grammar_bitmask=None)
+             for r in sched.scheduled]
     return dataclasses.replace(sched, scheduled=light)
 
 

@@ -173,10 +173,16 @@ def test_default_model_one_batch_matches_tp1_and_hf(default_case):
     params = [greedy(n) for n in default_case.max_tokens]
     single = LLM(max_model_len=512)
     assert token_ids(single.generate(default_case.prompts, params)) == default_case.expected
+    # A structured-output request beside them: its masks reach rank 0 only, which samples.
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})
+    json_tp1 = single.generate(default_case.prompts[1], constrained)[0].token_ids
     with LLM(tensor_parallel_size=2, max_model_len=512) as llm:
         pids = llm.runner.rank_pids
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
         assert token_ids(llm.generate(default_case.prompts, params)) == default_case.expected
+        assert llm.generate(default_case.prompts[1], constrained)[0].token_ids == json_tp1
         assert_all_blocks_free_or_cached(llm.engine.scheduler)
     assert wait_until_gone(pids) == []
     with pytest.raises(RuntimeError, match="shut down"):
