@@ -13,13 +13,19 @@ Both send the prompt as token ids and ask for greedy decoding with
 The OpenAI API returns text, not token ids: ``OpenAIClient`` counts one
 token per text chunk until the usage arrives, and re-encodes the answer with
 the tokenizer it was given (for multi-turn conversations).
+
+A ``question`` (the structured-output datasets) goes as one user chat message
+instead (gRPC ``messages``; ``POST /chat/completions``), greedy but without
+``ignore_eos``: a constrained answer must be able to end where its grammar
+does. ``structured_outputs`` (vLLM's object) rides along as the extra-body
+field over HTTP and as ``SamplingParams.structured_outputs`` over gRPC.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Protocol, Sequence
+from typing import Any, AsyncIterator, Mapping, Optional, Protocol, Sequence
 
 
 class RequestFailed(Exception):
@@ -43,6 +49,8 @@ class Delta:
         text: Their text.
         usage: Set on the last chunk.
         replica_id: The replica serving the request, when the transport says.
+        finish_reason: ``stop``, ``length`` or ``abort`` on the chunk that
+            ends the output; empty before.
     """
 
     num_tokens: int
@@ -50,6 +58,7 @@ class Delta:
     text: str = ""
     usage: Optional[Usage] = None
     replica_id: str = ""
+    finish_reason: str = ""
 
 
 class BenchClient(Protocol):
@@ -57,8 +66,10 @@ class BenchClient(Protocol):
 
     name: str
 
-    def stream(self, prompt_token_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Delta]:
-        """Yields the deltas of one greedy, ``ignore_eos`` request."""
+    def stream(self, prompt_token_ids: Sequence[int], max_tokens: int, *, question: str = "",
+               structured_outputs: Optional[Mapping[str, Any]] = None) -> AsyncIterator[Delta]:
+        """Yields the deltas of one greedy request: ``ignore_eos`` on token
+        ids, or a chat ``question`` (the ids unused) with an optional constraint."""
         ...
 
     def answer_ids(self, deltas: Sequence[Delta]) -> list[int]:
@@ -86,22 +97,19 @@ class GrpcClient:
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
-    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Delta]:
+    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int, *, question: str = "",
+                     structured_outputs: Optional[Mapping[str, Any]] = None) -> AsyncIterator[Delta]:
         import grpc
 
-        from router.pb import generation_pb2 as pb
-
-        request = pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=list(prompt_token_ids)),
-            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        )
+        request = grpc_request(prompt_token_ids, max_tokens, question, structured_outputs)
         try:
             async for chunk in self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata):
                 usage = None
                 if chunk.finish_reason:
                     u = chunk.usage
                     usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-                yield Delta(len(chunk.token_ids), list(chunk.token_ids), chunk.text, usage, chunk.replica_id)
+                yield Delta(len(chunk.token_ids), list(chunk.token_ids), chunk.text, usage, chunk.replica_id,
+                            chunk.finish_reason)
         except grpc.aio.AioRpcError as exc:
             raise RequestFailed(f"{exc.code().name}: {exc.details()}") from None
 
@@ -112,8 +120,32 @@ class GrpcClient:
         await self._channel.close()
 
 
+def grpc_request(prompt_token_ids: Sequence[int], max_tokens: int, question: str = "",
+                 structured_outputs: Optional[Mapping[str, Any]] = None) -> Any:
+    """The ``GenerateRequest`` of one bench request (see the module doc).
+
+    The sampling params are built as ``SamplingParams`` and converted by the
+    router's own ``sampling_params_to_proto``, so the constraint's proto
+    fields are never spelled twice.
+
+    Raises:
+        ValueError: ``structured_outputs`` is not a valid constraint.
+    """
+    from cluster.shared.types import SamplingParams
+    from router.convert import sampling_params_to_proto
+    from router.pb import generation_pb2 as pb
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not question,
+                            structured_outputs=dict(structured_outputs) if structured_outputs else None)
+    sampling = sampling_params_to_proto(params)
+    if question:
+        messages = pb.ChatMessages(items=[pb.ChatMessage(role="user", content=question)])
+        return pb.GenerateRequest(messages=messages, sampling=sampling)
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=list(prompt_token_ids)), sampling=sampling)
+
+
 class OpenAIClient:
-    """Talks the OpenAI completions API under ``base_url`` (``http://host:port/v1``) with aiohttp.
+    """Talks the OpenAI completions (or, for a question, chat completions) API under ``base_url`` (``http://host:port/v1``) with aiohttp.
 
     Args:
         base_url: The API root, ending in ``/v1``.
@@ -153,12 +185,17 @@ class OpenAIClient:
                 self.model = (await response.json())["data"][0]["id"]
         return self.model
 
-    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Delta]:
-        body = {
-            "model": await self._model(), "prompt": list(prompt_token_ids), "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        }
-        async with self._http().post(f"{self.base_url}/completions", json=body) as response:
+    async def stream(self, prompt_token_ids: Sequence[int], max_tokens: int, *, question: str = "",
+                     structured_outputs: Optional[Mapping[str, Any]] = None) -> AsyncIterator[Delta]:
+        body: dict[str, Any] = {"model": await self._model(), "max_tokens": max_tokens, "temperature": 0.0,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if question:
+            path, body["messages"] = "/chat/completions", [{"role": "user", "content": question}]
+        else:
+            path, body["prompt"], body["ignore_eos"] = "/completions", list(prompt_token_ids), True
+        if structured_outputs:
+            body["structured_outputs"] = dict(structured_outputs)
+        async with self._http().post(f"{self.base_url}{path}", json=body) as response:
             if response.status != 200:
                 raise RequestFailed(f"HTTP {response.status}: {(await response.text())[:500]}")
             async for raw in response.content:  # one server-sent-event line at a time
@@ -173,9 +210,10 @@ class OpenAIClient:
                     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     yield Delta(0, usage=Usage(u["prompt_tokens"], u["completion_tokens"], cached))
                 for choice in event.get("choices") or ():
-                    text = choice.get("text") or ""
-                    if text:
-                        yield Delta(1, text=text)
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    reason = choice.get("finish_reason") or ""
+                    if text or reason:
+                        yield Delta(1 if text else 0, text=text, finish_reason=reason)
 
     def answer_ids(self, deltas: Sequence[Delta]) -> list[int]:
         if self.tokenizer is None:

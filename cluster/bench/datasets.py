@@ -17,6 +17,16 @@ lengths are exact on both backends); outputs are generated with
                     prompt has --multi-turn-input-len tokens, each later turn
                     sends the previous prompt + the model's answer + a new
                     question of --multi-turn-question-len tokens
+    json, json-unique, regex, choice
+                    vLLM's structured-output datasets
+                    (``cluster/bench/schemas.py``): chat questions, each with
+                    its constraint and the validator of its answer;
+                    ``json-unique`` gives every request its own schema, so the
+                    grammar cache cannot help. A seeded --structured-output-ratio
+                    share of them carry the constraint (vLLM's
+                    ``random.sample`` of ``int(n * ratio)`` requests), the rest
+                    go unconstrained; answers end where the model ends them
+                    (no ``ignore_eos``), at most --structured-output-len tokens
 
 A conversation's later turns are built at run time from the answers
 (``next_prompt``), so the dataset holds only each turn's new tokens.
@@ -26,10 +36,11 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
-DATASETS = ("random", "shared-prefix", "multi-turn")
+STRUCTURED_DATASETS = ("json", "json-unique", "regex", "choice")
+DATASETS = ("random", "shared-prefix", "multi-turn", *STRUCTURED_DATASETS)
 # Ids below this are left out of generated prompts: BOS/EOS/padding in the
 # models we serve (the default model's chat markers sit there too).
 FIRST_USABLE_ID = 3
@@ -42,12 +53,21 @@ class Turn:
 
     Attributes:
         new_token_ids: Tokens this turn appends to the conversation (the
-            whole prompt of a first turn).
-        output_len: Tokens to generate (EOS ignored).
+            whole prompt of a first turn); empty for a chat question.
+        output_len: Tokens to generate (EOS ignored), at most for a question.
+        question: A chat question, sent as one user message instead of
+            token ids; its answer ends at EOS (or ``output_len``).
+        structured_outputs: vLLM's ``structured_outputs`` object the answer
+            must match (a question's only); None for no constraint.
+        validator: Whether an answer text meets ``structured_outputs``
+            (set with it).
     """
 
     new_token_ids: tuple[int, ...]
     output_len: int
+    question: str = ""
+    structured_outputs: Optional[dict[str, Any]] = None
+    validator: Optional[Callable[[str], bool]] = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,11 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--multi-turn-input-len", type=int, default=128, help="tokens of the first prompt")
     group.add_argument("--multi-turn-question-len", type=int, default=32, help="new tokens of each later turn")
     group.add_argument("--multi-turn-output-len", type=int, default=32)
+    group = parser.add_argument_group("structured-output datasets (json, json-unique, regex, choice; as vLLM)")
+    group.add_argument("--structured-output-ratio", type=float, default=1.0,
+                       help="share of the requests that carry their constraint, in [0, 1] (the rest go unconstrained)")
+    group.add_argument("--structured-output-len", type=int, default=256,
+                       help="most tokens of an answer (room for the json datasets' ten-field profile)")
 
 
 def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[Conversation]:
@@ -121,6 +146,9 @@ def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[Conversation
     if args.dataset_name == "multi-turn":
         return multi_turn_dataset(args.num_prompts or 64, args.multi_turn_turns, args.multi_turn_input_len,
                                   args.multi_turn_question_len, args.multi_turn_output_len, vocab_size, seed)
+    if args.dataset_name in STRUCTURED_DATASETS:
+        return structured_output_dataset(args.dataset_name, args.num_prompts or 64, args.structured_output_ratio,
+                                         args.structured_output_len, seed)
     raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)}, got {args.dataset_name!r}")
 
 
@@ -171,6 +199,40 @@ def multi_turn_dataset(num_prompts: int, turns: int, input_len: int, question_le
         first = Turn(tokens(input_len), output_len)
         out.append(Conversation((first, *(Turn(tokens(question_len), output_len) for _ in range(n - 1)))))
     return out
+
+
+def structured_output_dataset(name: str, num_prompts: int, ratio: float, output_len: int,
+                              seed: int) -> list[Conversation]:
+    """``num_prompts`` chat questions of vLLM's structured-output dataset
+    ``name``; ``constrained_indices`` picks those that carry their constraint."""
+    from cluster.bench.schemas import structured_dataset  # jsonschema: only for these datasets
+
+    _positive(num_prompts=num_prompts, structured_output_len=output_len)
+    if name not in STRUCTURED_DATASETS:
+        raise ValueError(f"--dataset-name must be one of {', '.join(STRUCTURED_DATASETS)} here, got {name!r}")
+    constrained = constrained_indices(num_prompts, ratio, seed)
+    out = []
+    for i, (question, constraint, validator) in enumerate(structured_dataset(name, num_prompts, seed)):
+        if i in constrained:
+            turn = Turn((), output_len, question, constraint, validator)
+        else:
+            turn = Turn((), output_len, question)
+        out.append(Conversation((turn,)))
+    return out
+
+
+def constrained_indices(num_prompts: int, ratio: float, seed: int) -> frozenset[int]:
+    """The requests that carry their constraint: vLLM's ``random.sample`` of
+    ``int(num_prompts * ratio)`` of them, seeded.
+
+    Raises:
+        ValueError: ``ratio`` is not in [0, 1].
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"--structured-output-ratio must be in [0, 1], got {ratio}")
+    # The epsilon keeps 0.29 * 100 (28.999...) at 29; seed + 1 draws the arrivals.
+    count = int(num_prompts * ratio + 1e-9)
+    return frozenset(random.Random(seed + 2).sample(range(num_prompts), count))
 
 
 def max_prompt_len(conversation: Conversation) -> int:

@@ -13,6 +13,13 @@ prompt tokens, and for datasets with a shared system prompt the hit rate over
 that part alone (``min(cached, shared_prefix_len) / shared_prefix_len``).
 Percentiles are nearest-rank (``cluster.client.table.percentile``), as in every
 benchmark here.
+
+Structured-output datasets add, over the requests that carried a constraint:
+``structured_requests`` (sent), ``structured_stop`` and ``structured_length``
+(finished with ``stop`` / ``length``: a truncated answer is not judged),
+``structured_valid`` (stop-finished answers the dataset's validator accepts)
+and ``structured_valid_share`` = valid / stop-finished (None when none
+stopped), plus a few invalid answers to read.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from cluster.client.table import format_table, percentile
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 95, 99)
+INVALID_EXAMPLES = 3  # invalid structured answers the JSON shows, each cut to EXAMPLE_CHARS
+EXAMPLE_CHARS = 200
 
 
 @dataclass
@@ -44,6 +53,11 @@ class RequestRecord:
         prompt_tokens, completion_tokens, cached_prompt_tokens: The server's Usage.
         replica_id: Replica that served it, when the transport says.
         error: Why it failed; empty when it succeeded.
+        finish_reason: ``stop``, ``length`` or ``abort``, when the transport says.
+        structured: It carried an output constraint.
+        structured_valid: Whether its answer validated; None when not judged
+            (unconstrained, failed, or not finished with ``stop``).
+        output_text: The whole answer, kept for constrained requests only.
     """
 
     conversation: int
@@ -61,6 +75,10 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     replica_id: str = ""
     error: str = ""
+    finish_reason: str = ""
+    structured: bool = False
+    structured_valid: Optional[bool] = None
+    output_text: str = ""
 
     @property
     def ok(self) -> bool:
@@ -114,8 +132,16 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
 
 
 def summarize(records: Sequence[RequestRecord], duration: float,
-              slos: Optional[dict[str, float]] = None) -> dict[str, Any]:
-    """The run's figures (JSON-ready; latencies in milliseconds)."""
+              slos: Optional[dict[str, float]] = None, structured: bool = False) -> dict[str, Any]:
+    """The run's figures (JSON-ready; latencies in milliseconds).
+
+    Args:
+        records: One per request sent.
+        duration: The run's seconds.
+        slos: Goodput SLOs in seconds (``parse_goodput``).
+        structured: Report the structured-output counters even when no
+            request carried a constraint (they do whenever one did).
+    """
     done = [r for r in records if r.ok]
     duration = max(duration, 1e-9)
     prompt = sum(r.prompt_tokens for r in done)
@@ -156,9 +182,29 @@ def summarize(records: Sequence[RequestRecord], duration: float,
         good = sum(1 for r in done if meets_slos(r, slos))
         out["goodput"] = {"slos_ms": {k: v * 1000.0 for k, v in slos.items()}, "good_requests": good,
                           "request_goodput": round(good / duration, 4)}
+    if structured or any(r.structured for r in records):
+        out.update(structured_counts(records))
     errors = sorted({r.error for r in records if r.error})
     if errors:
         out["errors"] = errors[:10]
+    return out
+
+
+def structured_counts(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The structured-output counters of the module doc."""
+    constrained = [r for r in records if r.structured]
+    stopped = [r for r in constrained if r.ok and r.finish_reason == "stop"]
+    valid = sum(1 for r in stopped if r.structured_valid)
+    out: dict[str, Any] = {
+        "structured_requests": len(constrained),
+        "structured_stop": len(stopped),
+        "structured_length": sum(1 for r in constrained if r.ok and r.finish_reason == "length"),
+        "structured_valid": valid,
+        "structured_valid_share": round(valid / len(stopped), 4) if stopped else None,
+    }
+    invalid = [r.output_text[:EXAMPLE_CHARS] for r in stopped if not r.structured_valid]
+    if invalid:
+        out["structured_invalid_examples"] = invalid[:INVALID_EXAMPLES]
     return out
 
 
@@ -181,6 +227,8 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
     if "goodput" in summary:
         slos = " ".join(f"{k}<={v:g}ms" for k, v in summary["goodput"]["slos_ms"].items())
         rows.append((f"Request goodput (req/s, {slos}):", f"{summary['goodput']['request_goodput']:.2f}"))
+    if "structured_requests" in summary:
+        rows += _structured_rows(summary)
     if summary["requests_per_replica"]:
         rows.append(("Requests per replica:", " ".join(map(str, summary["requests_per_replica"].values()))))
     lines += format_table(rows)
@@ -191,6 +239,16 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
         table.append((label, *(f"{d[k]:.1f}" for k in ("mean", "p50", "p95", "p99"))))
     lines += format_table(table)
     return lines
+
+
+def _structured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    share = summary["structured_valid_share"]
+    valid = f"{summary['structured_valid']} / {summary['structured_stop']}"
+    return [
+        ("Constrained requests:", str(summary["structured_requests"])),
+        ("Valid outputs (of stop finishes):", valid + (f" ({share:.1%})" if share is not None else " (-)")),
+        ("Constrained length finishes:", str(summary["structured_length"])),
+    ]
 
 
 def tokens_per_second_series(records: Sequence[RequestRecord], bin_s: float = 1.0) -> tuple[list[float], list[float]]:

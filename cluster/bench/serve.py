@@ -3,6 +3,7 @@
     prefixserve bench serve --url 127.0.0.1:50051 --dataset-name shared-prefix
     prefixserve bench serve --backend openai --base-url http://127.0.0.1:8000/v1
     prefixserve bench serve --dataset-name multi-turn --replicas 2   # starts a local cluster
+    prefixserve bench serve --url 127.0.0.1:50051 --dataset-name json-unique --structured-output-ratio 0.5
 
 It replays a seeded dataset (``cluster/bench/datasets.py``) against a running
 cluster, or against a local one it starts (``LocalCluster``) when no URL is
@@ -16,6 +17,11 @@ waiting). At each tick the next ready request is sent, if fewer than
 becomes ready when the previous one's answer is complete and goes first in
 the queue (the user keeps talking), so about ``--max-concurrency``
 conversations are active at once. A failed turn ends its conversation.
+
+Structured-output datasets (``json``, ``json-unique``, ``regex``,
+``choice``) send chat questions; each constrained request's whole answer is
+kept and judged by the dataset's validator once it finishes with ``stop``
+(``structured_*`` figures, ``cluster/bench/metrics.py``).
 
 ``run_requests`` is the one code path that sends requests and measures them;
 ``prefixserve bench routing`` uses it too. The command exits 1 when a
@@ -38,7 +44,15 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from cluster.bench.clients import BenchClient, Delta, GrpcClient, OpenAIClient
-from cluster.bench.datasets import FIRST_USABLE_ID, Conversation, add_dataset_args, make_dataset, next_prompt
+from cluster.bench.datasets import (
+    FIRST_USABLE_ID,
+    STRUCTURED_DATASETS,
+    Conversation,
+    Turn,
+    add_dataset_args,
+    make_dataset,
+    next_prompt,
+)
 from cluster.bench.metrics import RequestRecord, format_summary, parse_goodput, plot, summarize
 
 logger = logging.getLogger(__name__)
@@ -172,17 +186,19 @@ async def _measure(client: BenchClient, conversation: Conversation, item: _Ready
                    start: float) -> tuple[RequestRecord, list[Delta]]:
     turn = conversation.turns[item.turn]
     record = RequestRecord(item.conversation, item.turn, len(item.prompt), turn.output_len,
-                           shared_prefix_len=conversation.shared_prefix_len)
+                           shared_prefix_len=conversation.shared_prefix_len,
+                           structured=turn.structured_outputs is not None)
     deltas: list[Delta] = []
     sent = time.perf_counter()
     record.sent_at = sent - start
     last = sent
     usage = None
     try:
-        async for delta in client.stream(item.prompt, turn.output_len):
+        async for delta in client.stream(item.prompt, turn.output_len, **_chat_kwargs(turn)):
             now = time.perf_counter()
             deltas.append(delta)
             record.replica_id = delta.replica_id or record.replica_id
+            record.finish_reason = delta.finish_reason or record.finish_reason
             if delta.num_tokens:
                 if record.ttft is None:
                     record.ttft = now - sent
@@ -203,12 +219,26 @@ async def _measure(client: BenchClient, conversation: Conversation, item: _Ready
         return record, deltas
     record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
     record.cached_prompt_tokens = usage.cached_prompt_tokens
+    if turn.question:  # the server rendered the chat template: its count is the prompt's length
+        record.prompt_len = usage.prompt_tokens
+    if turn.validator is not None:
+        record.output_text = "".join(d.text for d in deltas)
+        if record.finish_reason == "stop":  # a truncated answer is counted apart, not judged
+            record.structured_valid = bool(turn.validator(record.output_text))
     counted = sum(n for _, n in record.token_times)
     if record.token_times and counted != usage.completion_tokens:
         # Text chunks (openai) are counted one token each; the usage is exact.
         t, n = record.token_times[-1]
         record.token_times[-1] = (t, max(0, n + usage.completion_tokens - counted))
     return record, deltas
+
+
+def _chat_kwargs(turn: Turn) -> dict[str, Any]:
+    """A chat turn's extra ``stream`` arguments; none for token ids, so any
+    ``BenchClient`` that only knows token ids still runs those datasets."""
+    if not turn.question:
+        return {}
+    return {"question": turn.question, "structured_outputs": turn.structured_outputs}
 
 
 def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -250,7 +280,7 @@ async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversa
                                                args.seed, progress=not args.disable_tqdm, desc=args.dataset_name)
     finally:
         await client.aclose()
-    return summarize(records, duration, slos), records
+    return summarize(records, duration, slos, structured=args.dataset_name in STRUCTURED_DATASETS), records
 
 
 def make_client(backend: str, target: str, tokenizer: Any = None, timeout: float = 600.0,
@@ -303,7 +333,8 @@ def run_config(args: argparse.Namespace, target: Optional[str], engine: Any, loc
     """The settings that produced a run (for the JSON)."""
     keys = ["backend", "dataset_name", "num_prompts", "seed", "request_rate", "max_concurrency", "goodput"]
     # Only the chosen dataset's own flags.
-    own = {"random": "random_", "shared-prefix": "gsp_", "multi-turn": "multi_turn_"}[args.dataset_name]
+    own = {"random": "random_", "shared-prefix": "gsp_", "multi-turn": "multi_turn_",
+           **dict.fromkeys(STRUCTURED_DATASETS, "structured_output_")}[args.dataset_name]
     keys += sorted(k for k in vars(args) if k.startswith(own))
     out = {k: getattr(args, k, None) for k in keys}
     out["request_rate"] = str(out["request_rate"]) if out["request_rate"] == float("inf") else out["request_rate"]

@@ -93,7 +93,7 @@ def _texts(llm: LLM, prompts, so, batch: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_greedy_constrained_outputs_are_the_same_whatever_runs_them(smol):
+def test_greedy_constrained_outputs_are_the_same_whatever_runs_them(smol, tmp_path):
     so = StructuredOutputsParams(json=PERSON)
     prompts = extraction_prompts(smol)
     reference = _texts(smol, prompts, so, 1)
@@ -113,9 +113,19 @@ def test_greedy_constrained_outputs_are_the_same_whatever_runs_them(smol):
         "n-gram tree": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                 "num_candidates": 3, "adaptive": False}),
     }
+    from workers.model.medusa import MedusaHeads
+
+    # Identity heads (zero blocks): each guesses the token it just saw again, read through the LM head.
+    MedusaHeads(576, 49152, num_heads=3, num_layers=1).save(tmp_path / "heads")
+    configs["medusa"] = dict(speculative_config={"method": "medusa", "model": str(tmp_path / "heads"),
+                                                 "num_speculative_tokens": 3, "adaptive": False})
+    configs["draft model"] = dict(speculative_config={"method": "draft_model", "draft_num_layers": 6,
+                                                      "num_speculative_tokens": 3, "adaptive": False})
     for name, kwargs in configs.items():
         llm = LLM(block_size=16, max_model_len=512, **{"max_num_seqs": 8, **kwargs})
         assert _texts(llm, prompts, so, len(prompts)) == reference, name
+        if "speculative_config" in kwargs:
+            assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0, name
         if "preemption" in name:
             assert llm.engine.scheduler.num_preemptions_total > 0, name
         assert_all_blocks_free_or_cached(llm.engine.scheduler)

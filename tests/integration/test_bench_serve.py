@@ -24,7 +24,7 @@ from cluster.bench.datasets import multi_turn_dataset, shared_prefix_dataset
 from cluster.shared.directory import Directory
 from router.backend import ModelInfo, RouterBackend
 from router.tokenizer import RouterTokenizer
-from tests.factories import make_tiny_model_dir
+from tests.factories import CHAT_TEMPLATE, make_tiny_model_dir
 from tests.integration.router_cluster import serve_app
 
 APP = "bench-serve"
@@ -38,6 +38,9 @@ GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 2, 4, 32, 6, 5
 def cluster(ray_local, redis_server, tmp_path_factory):
     """One replica with room for every prompt; yields (handle, model_dir, redis_url, namespace)."""
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("bench-llama"), max_position_embeddings=1024)
+    # A chat template for the structured-output datasets' questions (the fingerprint ignores it).
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
     namespace = f"bench-{uuid.uuid4().hex[:6]}"
     with serve_app(APP, model_dir, redis_server.url, namespace, replicas=1, block_size=BLOCK_SIZE,
                    num_kv_blocks=400) as handle:
@@ -220,3 +223,27 @@ def test_status_and_bench_say_what_is_wrong(tmp_path, caplog):
     assert "--url is for --backend grpc" in caplog.text
     assert cli.main(["bench", "serve", "--url", "127.0.0.1:1", "--goodput", "ttft=5"]) == 2
     assert "--goodput takes NAME:MS" in caplog.text
+
+
+@pytest.mark.parametrize("dataset", ["choice", "json"])
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_bench_serve_structured_outputs_validate(cluster, tmp_path, backend, dataset):
+    """A random model's constrained answers still validate. A choice ends where
+    its grammar does, so every answer stops and is judged (random text would
+    not pass); the random model never closes a free JSON string, so json answers
+    run to ``length``: counted apart, and any that stopped must validate.
+
+    Last in the module: its jump-forward tokens count as spec-decode drafts,
+    which would add a column to the status tables the tests above check."""
+    with routers(cluster) as (address, base_url):
+        target = ["--url", address] if backend == "grpc" else ["--backend", "openai", "--base-url", base_url]
+        report = bench(cluster[1], tmp_path, *target, "--dataset-name", dataset, "--num-prompts", "4",
+                       "--max-concurrency", "2", "--seed", "21")
+    assert report["failed"] == 0 and report["structured_requests"] == 4, report.get("errors")
+    assert report["structured_stop"] + report["structured_length"] == 4
+    assert report["structured_valid"] == report["structured_stop"], report.get("structured_invalid_examples")
+    if dataset == "choice":
+        assert report["structured_stop"] == 4 and report["structured_valid_share"] == 1.0
+    else:
+        assert report["structured_valid_share"] in (1.0, None)  # None: nothing stopped to judge
+    assert report["config"]["structured_output_ratio"] == 1.0 and report["config"]["dataset_name"] == dataset

@@ -6,16 +6,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import random
 import statistics
 
 import pytest
 
 from cluster.bench import datasets as ds
-from cluster.bench.clients import Delta, Usage
+from cluster.bench.clients import Delta, Usage, grpc_request
 from cluster.bench.metrics import (
     RequestRecord,
     distribution,
+    format_summary,
     meets_slos,
     parse_goodput,
     series_bin_seconds,
@@ -84,6 +86,73 @@ def test_make_dataset_reads_the_flags_and_rejects_a_mismatched_num_prompts():
         ds.multi_turn_dataset(4, 0, 10, 10, 10, VOCAB, 0)
 
 
+def test_structured_datasets_are_chat_questions_deterministic_with_their_seed():
+    for name in ds.STRUCTURED_DATASETS:
+        convs = ds.structured_output_dataset(name, 12, 1.0, 64, seed=3)
+        assert convs == ds.structured_output_dataset(name, 12, 1.0, 64, seed=3), name
+        assert convs != ds.structured_output_dataset(name, 12, 1.0, 64, seed=4), name
+        turns = [c.turns[0] for c in convs]
+        assert len(convs) == 12 and all(c.num_requests == 1 for c in convs)
+        assert all(t.question and t.new_token_ids == () and t.output_len == 64 for t in turns)
+        assert all(t.structured_outputs is not None and t.validator is not None for t in turns)
+    schemas = lambda convs: {json.dumps(c.turns[0].structured_outputs["json"], sort_keys=True) for c in convs}
+    assert len(schemas(ds.structured_output_dataset("json", 12, 1.0, 64, seed=3))) == 1  # the grammar cache helps
+    assert len(schemas(ds.structured_output_dataset("json-unique", 12, 1.0, 64, seed=3))) == 12  # it cannot
+
+
+def test_structured_dataset_validators_judge_the_answer_text():
+    choice = ds.structured_output_dataset("choice", 1, 1.0, 8, seed=0)[0].turns[0]
+    assert choice.structured_outputs == {"choice": ["Positive", "Negative"]}
+    assert choice.validator("Positive") and not choice.validator("positive") and not choice.validator("Positive.")
+    regex = ds.structured_output_dataset("regex", 1, 1.0, 8, seed=0)[0].turns[0]
+    assert regex.validator("alan_turing@enigma.com\n") and not regex.validator("alan@enigma.org\n")
+    unique = ds.structured_output_dataset("json-unique", 2, 1.0, 8, seed=5)[1].turns[0]
+    profile = {"name": "A", "email": "a@b.com", "street": "s", "city": "c", "state": "st", "zip": "12345",
+               "phone": "555-123-4567", "website": "w", "company": "co", "age": 30}
+    assert not unique.validator(json.dumps(profile))  # its own required id is missing
+    assert unique.validator(json.dumps({**profile, "id_5_1": 7}))
+    assert not unique.validator(json.dumps({**profile, "id_5_1": 7})[:-1])  # cut short: not JSON
+
+
+def test_structured_output_ratio_constrains_a_seeded_int_n_times_ratio_requests():
+    assert len(ds.constrained_indices(10, 0.3, seed=0)) == 3
+    assert len(ds.constrained_indices(100, 0.29, seed=0)) == 29  # not 28 from 28.999...
+    assert len(ds.constrained_indices(7, 0.5, seed=0)) == 3  # vLLM's int(): rounds down
+    assert ds.constrained_indices(9, 0.0, seed=0) == frozenset()
+    assert ds.constrained_indices(9, 1.0, seed=0) == frozenset(range(9))
+    assert ds.constrained_indices(20, 0.5, seed=1) == ds.constrained_indices(20, 0.5, seed=1)
+    assert ds.constrained_indices(20, 0.5, seed=1) != ds.constrained_indices(20, 0.5, seed=2)
+    with pytest.raises(ValueError, match=r"--structured-output-ratio must be in \[0, 1\], got 1.5"):
+        ds.constrained_indices(4, 1.5, seed=0)
+    parser = argparse.ArgumentParser()
+    ds.add_dataset_args(parser)
+    args = parser.parse_args(["--dataset-name", "json-unique", "--num-prompts", "20", "--seed", "1",
+                              "--structured-output-ratio", "0.5", "--structured-output-len", "32"])
+    convs = ds.make_dataset(args, VOCAB)
+    constrained = {i for i, c in enumerate(convs) if c.turns[0].structured_outputs is not None}
+    assert constrained == ds.constrained_indices(20, 0.5, seed=1)
+    assert all(c.turns[0].validator is None for i, c in enumerate(convs) if i not in constrained)
+    assert all(c.turns[0].question and c.turns[0].output_len == 32 for c in convs)  # all questions still asked
+    assert [c.turns[0].question for c in convs] == [
+        c.turns[0].question for c in ds.structured_output_dataset("json-unique", 20, 1.0, 32, seed=1)]
+
+
+def test_grpc_request_sends_a_question_as_chat_with_its_constraint_in_the_proto():
+    from router.convert import sampling_params_from_proto
+    from cluster.shared.structured import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    request = grpc_request([], 16, "Give me a.", {"json": schema})
+    assert request.WhichOneof("input") == "messages"
+    assert [(m.role, m.content) for m in request.messages.items] == [("user", "Give me a.")]
+    params = sampling_params_from_proto(request.sampling)
+    assert params.structured_outputs == StructuredOutputsParams(json=schema)
+    assert params.max_tokens == 16 and params.temperature == 0.0 and not params.ignore_eos  # may end at EOS
+    plain = grpc_request([5, 6, 7], 4)
+    assert list(plain.prompt_token_ids.ids) == [5, 6, 7] and plain.sampling.ignore_eos
+    assert not plain.sampling.HasField("structured_outputs")
+
+
 # ------------------------------------------------------------------ figures
 
 
@@ -135,6 +204,36 @@ def test_summarize_counts_tokens_hit_rates_and_goodput():
     assert s["errors"] == ["UNAVAILABLE: no replica"]
 
 
+def _structured(i, finish, valid=None, text="", error=""):
+    rec = _record(i, 0.1, 0.5, prompt=30, cached=0, out=6, error=error)
+    rec.structured, rec.finish_reason, rec.structured_valid, rec.output_text = True, finish, valid, text
+    return rec
+
+
+def test_summarize_counts_valid_structured_outputs_of_stop_finishes_only():
+    records = [
+        _structured(0, "stop", True, "Positive"),
+        _structured(1, "stop", True, "Negative"),
+        _structured(2, "stop", False, "Posit" + "x" * 300),
+        _structured(3, "length", None, "Posi"),  # truncated: counted apart, not judged
+        _structured(4, "", None, error="UNAVAILABLE: no replica"),  # failed: neither
+        _record(5, 0.1, 0.5, prompt=30, cached=0, out=6),  # unconstrained (--structured-output-ratio < 1)
+    ]
+    s = summarize(records, duration=1.0)
+    assert (s["structured_requests"], s["structured_stop"], s["structured_length"]) == (5, 3, 1)
+    assert s["structured_valid"] == 2 and s["structured_valid_share"] == round(2 / 3, 4)
+    assert s["structured_invalid_examples"] == ["Posit" + "x" * 195]  # cut to 200 characters
+    text = "\n".join(format_summary("t", s))
+    assert "Constrained requests:" in text and "2 / 3 (66.7%)" in text
+    none_stopped = summarize([_structured(0, "length", None, "{")], duration=1.0)
+    assert none_stopped["structured_valid_share"] is None and none_stopped["structured_length"] == 1
+    assert "0 / 0 (-)" in "\n".join(format_summary("t", none_stopped))
+    plain = summarize([_record(0, 0.1, 0.5, prompt=30, cached=0, out=6)], duration=1.0)
+    assert "structured_requests" not in plain and "Constrained" not in "\n".join(format_summary("t", plain))
+    ratio_zero = summarize([_record(0, 0.1, 0.5, prompt=30, cached=0, out=6)], duration=1.0, structured=True)
+    assert (ratio_zero["structured_requests"], ratio_zero["structured_valid_share"]) == (0, None)
+
+
 def test_tokens_per_second_series_bins_tokens_by_arrival():
     recs = [RequestRecord(0, 0, 1, 1, token_times=[(0.1, 1), (0.9, 2), (1.5, 4)]),
             RequestRecord(1, 0, 1, 1, token_times=[(2.2, 1)])]
@@ -180,6 +279,28 @@ class FakeClient:
         pass
 
 
+class FakeChatClient:
+    """Answers a question in two text chunks: ``Positive`` (stop) when
+    constrained, else ``maybe`` cut at ``length``; remembers what it was asked."""
+
+    name = "fake-chat"
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, object]] = []
+
+    async def stream(self, prompt, max_tokens, *, question="", structured_outputs=None):
+        assert prompt == [] and question
+        self.asked.append((question, structured_outputs))
+        text, finish = ("Positive", "stop") if structured_outputs else ("maybe", "length")
+        await asyncio.sleep(0)
+        yield Delta(1, text=text[:3])
+        yield Delta(1, text=text[3:], finish_reason=finish)
+        yield Delta(0, usage=Usage(17, 2, 0))
+
+    async def aclose(self):
+        pass
+
+
 def test_runner_extends_each_turn_with_the_previous_prompt_and_answer():
     convs = ds.multi_turn_dataset(9, 3, 20, 5, 4, VOCAB, seed=3)
     client = FakeClient()
@@ -210,6 +331,23 @@ def test_runner_respects_max_concurrency_and_a_failed_turn_ends_its_conversation
     assert len(records) == 4  # two conversations: turn 1 ok, turn 2 failed, turn 3 never sent
     assert sorted(r.turn for r in records if r.ok) == [0, 0]
     assert [r.error for r in records if not r.ok] == ["RuntimeError: boom"] * 2
+
+
+def test_runner_sends_questions_as_chat_and_judges_only_constrained_answers():
+    convs = ds.structured_output_dataset("choice", 10, 0.4, 8, seed=6)
+    client = FakeChatClient()
+    records, _ = asyncio.run(run_requests(client, convs, progress=False))
+    constrained = ds.constrained_indices(10, 0.4, seed=6)
+    assert sorted(r.conversation for r in records if r.structured) == sorted(constrained)
+    assert sum(so is not None for _, so in client.asked) == 4
+    for r in records:
+        assert r.ok and r.prompt_len == 17  # the server's count of the rendered chat prompt
+        if r.structured:
+            assert (r.finish_reason, r.structured_valid, r.output_text) == ("stop", True, "Positive")
+        else:
+            assert (r.finish_reason, r.structured_valid, r.output_text) == ("length", None, "")  # text not kept
+    s = summarize(records, duration=1.0)
+    assert (s["structured_requests"], s["structured_valid"], s["structured_valid_share"]) == (4, 4, 1.0)
 
 
 def test_runner_sends_at_the_poisson_rate():
