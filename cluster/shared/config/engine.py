@@ -13,6 +13,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cluster.shared.config.mapping import check_keys, read_mapping
 from cluster.shared.config.structured import StructuredOutputsConfig
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -97,25 +98,11 @@ class SpeculativeConfig:
         Raises:
             ValueError: Not a mapping, an unknown key (named), or a bad value.
         """
-        if isinstance(mapping, str):
-            import json
-
-            try:
-                mapping = json.loads(mapping)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(mapping, dict):
-            raise ValueError(f"speculative_config must be a mapping such as "
-                             f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {mapping!r}')
+        mapping = read_mapping(mapping, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
         if mapping.get("method", cls.method) in _SPEC_PLANNED:  # before its keys, which we do not know yet
             raise ValueError(f"speculative_config method {mapping['method']!r} is not supported yet: use one of "
                              f"{SPECULATIVE_METHODS}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in mapping:
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
-                raise ValueError(f"unknown speculative_config key {key!r}{hint}")
+        check_keys(mapping, cls, "speculative_config")
         return cls(**mapping)
 
 

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from cluster.shared.config.mapping import check_keys, read_mapping
 
 STRUCTURED_BACKENDS = ("xgrammar", "auto")
 
@@ -62,18 +61,6 @@ class StructuredOutputsConfig:
         Raises:
             ValueError: Not a mapping, an unknown key (named), or a bad value.
         """
-        if isinstance(mapping, str):
-            try:
-                mapping = json.loads(mapping)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs_config is not valid JSON: {exc}") from None
-        if not isinstance(mapping, dict):
-            raise ValueError("structured_outputs_config must be a mapping such as "
-                             f'{{"compile_timeout_s": 5, "jump_forward": false}}, got {mapping!r}')
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in mapping:
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
-                raise ValueError(f"unknown structured_outputs_config key {key!r}{hint}")
+        mapping = read_mapping(mapping, "structured_outputs_config", '{"compile_timeout_s": 5, "jump_forward": false}')
+        check_keys(mapping, cls, "structured_outputs_config")
         return cls(**mapping)
