@@ -4,6 +4,8 @@ Validation errors are ``ValueError`` whose message names the field (as the
 client spells it, e.g. ``sampling.top_p``) and says what to change; the
 server maps them to ``INVALID_ARGUMENT``. A proto3 ``optional`` field that is
 unset takes the Python default of ``cluster.shared.types.SamplingParams``.
+Tool calling (``GenerateRequest.tools``, ``ChatMessage.tool_calls``,
+``GenerateResponse.tool_calls``) converts in ``router/convert_tools.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Optional
 from cluster.shared.structured import StructuredOutputsParams
 from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
 from router.limits import Limits
+from router.convert_tools import chat_message, constrain, tool_plan_from_proto
 from router.pb import generation_pb2 as pb
 from router.structured_request import check_json_schema
 from router.tokenizer import RouterTokenizer
+from router.tools import ToolPlan
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
@@ -129,11 +133,19 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def prompt_ids_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+def prompt_ids_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
+                          tools: Optional[ToolPlan] = None) -> list[int]:
     """The prompt token ids of a request: tokenized text, rendered chat, or the ids as sent.
 
+    Args:
+        msg: The request.
+        tokenizer: The model's router tokenizer.
+        tools: The request's tool plan (``tool_plan_from_proto``): its tools
+            are rendered with the messages.
+
     Raises:
-        ValueError: No input, an empty one, out-of-range ids, or invalid messages.
+        ValueError: No input, an empty one, out-of-range ids, or invalid
+            messages (tool calls and results included).
     """
     kind = msg.WhichOneof("input")
     if kind is None:
@@ -148,9 +160,9 @@ def prompt_ids_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer) -
             raise ValueError("prompt_token_ids.ids is empty: send at least one token id")
         tokenizer.check_token_ids(ids, "prompt_token_ids.ids")
         return ids
-    messages = [{"role": m.role, "content": m.content} for m in msg.messages.items]
+    messages = [chat_message(m, i) for i, m in enumerate(msg.messages.items)]
     try:
-        ids = tokenizer.render_chat(messages)
+        ids = tokenizer.render_chat(messages, tools=tools.prompt_tools() if tools else None)
     except ValueError as exc:
         # ChatTemplate names fields as messages[i].role; the proto nests them in items.
         raise ValueError(str(exc).replace("messages[", "messages.items[")) from None
@@ -165,7 +177,20 @@ def request_from_proto(
     max_model_len: Optional[int] = None,
     limits: Optional[Limits] = None,
 ) -> GenerationRequest:
-    """Validates a ``GenerateRequest`` and turns it into an engine request.
+    """The engine request of ``msg`` (:func:`request_and_tools_from_proto`
+    without the tool plan, which a server needs to parse the output)."""
+    return request_and_tools_from_proto(msg, tokenizer, max_model_len, limits)[0]
+
+
+def request_and_tools_from_proto(
+    msg: pb.GenerateRequest,
+    tokenizer: RouterTokenizer,
+    max_model_len: Optional[int] = None,
+    limits: Optional[Limits] = None,
+) -> tuple[GenerationRequest, Optional[ToolPlan]]:
+    """Validates a ``GenerateRequest`` and turns it into an engine request and
+    its tool plan (``router/convert_tools.py``: tools rendered into the
+    prompt, ``tool_choice`` required or named held by ``structured_outputs``).
 
     Args:
         msg: The request as received.
@@ -177,11 +202,13 @@ def request_from_proto(
         limits: The server's input limits (default ``Limits()``).
 
     Returns:
-        The request; ``request_id`` is a fresh uuid4 hex when ``msg`` has none.
+        The request (``request_id`` a fresh uuid4 hex when ``msg`` has none)
+        and the tool plan (None without tools).
 
     Raises:
         ValueError: Any invalid field, named in the message (``LimitError``
-            for a limit, naming it and the value allowed).
+            for a limit, naming it and the value allowed; ``ToolError`` for
+            a tool field).
     """
     limits = limits or Limits()
     if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
@@ -194,13 +221,15 @@ def request_from_proto(
     if sampling.HasField("logprobs"):
         limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
     params = sampling_params_from_proto(sampling)
+    tools = tool_plan_from_proto(msg, tokenizer)
+    params = constrain(params, tools)
     kind = msg.WhichOneof("input")
     prompt_field = {"prompt_token_ids": "prompt_token_ids.ids", "messages": "messages.items"}.get(kind, "prompt")
     if kind == "messages":
         limits.check_messages(len(msg.messages.items), "messages.items")
     if kind == "prompt_token_ids" and max_model_len is not None:  # before checking every id
         limits.check_prompt(len(msg.prompt_token_ids.ids), max_model_len, prompt_field)
-    prompt_ids = prompt_ids_from_proto(msg, tokenizer)
+    prompt_ids = prompt_ids_from_proto(msg, tokenizer, tools)
     if max_model_len is not None:
         limits.check_prompt(len(prompt_ids), max_model_len, prompt_field)
     requested = params.max_tokens if sampling.HasField("max_tokens") else None
@@ -208,13 +237,14 @@ def request_from_proto(
                                            default=params.max_tokens)
     if max_tokens is not None and max_tokens != params.max_tokens:
         params = dataclasses.replace(params, max_tokens=max_tokens)
-    return GenerationRequest(
+    request = GenerationRequest(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
         sampling_params=params,
         priority=msg.priority,
         cache_salt=msg.cache_salt,
     )
+    return request, tools
 
 
 def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:

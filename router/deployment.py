@@ -49,8 +49,8 @@ class FrontEndOptions:
         namespace: Directory namespace.
         routing_policy: The replicas' routing policy (the ``policy`` label
             of the router's metrics, served with the replicas' at ``/metrics``).
-        router: Ports, drain, migration limit, input limits, TLS and API-key
-            files (``cluster.shared.config.RouterConfig``); files are read in the
+        router: Ports, drain, migration limit, tool-call parser, input
+            limits, TLS and API-key files (``cluster.shared.config.RouterConfig``); files are read in the
             router replica, where they are mounted.
     """
 
@@ -87,7 +87,7 @@ class RouterDeployment:
             tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
             api_key_file=cfg.api_key_file, tenants_file=cfg.tenants_file, auth_health=cfg.auth_health,
             auth_metrics=cfg.auth_metrics)
-        tokenizer = RouterTokenizer.from_model_dir(Path(options.model_dir))
+        tokenizer = RouterTokenizer.from_model_dir(Path(options.model_dir), tool_call_parser=cfg.tool_call_parser)
         router_metrics = get_router_metrics(options.namespace, options.routing_policy)
         if security is not None:
             security.tenant_gate.metrics = router_metrics

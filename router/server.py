@@ -39,6 +39,13 @@ over ``max_request_bytes`` are refused by gRPC itself (RESOURCE_EXHAUSTED).
 With ``security`` the server speaks TLS (mTLS with a client CA) and requires
 ``authorization: Bearer <key>`` metadata (``router.security``).
 
+Tool calling (``GenerateRequest.tools``) follows the HTTP API
+(``router/tools``): the tools are rendered into the prompt, ``tool_choice``
+required / named constrains the output, and each chunk's text goes through the
+request's tool-call parser: ``text`` carries the content, ``tool_calls`` each
+call once, whole, on the chunk that completes it, and ``finish_reason`` is
+``tool_calls`` when calls were made (``router/convert_tools.py``).
+
 The server is stateless: several routers on one Redis behave as one.
 """
 
@@ -56,6 +63,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router import convert
 from router.backend import Backend
+from router.convert_tools import ToolCallStream
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import OFFLOAD_BYTES, Limits
 from router.pb import generation_pb2 as pb
@@ -113,7 +121,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None))
 
     def _convert(self, request: pb.GenerateRequest, limits: Limits) -> Any:
-        return convert.request_from_proto(request, self.backend.tokenizer, self.backend.model.max_model_len, limits)
+        """``(engine request, tool plan)``."""
+        return convert.request_and_tools_from_proto(request, self.backend.tokenizer,
+                                                    self.backend.model.max_model_len, limits)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -127,9 +137,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tenant, admission = self._admit(context)  # limits before any parsing or tokenizing
             limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
             if request.ByteSize() >= OFFLOAD_BYTES:
-                engine_request = await asyncio.to_thread(self._convert, request, limits)
+                engine_request, tools = await asyncio.to_thread(self._convert, request, limits)
             else:
-                engine_request = self._convert(request, limits)
+                engine_request, tools = self._convert(request, limits)
+            tool_stream = ToolCallStream.of(tools)
             if not request.request_id:
                 engine_request = dataclasses.replace(engine_request, request_id=request_id)
             if tenant is not None:
@@ -147,7 +158,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             chunk = await anext(stream)
                         except StopAsyncIteration:
                             break
-                    yield convert.chunk_to_proto(chunk)
+                    response = convert.chunk_to_proto(chunk)
+                    yield response if tool_stream is None else tool_stream.rewrite(response, chunk)
             finally:
                 await stream.aclose()  # cancels the Serve response if still running
         except asyncio.CancelledError:

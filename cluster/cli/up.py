@@ -22,7 +22,7 @@ _UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """The flags of ``up``: cluster, front ends, engine."""
-    from cluster.shared.config import DIRECTORY_LOOKUPS, REPLICA_TRANSPORTS, ROUTING_POLICIES
+    from cluster.shared.config import DIRECTORY_LOOKUPS, REPLICA_TRANSPORTS, ROUTING_POLICIES, TOOL_CALL_PARSERS
 
     up.add_argument("--config", default=None, metavar="CLUSTER_YAML",
                     help="cluster config file (the RayService's schema); flags override its values")
@@ -49,6 +49,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--replica-transport", choices=list(REPLICA_TRANSPORTS), default=None,
                     help="how the routers stream from replicas: Serve's direct gRPC channel (default) or Ray actor "
                          "tasks (where only Ray's own ports are open between nodes)")
+    up.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                    help="how the routers read tool calls out of the output: auto (default) picks llama3_json "
+                         "for a Llama 3.x chat template, else hermes (<tool_call> blocks)")
     up.add_argument("--drain-timeout-s", type=float, default=None,
                     help="on SIGTERM, seconds running streams get to finish (default 30)")
     up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
@@ -114,7 +117,7 @@ def up_config(args: argparse.Namespace) -> Any:
         router["host"] = args.grpc_host
     if args.http_port is not None:
         router["http_port"] = None if args.http_port < 0 else args.http_port
-    for name in ("migration_limit", "drain_timeout_s", "replica_transport"):
+    for name in ("migration_limit", "drain_timeout_s", "replica_transport", "tool_call_parser"):
         if getattr(args, name) is not None:
             router[name] = getattr(args, name)
     engine = base.engine

@@ -129,7 +129,8 @@ class LocalCluster:
         from router.tokenizer import RouterTokenizer
         # The name clients pass as `model`: the folder or file name, or the default model's own name.
         model_dir, name, max_len = model_info(self.config)
-        tokenizer = RouterTokenizer.from_model_dir(Path(model_dir))
+        tokenizer = RouterTokenizer.from_model_dir(Path(model_dir),
+                                                   tool_call_parser=self.config.router.tool_call_parser)
         model = ModelInfo(name, max_len)
         router_metrics = get_router_metrics(self.config.namespace, self.config.routing_policy)
         if self.security is not None:

@@ -86,6 +86,8 @@ def test_unknown_keys_are_named_with_their_path_and_closest_key(mapping, message
         ({"routing_policy": "cache-aware"}, "did you mean 'cache_aware'"),
         ({"directory_lookup": "lua"}, r"directory_lookup must be one of \('index', 'redis'\)"),
         ({"router": {"replica_transport": "http"}}, "replica_transport must be one of grpc, actor, got 'http'"),
+        ({"router": {"tool_call_parser": "mistral"}},
+         "tool_call_parser must be one of auto, hermes, llama3_json, got 'mistral'"),
     ],
 )
 def test_bad_values_name_the_key_and_what_to_change(mapping, message):
@@ -166,3 +168,21 @@ def test_redis_url_from_the_environment_of_the_process_that_connects(monkeypatch
     monkeypatch.delenv("PREFIXSERVE_TEST_REDIS_URL")
     with pytest.raises(ValueError, match="'PREFIXSERVE_TEST_REDIS_URL' is not set"):
         Directory.from_url(cfg.redis_url, "ns")
+
+
+def test_tool_call_parser_from_the_file_and_the_flag(tmp_path, capsys):
+    from cluster.cli import build_parser, up_config
+    from cluster.shared.config import TOOL_CALL_PARSERS
+    from router.tools.plan import PARSERS
+
+    assert TOOL_CALL_PARSERS == ("auto", *PARSERS)  # the router's formats, and auto
+    assert RouterConfig().tool_call_parser == "auto"
+    path = tmp_path / "cluster.yaml"
+    path.write_text("router:\n  tool_call_parser: llama3_json\n")
+    parser = build_parser()
+    assert up_config(parser.parse_args(["up", "--config", str(path)])).router.tool_call_parser == "llama3_json"
+    flagged = up_config(parser.parse_args(["up", "--config", str(path), "--tool-call-parser", "hermes"]))
+    assert flagged.router.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral' (choose from" in capsys.readouterr().err

@@ -67,3 +67,36 @@ def test_generate_request_input_is_a_oneof():
     msg = pb.GenerateRequest(prompt="hi")
     msg.prompt_token_ids.ids.extend([1, 2])
     assert msg.WhichOneof("input") == "prompt_token_ids" and msg.prompt == ""
+
+
+def test_tool_fields_round_trip_with_their_numbers():
+    numbers = {name: f.number for name, f in pb.GenerateRequest.DESCRIPTOR.fields_by_name.items()}
+    assert {k: numbers[k] for k in ("tools", "tool_choice", "tool_choice_function", "parallel_tool_calls")} == {
+        "tools": 8, "tool_choice": 9, "tool_choice_function": 10, "parallel_tool_calls": 11}
+    assert pb.GenerateRequest.DESCRIPTOR.fields_by_name["parallel_tool_calls"].has_presence
+    assert [(f.name, f.number) for f in pb.ChatMessage.DESCRIPTOR.fields] == [
+        ("role", 1), ("content", 2), ("tool_calls", 3), ("tool_call_id", 4), ("name", 5)]
+    assert [(f.name, f.number) for f in pb.Tool.DESCRIPTOR.fields] == [
+        ("name", 1), ("description", 2), ("parameters_json", 3), ("strict", 4)]
+    assert [(f.name, f.number) for f in pb.ToolCall.DESCRIPTOR.fields] == [("id", 1), ("name", 2), ("arguments", 3)]
+    assert pb.GenerateResponse.DESCRIPTOR.fields_by_name["tool_calls"].number == 6
+
+    msg = pb.GenerateRequest(
+        tools=[pb.Tool(name="get_weather", description="Weather now", strict=True,
+                       parameters_json='{"type": "object", "properties": {"city": {"type": "string"}}}')],
+        tool_choice="function", tool_choice_function="get_weather", parallel_tool_calls=False)
+    msg.messages.items.add(role="assistant", tool_calls=[pb.ToolCall(id="call_1", name="get_weather",
+                                                                     arguments='{"city": "Paris"}')])
+    msg.messages.items.add(role="tool", content="18 C", tool_call_id="call_1", name="get_weather")
+    back = pb.GenerateRequest.FromString(msg.SerializeToString())
+    assert back == msg
+    assert back.HasField("parallel_tool_calls") and back.parallel_tool_calls is False
+    assert not pb.GenerateRequest().HasField("parallel_tool_calls")
+    assert back.tools[0].parameters_json == '{"type": "object", "properties": {"city": {"type": "string"}}}'
+    assert [(m.role, [(c.id, c.name, c.arguments) for c in m.tool_calls], m.tool_call_id, m.name)
+            for m in back.messages.items] == [
+        ("assistant", [("call_1", "get_weather", '{"city": "Paris"}')], "", ""),
+        ("tool", [], "call_1", "get_weather")]
+    response = pb.GenerateResponse(finish_reason="tool_calls", tool_calls=[pb.ToolCall(id="call_2", name="f",
+                                                                                      arguments="{}")])
+    assert pb.GenerateResponse.FromString(response.SerializeToString()).tool_calls[0] == response.tool_calls[0]

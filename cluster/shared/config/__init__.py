@@ -19,6 +19,7 @@ from cluster.shared.config.cluster import (
     DIRECTORY_LOOKUPS,
     REPLICA_TRANSPORTS,
     ROUTING_POLICIES,
+    TOOL_CALL_PARSERS,
     AutoscalingConfig,
     ClusterConfig,
     RouterConfig,
@@ -42,6 +43,6 @@ from cluster.shared.config.structured import STRUCTURED_BACKENDS, StructuredOutp
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
     "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS", "STRUCTURED_BACKENDS",
-    "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
+    "TOOL_CALL_PARSERS", "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

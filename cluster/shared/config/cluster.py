@@ -20,6 +20,8 @@ from cluster.shared.config.loading import build_strict, read_yaml_mapping
 ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin")
 DIRECTORY_LOOKUPS = ("index", "redis")
 REPLICA_TRANSPORTS = ("grpc", "actor")
+# Output formats of tool calls (router/tools: "auto" reads the chat template); vLLM's flag values.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class RouterConfig:
             request than actor tasks, ``prefixserve bench router``);
             ``actor`` uses Ray actor tasks and object refs, for networks that
             let only Ray's own ports through between pods.
+        tool_call_parser: How the routers read tool calls out of the model's
+            output (``router/tools``, vLLM's ``--tool-call-parser``): ``auto``
+            (default) picks ``llama3_json`` for a Llama 3.x chat template and
+            ``hermes`` (``<tool_call>`` blocks) for every other; ``hermes`` or
+            ``llama3_json`` force one.
         drain_timeout_s: On shutdown (SIGTERM), seconds running streams get
             to finish after the routers stop accepting requests.
         admin_socket: Unix socket on which a router replica accepts a drain
@@ -85,6 +92,7 @@ class RouterConfig:
     router_resources: dict = field(default_factory=dict)
     migration_limit: int = 3
     replica_transport: str = "grpc"
+    tool_call_parser: str = "auto"
     drain_timeout_s: float = 30.0
     admin_socket: Optional[str] = None
     redis_url: Optional[str] = None
@@ -121,6 +129,9 @@ class RouterConfig:
         if self.replica_transport not in REPLICA_TRANSPORTS:
             raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
                              f"got {self.replica_transport!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 @dataclass(frozen=True)
