@@ -28,6 +28,7 @@ from typing import Optional
 
 from cluster.shared.structured import StructuredOutputsParams
 from cluster.shared.types import SamplingParams
+from router.structured_request import check_json_schema
 from router.tools.plan import ToolError, ToolPlan
 
 _TAGS = {
@@ -73,6 +74,18 @@ def tool_constraint(plan: Optional[ToolPlan]) -> Optional[StructuredOutputsParam
     return None
 
 
+def _check_constrained_schemas(plan: ToolPlan) -> None:
+    """The parameter schemas the constraint holds calls to must be ones the
+    engine enforces in full (a tool only shown in the prompt need not be)."""
+    tools = [plan.tool(plan.function_name or "")] if plan.choice == "function" else plan.tools
+    for i, spec in enumerate(plan.tools):
+        if spec in tools and (plan.choice != "auto" or spec.strict):
+            try:
+                check_json_schema(spec.parameters, f"tools[{i}].function.parameters")
+            except ValueError as exc:
+                raise ToolError(str(exc), "tools") from None
+
+
 def apply_tool_constraint(params: SamplingParams, plan: Optional[ToolPlan]) -> SamplingParams:
     """``params`` with the tool plan's constraint set (unchanged when it has none).
 
@@ -83,6 +96,8 @@ def apply_tool_constraint(params: SamplingParams, plan: Optional[ToolPlan]) -> S
     constraint = tool_constraint(plan)
     if constraint is None:
         return params
+    assert plan is not None
+    _check_constrained_schemas(plan)
     if params.structured_outputs is not None:
         assert plan is not None
         what = "strict tools (tool_choice auto)" if plan.choice == "auto" else f"tool_choice {plan.choice!r}"

@@ -223,8 +223,12 @@ class XGrammarBackend:
         import xgrammar
 
         if "structures" in tag:  # vLLM's (and OpenAI-harmony's) legacy layout
-            items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})),
-                                                end=s["end"]) for s in tag["structures"]]
+            items = []
+            for s in tag["structures"]:
+                schema = s.get("schema", {})
+                _check_schema_features(schema, "structured_outputs.structural_tag")  # as strictly as json's
+                items.append(xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(exact_formats(schema)),
+                                                        end=s["end"]))
             return compiler.compile_structural_tag(items, list(tag.get("triggers", ())))
         return compiler.compile_structural_tag(tag)
 
@@ -290,9 +294,9 @@ class XGrammarBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_schema_features(schema: Any) -> None:
+def _check_schema_features(schema: Any, field: str = "structured_outputs.json") -> None:
     """Refuses a schema with keywords xgrammar would not enforce (``cluster/shared/schema_check.py``)."""
     problems = unsupported_schema_features(schema)
     if problems:
-        raise ValueError(f"structured_outputs.json uses {', '.join(problems)}, which structured outputs cannot "
-                         "enforce: remove it from the schema")
+        raise ValueError(f"{field} uses {', '.join(problems)}, which structured outputs cannot enforce: remove it "
+                         "from the schema")
