@@ -332,3 +332,22 @@ def test_streamed_calls_assemble_to_the_whole_answer(index):
     for cut in range(len(text) + 1):
         for cut2 in range(cut, len(text) + 1, 7):
             assert _streamed(plan, [text[:cut], text[cut:cut2], text[cut2:]]) == expected, (cut, cut2)
+
+
+def test_a_constrained_tool_schema_the_engine_cannot_enforce_is_refused_naming_the_tool():
+    from cluster.shared.types import SamplingParams
+    from router.tools.constraints import apply_tool_constraint
+    from router.tools.plan import ToolError, parse_tool_plan
+
+    unique = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"},
+                                                     "uniqueItems": True}}}
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "f", "parameters": unique}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(ToolError, match=r"tools\[1\]\.function\.parameters uses uniqueItems") as err:
+            apply_tool_constraint(SamplingParams(), parse_tool_plan({"tools": tools, "tool_choice": choice}))
+        assert err.value.param == "tools"
+    # Shown in the prompt only (auto, not strict) or another tool named: nothing to enforce, no error.
+    assert apply_tool_constraint(SamplingParams(), parse_tool_plan({"tools": tools})).structured_outputs is None
+    named = {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "ok"}}}
+    assert apply_tool_constraint(SamplingParams(), parse_tool_plan(named)).structured_outputs is not None
