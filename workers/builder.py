@@ -7,9 +7,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from tokenizers import Tokenizer
 
@@ -183,9 +184,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
         speculator = Speculator(config.speculative, proposer=proposer)
     structured = make_backend(_tokenizer_file(model_dir, config.tokenizer), arch.vocab_size, eos,
                               config.structured_outputs)
-    scheduler: Optional[Scheduler] = None
+    # The jump-forward proposer reads the grammar states of the scheduler built below, through a weak
+    # reference: a cycle (scheduler -> speculator -> proposer -> scheduler) would keep a dropped
+    # engine's KV cache alive until the cyclic collector happens to run.
+    scheduler_ref: list[Callable[[], Optional[Scheduler]]] = [lambda: None]
 
-    def grammar_of(request_id: str):  # the jump-forward proposer reads the scheduler built below
+    def grammar_of(request_id: str):
+        scheduler = scheduler_ref[0]()
         seq = scheduler.get_request(request_id) if scheduler is not None else None
         return seq.grammar if seq is not None else None
 
@@ -193,6 +198,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         speculator = with_jump_forward(speculator, grammar_of, config.structured_outputs.max_jump_forward_tokens)
     scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
                           sliding_window=window, speculator=speculator, structured=structured)
+    scheduler_ref[0] = weakref.ref(scheduler)
     engine = LLMEngine(
         scheduler,
         runner,

@@ -105,6 +105,8 @@ class ReplicaServer:
             self._contract = contract_for(engine.scheduler.kv_manager.block_size, engine.model_fingerprint,
                                           config.tokenizer or self._parts.model_dir)
         self.engine = engine
+        if getattr(engine, "structured", None) is not None:
+            engine.structured.warm_up()  # the grammar backend's tables, off the request path
         self.replica_id = replica_id or default_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id, model_name or served_model_name(config_model))
         runner = getattr(engine, "runner", None)  # test engines may run without one

@@ -74,7 +74,7 @@ def bad_request(message: str, param: Optional[str] = None) -> APIError:
 def param_of(message: str) -> Optional[str]:
     """The field a ``SamplingParams``/tokenizer message starts with (``top_p must ...`` → ``top_p``)."""
     head = message.split(" ", 1)[0].split("[", 1)[0]
-    return head if head.replace("_", "").isalnum() else None
+    return head if head.replace("_", "").replace(".", "").isalnum() else None
 
 
 @dataclass

@@ -34,6 +34,7 @@ import collections
 import concurrent.futures
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -212,8 +213,7 @@ class XGrammarBackend:
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own errors
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"structured_outputs.{kind} does not compile: {text[:500]}") from None
+            raise ValueError(f"structured_outputs.{kind} does not compile: {library_message(exc)}") from None
         self.stats.compile_seconds.append(time.perf_counter() - started)
         self.stats.num_compiled += 1
         return compiled
@@ -290,8 +290,25 @@ class XGrammarBackend:
     def allocate_masks(self, num_rows: int) -> torch.Tensor:
         return torch.empty(num_rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
 
+    def warm_up(self) -> None:
+        """Builds the tokenizer tables on the pool now (a serving replica at
+        start), so the first constrained request does not wait for them."""
+        self._pool.submit(self._ensure_compiler)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")  # xgrammar's "[12:58:42] /project/cpp/x.cc:83: "
+
+
+def library_message(exc: BaseException) -> str:
+    """The first line of a grammar library's error, without its log prefix
+    (a clock time and an internal source path mean nothing to a client)."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return _LOG_PREFIX.sub("", text.splitlines()[0])[:500]
 
 
 def _check_schema_features(schema: Any, field: str = "structured_outputs.json") -> None:
