@@ -161,8 +161,10 @@ class RouterBackend:
         if self._generate is None or self._generate_loop is not loop:
             self._generate, self._generate_loop = self._generate_handle(), loop
         response = self._generate.remote(request)
+        finished = False
         try:
             async for chunk in response:
+                finished = chunk.finished
                 yield chunk
         except BackPressureError as exc:
             raise OverloadedError(f"all replicas are at capacity, retry later: {exc}") from exc
@@ -177,7 +179,8 @@ class RouterBackend:
                 raise OverloadedError(str(overload), overload.retry_after_s) from exc
             raise
         finally:
-            response.cancel()  # no-op when finished; aborts the sequence otherwise
+            if not finished:  # the replica's stream ends by itself after its last chunk
+                response.cancel()  # aborts the sequence
 
     def _generate_handle(self) -> Any:
         """The streaming ``generate`` handle; called on the loop that serves the front ends."""

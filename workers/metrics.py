@@ -227,8 +227,12 @@ class RequestTimer:
             if self._last_token is None:
                 m.time_to_first_token.observe(now - self._start)
                 m.prompt_tokens.inc(out.num_prompt_tokens)
-            else:
-                m.inter_token_latency.observe(now - self._last_token)
+                for _ in out.new_token_ids[1:]:  # came with the first: no gap (one per token after the first)
+                    m.inter_token_latency.observe(0.0)
+            else:  # a chunk of k tokens (stream_interval, or outputs that queued up): k gaps of 1/k
+                share = (now - self._last_token) / len(out.new_token_ids)
+                for _ in out.new_token_ids:
+                    m.inter_token_latency.observe(share)
             self._last_token = now
             m.generation_tokens.inc(len(out.new_token_ids))
         if out.queue_time is not None and not self._queue_time_seen:

@@ -115,12 +115,32 @@ def rank_placements(
     ]
 
 
-def threads_per_rank(num_cpus: float, world_size: int) -> int:
-    """Torch threads of a rank: its whole CPUs, or its share of the machine's
-    cores when it asks for a fraction of a CPU."""
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity, and a container's CPU
+    quota as Ray reads it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        from ray._private.utils import get_num_cpus
+
+        cores = min(cores, max(1, int(get_num_cpus())))
+    except Exception:  # noqa: BLE001 - older Ray, or no cgroup to read
+        pass
+    return max(1, cores)
+
+
+def threads_per_rank(num_cpus: float, world_size: int, cores: Optional[int] = None) -> int:
+    """Torch threads of a rank (or of a replica, ``world_size`` being the
+    processes that share the machine): its whole CPUs, or its share of the
+    machine's cores when it asks for a fraction of a CPU."""
     if num_cpus >= 1:
         return int(num_cpus)
-    return max(1, (os.cpu_count() or 1) // world_size)
+    return max(1, (cores or machine_cores()) // max(1, world_size))
+
+
+def set_cpu_threads(num_threads: int) -> None:
+    """Torch's (and OpenMP's) threads of this process, for the forward."""
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
 
 
 class RankWorker:
@@ -136,8 +156,7 @@ class RankWorker:
 
     def __init__(self, config: EngineConfig, model_dir: str, shard: TPShard, device: str, num_threads: int) -> None:
         # Before the native decode kernel loads its OpenMP runtime.
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        torch.set_num_threads(num_threads)
+        set_cpu_threads(num_threads)
         self.config = config
         self.model_dir = Path(model_dir)
         self.shard = shard
@@ -371,7 +390,7 @@ def _start_rank(
             placement_group=pg, placement_group_bundle_index=place.bundle_index
         )
     device = "cuda" if place.num_gpus > 0 else "cpu"
-    threads = threads_per_rank(place.num_cpus, shard.world_size)
+    threads = config.parallel.cpu_threads or threads_per_rank(place.num_cpus, shard.world_size)
     return actor_cls.options(**options).remote(config, str(model_dir), shard, device, threads)
 
 

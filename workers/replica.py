@@ -45,11 +45,43 @@ from workers.metrics import ReplicaMetrics
 logger = logging.getLogger(__name__)
 
 
-def _max_waiting_requests(engine_config: Any) -> Optional[int]:
-    """The admission bound of ``engine_config`` (the default when none or an injected engine)."""
+def _scheduler_config(engine_config: Any) -> Any:
+    """The scheduler section of ``engine_config`` (the defaults when none or an injected engine)."""
     if isinstance(engine_config, EngineConfig):
-        return engine_config.scheduler.max_waiting_requests
-    return EngineConfig.from_kwargs(**(engine_config or {})).scheduler.max_waiting_requests
+        return engine_config.scheduler
+    return EngineConfig.from_kwargs(**(engine_config or {})).scheduler
+
+
+def _torch_threads() -> int:
+    """Threads the forward computes with."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def forward_threads(config: EngineConfig, packed_replicas: int) -> Optional[int]:
+    """Torch threads of this replica's forward: ``parallel.cpu_threads``, or
+    picked from the CPUs this Ray actor reserves (``threads_per_rank``: whole
+    CPUs, or the machine's cores split over the replicas that may share it,
+    at most ``packed_replicas``). None outside a Ray actor (torch's default
+    stays). Ray alone sets ``OMP_NUM_THREADS=1`` for a fractional actor."""
+    if config.parallel.cpu_threads is not None:
+        return config.parallel.cpu_threads
+    try:
+        import ray
+
+        if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+            return None
+        num_cpus = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return None
+    if num_cpus <= 0:
+        return None
+    from workers.parallel import machine_cores, threads_per_rank
+
+    cores = machine_cores()
+    sharing = min(max(1, packed_replicas), max(1, int(cores / num_cpus)))
+    return threads_per_rank(num_cpus, sharing, cores)
 
 
 def default_replica_id() -> str:
@@ -77,6 +109,10 @@ class ReplicaServer:
         freeze_heap: After building the engine, take the objects alive
             then out of the cyclic collector's reach (``builder.freeze_heap``);
             the Serve deployment sets it, its process holds this one engine.
+        packed_replicas: Most replicas of the deployment that may share one
+            machine (its replica count, or autoscaling's maximum); a
+            replica reserving a fraction of a CPU splits the machine's cores
+            over them for its forward (``forward_threads``).
     """
 
     def __init__(
@@ -88,22 +124,27 @@ class ReplicaServer:
         engine: Optional[LLMEngine] = None,
         model_name: Optional[str] = None,
         freeze_heap: bool = False,
+        packed_replicas: int = 1,
     ) -> None:
         self._parts = None
         config_model = None
         self._contract = ""  # declared to the directory when the engine was built here
+        scheduling = _scheduler_config(engine_config)
+        front_args: dict[str, Any] = {"after_step": self._after_step,
+                                      "max_waiting_requests": scheduling.max_waiting_requests,
+                                      "stream_interval": scheduling.stream_interval}
         if engine is None:
-            from workers.builder import build_engine, freeze_heap as freeze_process_heap
-
             config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_kwargs(
                 **(engine_config or {}))
-            self._parts = build_engine(config)
-            if freeze_heap:  # a Serve replica process: this one engine for its life
-                freeze_process_heap()
-            engine = self._parts.engine
+            threads = forward_threads(config, packed_replicas)
+            # Built on the thread that steps it: one OpenMP pool in the process (async_engine.py).
+            self._front = AsyncEngine.on_own_thread(lambda: self._build(config, threads, freeze_heap), **front_args)
+            engine = self._front.engine
             config_model = config.model
             self._contract = contract_for(engine.scheduler.kv_manager.block_size, engine.model_fingerprint,
                                           config.tokenizer or self._parts.model_dir)
+        else:
+            self._front = AsyncEngine(engine, **front_args)
         self.engine = engine
         if getattr(engine, "structured", None) is not None:
             engine.structured.warm_up()  # the grammar backend's tables, off the request path
@@ -113,8 +154,6 @@ class ReplicaServer:
         self.metrics.set_model_info(getattr(runner, "quantization", None), getattr(runner, "kv_cache_dtype", "auto"),
                                     int(getattr(runner, "weight_bytes", 0)), int(getattr(runner, "kv_cache_bytes", 0)))
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
-        self._front = AsyncEngine(engine, after_step=self._after_step,
-                                  max_waiting_requests=_max_waiting_requests(engine_config))
         self._ttft = autoscaling.TTFTTracker()
         self._front.start()
         self._publisher = None
@@ -126,6 +165,20 @@ class ReplicaServer:
         if redis_url is not None:
             self._start_publisher()
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
+
+    def _build(self, config: EngineConfig, threads: Optional[int], freeze_heap: bool) -> LLMEngine:
+        """Engine thread: the forward's threads, then the engine (``build_engine``)."""
+        from workers.builder import build_engine, freeze_heap as freeze_process_heap
+
+        if threads is not None:
+            from workers.parallel import set_cpu_threads
+
+            set_cpu_threads(threads)
+            logger.info("forward on %d CPU threads", threads)
+        self._parts = build_engine(config)
+        if freeze_heap:  # a Serve replica process: this one engine for its life
+            freeze_process_heap()
+        return self._parts.engine
 
     # ---------------------------------------------------------- requests
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
@@ -194,6 +247,8 @@ class ReplicaServer:
                 "num_preemptions": engine.scheduler.num_preemptions_total,
                 "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
                 "pid": os.getpid(),
+                "torch_threads": _torch_threads(),
+                "loop": self._front.timing.as_dict(),
             }
 
         return await self._front.call(read)

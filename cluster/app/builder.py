@@ -152,7 +152,8 @@ def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
     from workers.replica import ReplicaServer
 
     deployment = serve.deployment(ReplicaServer).options(**replica_options(config))
-    replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace, freeze_heap=True)
+    replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace, freeze_heap=True,
+                               packed_replicas=config.max_num_replicas)
     if not with_router:
         return replicas
     from router.deployment import FrontEndOptions, RouterDeployment

@@ -60,8 +60,10 @@ def test_request_timer_records_ttft_itl_e2e_queue_time_and_tokens():
 
     assert value(metrics, "prefixserve:time_to_first_token_seconds_count") == 1
     assert value(metrics, "prefixserve:time_to_first_token_seconds_sum") == pytest.approx(0.5)
-    assert value(metrics, "prefixserve:inter_token_latency_seconds_count") == 2
+    # One per token after the first: a chunk of 2 tokens 0.05 s after the last is two gaps of 0.025 s.
+    assert value(metrics, "prefixserve:inter_token_latency_seconds_count") == 3
     assert value(metrics, "prefixserve:inter_token_latency_seconds_sum") == pytest.approx(0.15)
+    assert value(metrics, "prefixserve:inter_token_latency_seconds_bucket", le="0.025") == 2
     assert value(metrics, "prefixserve:e2e_request_latency_seconds_sum") == pytest.approx(0.65)
     assert value(metrics, "prefixserve:request_queue_time_seconds_count") == 1
     assert value(metrics, "prefixserve:request_queue_time_seconds_sum") == pytest.approx(0.2)

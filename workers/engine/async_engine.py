@@ -1,7 +1,14 @@
 """Async streaming over an ``LLMEngine`` for the replica.
 
 The engine steps on a dedicated thread (torch releases the GIL while it
-computes), so the caller's event loop never blocks. Requests and aborts reach
+computes), so the caller's event loop never blocks. A serving replica builds
+the engine on that same thread (``on_own_thread``): OpenMP keeps a pool of
+worker threads per thread that ever ran a parallel region, and once a
+process holds more of its threads than it has cores, libgomp stops
+spin-waiting between regions (its "throttled" spin count), so the hundred-odd
+regions of a decode step each pay a sleep and a wake-up. Loading on the main
+thread and stepping on another made a batch-1 step 25-30% slower on 2 cores
+(``cluster/bench/serve.py --engine-baseline``). Requests and aborts reach
 the thread through a queue; outputs go back to per-request asyncio queues via
 ``call_soon_threadsafe``::
 
@@ -11,6 +18,14 @@ the thread through a queue; outputs go back to per-request asyncio queues via
 
 Cancelling the consumer of ``generate()`` (client gone, deadline) aborts the
 request in the engine, which frees its blocks.
+
+Streaming: a stream yields each output as it comes, except that outputs
+already queued when the consumer comes back for the next one (it was busy:
+a loaded event loop, a slow client) go out as one, merged
+(``merge_outputs``), so a busy loop does less work per token instead of
+falling behind; nothing is held back to wait for more. With
+``stream_interval`` N > 1, tokens after the first are sent N at a time (the
+last chunk may hold fewer); the first token and the finish leave at once.
 
 Admission: with ``max_waiting_requests`` set, ``generate()`` rejects a request
 at once (``ReplicaOverloadedError``, nothing queued) while the replica already
@@ -33,7 +48,7 @@ from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.structured import timeout_message
 
 logger = logging.getLogger(__name__)
@@ -61,6 +76,32 @@ def retry_hint(finish_times: list[float], now: float) -> float:
     return min(max(gap, RETRY_HINT_MIN_S), RETRY_HINT_MAX_S)
 
 
+class LoopTiming:
+    """Where the engine thread's time goes, summed over its steps (read from
+    any thread; floats replaced whole): ``step_s`` in ``engine.step()``,
+    ``deliver_s`` handing outputs to the streams and the after-step hook
+    (KV events, metrics), ``gap_s`` between the end of one step's work and
+    the start of the next while requests ran (inbox, stats, waiting for the GIL)."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.step_s = 0.0
+        self.deliver_s = 0.0
+        self.gap_s = 0.0
+        self._last_end: Optional[float] = None
+
+    def add(self, began: float, stepped: float, ended: float) -> None:
+        if self._last_end is not None and began - self._last_end < 1.0:  # not an idle wait
+            self.gap_s += began - self._last_end
+        self._last_end = ended
+        self.num_steps += 1
+        self.step_s += stepped - began
+        self.deliver_s += ended - stepped
+
+    def as_dict(self) -> dict[str, float]:
+        return {"num_steps": self.num_steps, "step_s": self.step_s, "deliver_s": self.deliver_s, "gap_s": self.gap_s}
+
+
 class AsyncEngine:
     """Thread-backed async front of an engine.
 
@@ -69,12 +110,18 @@ class AsyncEngine:
         after_step: Runs on the engine thread after each step.
         max_waiting_requests: Admission bound (see the module docstring);
             None admits everything.
+        stream_interval: Tokens a stream sends per chunk after its first
+            (vLLM's and SGLang's ``stream_interval``); the first token and
+            the finish always leave at once.
     """
 
     def __init__(self, engine: LLMEngine, after_step: Optional[Callable[[], None]] = None,
-                 max_waiting_requests: Optional[int] = None) -> None:
+                 max_waiting_requests: Optional[int] = None, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.stream_interval = stream_interval
         self._after_step = after_step  # runs on the engine thread after each step
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -82,7 +129,37 @@ class AsyncEngine:
         self._finish_times: collections.deque[float] = collections.deque(maxlen=RETRY_HINT_WINDOW)
         self._thread: Optional[threading.Thread] = None
         self._stats = engine.stats()
+        self.timing = LoopTiming()
         self.error: Optional[BaseException] = None
+
+    @classmethod
+    def on_own_thread(cls, factory: Callable[[], LLMEngine], **kwargs: object) -> "AsyncEngine":
+        """Builds the engine with ``factory()`` on the thread that then steps
+        it, and returns the running front (``kwargs`` as for the constructor).
+
+        Raises:
+            Whatever ``factory`` raised (no thread is left running).
+        """
+        ready = threading.Event()
+        box: dict[str, object] = {}
+
+        def main() -> None:
+            try:
+                front = cls(factory(), **kwargs)  # type: ignore[arg-type]
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = exc
+                ready.set()
+                return
+            front._thread = threading.current_thread()
+            box["front"] = front
+            ready.set()
+            front._run()
+
+        threading.Thread(target=main, name="engine-loop", daemon=True).start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["front"]  # type: ignore[return-value]
 
     def start(self) -> None:
         if self._thread is None:
@@ -120,17 +197,29 @@ class AsyncEngine:
             self._streams[request.request_id] = (asyncio.get_running_loop(), out_queue)
         self._inbox.put(("add", (request, compiled)))
         finished = False
+        held: Optional[RequestOutput] = None  # tokens not yet yielded (stream_interval)
+        sent_first = False
         try:
             while True:
                 item = await out_queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    self._finish_times.append(time.monotonic())
-                    return
+                while True:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        if held is not None:  # what was computed still reaches the client, then the error
+                            yield held
+                        raise item
+                    held = item if held is None else merge_outputs(held, item)
+                    if held.finished or out_queue.empty():
+                        break
+                    item = out_queue.get_nowait()  # already computed: sent with the rest, never waited for
+                if held.finished or not sent_first or len(held.new_token_ids) >= self.stream_interval:
+                    out, held = held, None
+                    sent_first = sent_first or bool(out.new_token_ids)
+                    yield out
+                    if out.finished:
+                        finished = True
+                        self._finish_times.append(time.monotonic())
+                        return
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
@@ -203,9 +292,13 @@ class AsyncEngine:
                 if not self._drain_inbox(block):
                     break
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    began = time.perf_counter()
+                    outputs = self.engine.step()
+                    stepped = time.perf_counter()
+                    self._deliver(outputs)
                     if self._after_step is not None:
                         self._after_step()
+                    self.timing.add(began, stepped, time.perf_counter())
                 self._stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - report to every waiting stream
             logger.exception("engine loop failed")

@@ -131,3 +131,26 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output covering two consecutive ones of a request (``first``
+    then ``later``): their tokens, text and logprobs in order, ``later``'s
+    totals and finish. A stream sends it as one chunk where the client
+    receives the same tokens and text either way."""
+    logprobs = first.new_logprobs
+    if later.new_logprobs is not None:
+        logprobs = (logprobs or []) + later.new_logprobs
+    return RequestOutput(
+        request_id=first.request_id,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+        finish_reason=later.finish_reason,
+        num_prompt_tokens=later.num_prompt_tokens,
+        num_output_tokens=later.num_output_tokens,
+        num_cached_tokens=later.num_cached_tokens,
+        new_logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+        finish_message=later.finish_message,
+        queue_time=first.queue_time if first.queue_time is not None else later.queue_time,
+    )

@@ -165,6 +165,13 @@ class SchedulerConfig:
             and rejects more at once with ``ReplicaOverloadedError`` (the
             router answers RESOURCE_EXHAUSTED / HTTP 429 with a retry hint).
             ``None`` is unbounded. The offline ``LLM`` queues everything.
+        stream_interval: Tokens a serving replica streams per chunk after a
+            request's first (vLLM's and SGLang's ``stream_interval``); the
+            first token and the finish leave at once. 1 (the default) sends
+            every step's tokens as they come; more sends fewer, larger
+            chunks (less per-token work in the replica, router and client
+            under load, burstier streams). Outputs already queued when the
+            stream is read are always sent together.
     """
 
     max_num_seqs: int = 64
@@ -172,8 +179,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "swap"
     max_waiting_requests: Optional[int] = 256
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -191,11 +201,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism and the forward's CPU threads.
+
+    ``cpu_threads``: torch threads of the forward on CPU, per process (the
+    replica, or each tensor-parallel rank). None picks them: a process that
+    reserves whole CPUs uses as many (``replica_num_cpus`` 4: 4 threads);
+    one that reserves a fraction (several replicas packed on a small machine)
+    uses the machine's cores split over the replicas, or over the ranks of
+    its group. Ray alone would give a fractional actor 1 thread
+    (``OMP_NUM_THREADS=1``), half the speed of a 2-core machine.
+    """
+
     tensor_parallel_size: int = 1
+    cpu_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1 or None (picked from the CPUs reserved), "
+                             f"got {self.cpu_threads}")
 
 
 @dataclass(frozen=True)
