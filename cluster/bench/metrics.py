@@ -238,7 +238,20 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
         d = summary[key]
         table.append((label, *(f"{d[k]:.1f}" for k in ("mean", "p50", "p95", "p99"))))
     lines += format_table(table)
+    if "engine_baseline" in summary:
+        lines += format_table(_baseline_rows(summary["engine_baseline"]))
     return lines
+
+
+def _baseline_rows(base: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("Engine alone, batch-1 step (ms):", f"{base['step_ms']:.1f}"),
+        ("Engine alone, prefill of the prompt (ms):", f"{base['prefill_ms']:.1f}"),
+        (f"Engine alone, output tok/s (max_num_seqs {base['max_num_seqs']}):", f"{base['output_throughput']:.1f}"),
+        ("ITL p50 / engine step:", f"{base['itl_p50_over_step']:.2f}x"),
+        ("TTFT p50 / (prefill + step):", f"{base['ttft_p50_over_prefill_and_step']:.2f}x"),
+        ("Output tok/s / engine's:", f"{base['output_throughput_over_engine']:.2f}x"),
+    ]
 
 
 def _structured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

@@ -37,6 +37,7 @@ import collections
 import json
 import logging
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the figures (and the run's settings) here")
     parser.add_argument("--plot", default=None, help="draw latency CDFs and output tokens/s over time to this PNG")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--engine-baseline", action="store_true",
+                        help="also run the same requests on the engine alone (a child process, before and after "
+                             "the cluster's run) and print the cluster's ITL, TTFT and throughput against it "
+                             "(random dataset; the engine flags given here)")
     add_dataset_args(parser)
     group = parser.add_argument_group("local cluster (when neither --url nor --base-url is given)")
     group.add_argument("--replicas", type=int, default=2)
@@ -254,6 +259,11 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     vocab_size, tokenizer = model_vocab(engine.model)
     conversations = make_dataset(args, vocab_size)
     target = args.url if args.backend == "grpc" else args.base_url
+    baselines = []
+    if args.engine_baseline:
+        if args.dataset_name != "random":
+            raise ValueError("--engine-baseline runs the random dataset's prompts; drop it or use --dataset-name random")
+        baselines.append(_engine_baseline(engine_args, conversations, args.max_concurrency))
     cluster = None if target else start_local_cluster(args, engine, http=args.backend == "openai")
     try:
         if cluster is not None:
@@ -262,11 +272,40 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
+    if args.engine_baseline:  # again after: the machine's speed drifts, the mean brackets the cluster's run
+        baselines.append(_engine_baseline(engine_args, conversations, args.max_concurrency))
+        summary["engine_baseline"] = against_baseline(summary, baselines)
     summary["config"] = run_config(args, target, engine, local=cluster is not None)
     print("\n".join(format_summary(f"bench serve: {args.dataset_name} over {args.backend}", summary)))
     write_outputs(args.json, summary, args.plot, [(args.dataset_name, records)],
                   f"prefixserve bench serve: {args.dataset_name}, {len(records)} requests over {args.backend}")
     return 0 if summary["failed"] == 0 else 1
+
+
+def _engine_baseline(engine_args: dict[str, Any], conversations: Sequence[Conversation],
+                     max_concurrency: Optional[int]) -> dict[str, float]:
+    from cluster.bench import engine_baseline
+
+    prompts = [c.turns[0].new_token_ids for c in conversations]
+    return engine_baseline.measure(engine_args, prompts, [c.turns[0].output_len for c in conversations],
+                                   max_concurrency)
+
+
+def against_baseline(summary: dict[str, Any], baselines: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """The engine's figures (the mean of the runs around the cluster's) and
+    the cluster's against them: median ITL over the batch-1 step, median
+    TTFT over prefill plus one step, output tokens/s over the engine's."""
+    def mean(key: str) -> float:
+        return statistics.fmean(b[key] for b in baselines)
+
+    step, prefill, throughput = mean("step_ms"), mean("prefill_ms"), mean("output_throughput")
+    return {
+        "step_ms": step, "prefill_ms": prefill, "output_throughput": throughput,
+        "max_num_seqs": baselines[0]["max_num_seqs"], "runs": list(baselines),
+        "itl_p50_over_step": summary["itl_ms"]["p50"] / step,
+        "ttft_p50_over_prefill_and_step": summary["ttft_ms"]["p50"] / (prefill + step),
+        "output_throughput_over_engine": summary["output_throughput"] / throughput,
+    }
 
 
 async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversations: list[Conversation],
