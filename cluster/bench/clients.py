@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Optional, Protocol, Sequence
 
 
@@ -85,14 +86,19 @@ class GrpcClient:
 
     name = "grpc"
 
-    def __init__(self, url: str, timeout: float = 600.0, api_key: Optional[str] = None) -> None:
+    def __init__(self, url: str, timeout: float = 600.0, api_key: Optional[str] = None,
+                 tls_ca: Optional[str] = None) -> None:
         import grpc
 
         from router.pb import generation_pb2_grpc as pb_grpc
 
         if "://" in url:
             raise ValueError(f"--url takes host:port for the gRPC backend, got {url!r} (drop the scheme)")
-        self._channel = grpc.aio.insecure_channel(url)
+        if tls_ca:  # TLS, trusting this CA (a cluster started with --tls-cert)
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self._channel = grpc.aio.secure_channel(url, credentials)
+        else:
+            self._channel = grpc.aio.insecure_channel(url)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -158,7 +164,7 @@ class OpenAIClient:
     name = "openai"
 
     def __init__(self, base_url: str, model: Optional[str] = None, tokenizer: Any = None,
-                 timeout: float = 600.0, api_key: Optional[str] = None) -> None:
+                 timeout: float = 600.0, api_key: Optional[str] = None, tls_ca: Optional[str] = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must be an http(s) URL like http://127.0.0.1:8000/v1, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
@@ -166,6 +172,7 @@ class OpenAIClient:
         self.tokenizer = tokenizer
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.tls_ca = tls_ca  # an https URL's CA (a cluster started with --tls-cert); None: the system's
         self._session: Any = None  # made on first use, inside the running event loop
 
     def _http(self) -> Any:
@@ -173,8 +180,14 @@ class OpenAIClient:
 
         if self._session is None:
             # No connection cap: requests in flight are bounded by the runner alone.
+            ssl_context: Any = None
+            if self.tls_ca:
+                import ssl
+
+                ssl_context = ssl.create_default_context(cafile=self.tls_ca)
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
+                                                  connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context),
+                                                  headers=self._headers)
         return self._session
 
     async def _model(self) -> str:

@@ -78,6 +78,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--api-key", default=None, help="API key of a cluster started with --api-key")
+    parser.add_argument("--tls-ca", default=None,
+                        help="CA certificate (PEM) to trust: a cluster started with --tls-cert (gRPC over TLS, or an "
+                             "https --base-url)")
     parser.add_argument("--json", default=None, help="write the figures (and the run's settings) here")
     parser.add_argument("--plot", default=None, help="draw latency CDFs and output tokens/s over time to this PNG")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -310,7 +313,7 @@ def against_baseline(summary: dict[str, Any], baselines: Sequence[dict[str, floa
 
 async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversations: list[Conversation],
                  slos: dict[str, float]) -> tuple[dict[str, Any], list[RequestRecord]]:
-    client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key)
+    client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key, getattr(args, "tls_ca", None))
     try:
         await warm_up(client)
         logger.info("sending %d requests (%s) to %s", sum(c.num_requests for c in conversations),
@@ -323,12 +326,12 @@ async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversa
 
 
 def make_client(backend: str, target: str, tokenizer: Any = None, timeout: float = 600.0,
-                api_key: Optional[str] = None) -> BenchClient:
-    """The transport for ``backend`` (``grpc``: ``host:port``; ``openai``: ``http://…/v1``)."""
+                api_key: Optional[str] = None, tls_ca: Optional[str] = None) -> BenchClient:
+    """The transport for ``backend`` (``grpc``: ``host:port``; ``openai``: ``http(s)://…/v1``)."""
     if backend == "grpc":
-        return GrpcClient(target, timeout, api_key=api_key)
+        return GrpcClient(target, timeout, api_key=api_key, tls_ca=tls_ca)
     if backend == "openai":
-        return OpenAIClient(target, tokenizer=tokenizer, timeout=timeout, api_key=api_key)
+        return OpenAIClient(target, tokenizer=tokenizer, timeout=timeout, api_key=api_key, tls_ca=tls_ca)
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 

@@ -406,3 +406,28 @@ def test_status_reads_metrics_per_replica_and_rates_between_scrapes():
     assert text.splitlines()[0].split()[-2:] == ["spec", "accept"] and "75.0%" in text  # 60 of 80 accepted
     assert text.splitlines()[-1].startswith("2 replica(s), 3 running, 1 waiting")
     assert format_status({}, {}, show_metrics=False) == ["no live replicas"]
+
+
+def test_the_cluster_against_the_engine_alone():
+    from cluster.bench.metrics import format_summary as fmt
+    from cluster.bench.serve import against_baseline
+
+    summary = {"itl_ms": {"p50": 22.0}, "ttft_ms": {"p50": 440.0}, "output_throughput": 90.0}
+    runs = [{"step_ms": 19.0, "prefill_ms": 380.0, "output_throughput": 110.0, "max_num_seqs": 4},
+            {"step_ms": 21.0, "prefill_ms": 420.0, "output_throughput": 90.0, "max_num_seqs": 4}]
+    base = against_baseline(summary, runs)  # the mean of the runs before and after
+    assert base["step_ms"] == 20.0 and base["prefill_ms"] == 400.0 and base["output_throughput"] == 100.0
+    assert base["itl_p50_over_step"] == pytest.approx(1.1)
+    assert base["ttft_p50_over_prefill_and_step"] == pytest.approx(440.0 / 420.0)
+    assert base["output_throughput_over_engine"] == pytest.approx(0.9)
+    assert base["runs"] == runs
+    rows = "\n".join(fmt("t", {**_summary_for_table(), "engine_baseline": base}))
+    assert "ITL p50 / engine step:" in rows and "1.10x" in rows and "(max_num_seqs 4)" in rows
+
+
+def _summary_for_table() -> dict:
+    latency = {"mean": 1.0, "p50": 1.0, "p95": 1.0, "p99": 1.0}
+    return {"completed": 1, "failed": 0, "duration_s": 1.0, "total_input_tokens": 1, "total_output_tokens": 1,
+            "request_throughput": 1.0, "input_throughput": 1.0, "output_throughput": 1.0, "prefix_hit_rate": 0.0,
+            "requests_per_replica": {}, "ttft_ms": latency, "tpot_ms": latency, "itl_ms": latency,
+            "e2el_ms": latency}
