@@ -45,13 +45,6 @@ from workers.metrics import ReplicaMetrics
 logger = logging.getLogger(__name__)
 
 
-def _scheduler_config(engine_config: Any) -> Any:
-    """The scheduler section of ``engine_config`` (the defaults when none or an injected engine)."""
-    if isinstance(engine_config, EngineConfig):
-        return engine_config.scheduler
-    return EngineConfig.from_kwargs(**(engine_config or {})).scheduler
-
-
 def _torch_threads() -> int:
     """Threads the forward computes with."""
     import torch
@@ -129,13 +122,13 @@ class ReplicaServer:
         self._parts = None
         config_model = None
         self._contract = ""  # declared to the directory when the engine was built here
-        scheduling = _scheduler_config(engine_config)
+        # The defaults when none is given (an injected engine): the admission bound and stream interval.
+        config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_kwargs(
+            **(engine_config or {}))
         front_args: dict[str, Any] = {"after_step": self._after_step,
-                                      "max_waiting_requests": scheduling.max_waiting_requests,
-                                      "stream_interval": scheduling.stream_interval}
+                                      "max_waiting_requests": config.scheduler.max_waiting_requests,
+                                      "stream_interval": config.scheduler.stream_interval}
         if engine is None:
-            config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_kwargs(
-                **(engine_config or {}))
             threads = forward_threads(config, packed_replicas)
             # Built on the thread that steps it: one OpenMP pool in the process (async_engine.py).
             self._front = AsyncEngine.on_own_thread(lambda: self._build(config, threads, freeze_heap), **front_args)

@@ -56,8 +56,8 @@ def run(engine_args: dict[str, Any], prompts: Sequence[Sequence[int]], output_le
 
     args = dict(engine_args)
     if max_concurrency:
-        args["max_num_seqs"] = max_concurrency
-        args["max_num_batched_tokens"] = max(int(args.get("max_num_batched_tokens") or 2048), max_concurrency)
+        budget = EngineConfig.from_kwargs(**args).scheduler.max_num_batched_tokens
+        args.update(max_num_seqs=max_concurrency, max_num_batched_tokens=max(budget, max_concurrency))
     engine = build_engine(EngineConfig.from_kwargs(**args)).engine
 
     def request(i: int, salt: str) -> GenerationRequest:

@@ -313,7 +313,7 @@ def against_baseline(summary: dict[str, Any], baselines: Sequence[dict[str, floa
 
 async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversations: list[Conversation],
                  slos: dict[str, float]) -> tuple[dict[str, Any], list[RequestRecord]]:
-    client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key, getattr(args, "tls_ca", None))
+    client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key, args.tls_ca)
     try:
         await warm_up(client)
         logger.info("sending %d requests (%s) to %s", sum(c.num_requests for c in conversations),
