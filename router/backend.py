@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Optional, Protocol
 from cluster.shared.config.cluster import REPLICA_TRANSPORTS
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, StreamChunk
 from router.errors import NoReplicaError, OverloadedError
-from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_stream
+from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_choices
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class RouterBackend:
         self.num_inflight += 1
         try:
             tokenizer = self.tokenizer if hasattr(self.tokenizer, "decode") else None
-            stream = migrating_stream(self._attempt, request, self.migration_limit, tokenizer)
+            stream = migrating_choices(self._attempt, request, self.migration_limit, tokenizer)
             try:
                 async for chunk in stream:
                     yield chunk

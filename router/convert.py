@@ -18,7 +18,7 @@ from dataclasses import fields
 from typing import Optional
 
 from cluster.shared.structured import StructuredOutputsParams
-from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk
+from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams, StreamChunk, TokenLogprob
 from router.limits import Limits
 from router.convert_tools import chat_message, constrain, tool_plan_from_proto
 from router.pb import generation_pb2 as pb
@@ -41,13 +41,18 @@ _OPTIONAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "logprobs",
+    "n",
+    "min_tokens",
+    "prompt_logprobs",
 )
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-# Fields of the offline API only (LLM.generate): the wire protocol does not carry them yet.
-_OFFLINE_ONLY = ("prompt_logprobs",)
+_REPEATED_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
+# Not on the wire: best_of (HTTP completions and the offline API: the router selects the best),
+# bad_words_token_ids (the replica tokenizes bad_words into it).
+_OFFLINE_ONLY = ("best_of", "bad_words_token_ids")
 # Every other SamplingParams field must have a proto counterpart (a test checks it too).
-assert {f.name for f in fields(SamplingParams)} == (set(_OPTIONAL_FIELDS) | {"stop", "stop_token_ids", "ignore_eos"}
-                                                    | {"structured_outputs"} | set(_OFFLINE_ONLY))
+assert {f.name for f in fields(SamplingParams)} == (set(_OPTIONAL_FIELDS) | set(_REPEATED_FIELDS) | {"ignore_eos"}
+                                                    | {"structured_outputs", "logit_bias"} | set(_OFFLINE_ONLY))
 _STRUCTURED = "sampling.structured_outputs"
 _PROTO_KINDS = "json_schema, json_object, regex, choice, grammar or structural_tag"
 
@@ -65,6 +70,14 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+    kwargs["bad_words"] = tuple(msg.bad_words)
+    for token_id, bias in msg.logit_bias.items():
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise ValueError(f"sampling.logit_bias[{token_id}] = {bias!r} is out of range: biases must be in "
+                             "[-100, 100]")
+    kwargs["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     try:
@@ -122,7 +135,9 @@ def structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.Structure
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     """The proto of ``params``; ``None`` (seed, logprobs) stays unset."""
     msg = pb.SamplingParams(
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        allowed_token_ids=list(params.allowed_token_ids or ()), bad_words=list(params.bad_words),
+        logit_bias=dict(params.logit_bias),
     )
     for name in _OPTIONAL_FIELDS:
         value = getattr(params, name)
@@ -220,6 +235,16 @@ def request_and_tools_from_proto(
     limits.check_stop_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids")
     if sampling.HasField("logprobs"):
         limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
+    if sampling.HasField("prompt_logprobs"):
+        limits.check_logprobs(sampling.prompt_logprobs, "sampling.prompt_logprobs")
+    if sampling.HasField("n"):
+        limits.check_n(sampling.n, "sampling.n")
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is not None:
+        for name in ("allowed_token_ids", "logit_bias"):
+            ids = sorted(getattr(sampling, name))
+            if ids and ids[-1] >= vocab:
+                raise ValueError(f"sampling.{name} names token {ids[-1]}, outside the vocabulary [0, {vocab})")
     params = sampling_params_from_proto(sampling)
     tools = tool_plan_from_proto(msg, tokenizer)
     params = constrain(params, tools)
@@ -258,9 +283,19 @@ def request_to_proto(request: GenerationRequest) -> pb.GenerateRequest:
     )
 
 
+def _logprob_to_proto(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                           top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top_logprobs])
+
+
 def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
-    """One streamed chunk; ``finish_reason`` and ``usage`` only on the last one."""
-    msg = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, replica_id=chunk.replica_id)
+    """One streamed chunk; ``finish_reason`` and ``usage`` only on the last one of its choice."""
+    msg = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, replica_id=chunk.replica_id,
+                              index=chunk.index)
+    if chunk.logprobs:
+        msg.logprobs.extend(_logprob_to_proto(e) for e in chunk.logprobs)
+    if chunk.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprob_to_proto(e) for e in chunk.prompt_logprobs[1:] if e is not None)
     if chunk.finish_reason is not None:
         msg.finish_reason = chunk.finish_reason.value
         msg.usage.CopyFrom(

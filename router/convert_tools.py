@@ -198,8 +198,9 @@ class ToolCallStream:
         Returns:
             ``response``.
         """
+        ended = chunk.finish_reason is not None  # this choice ended (others may go on)
         delta = self._parser.feed(chunk.text)
-        if chunk.finished:
+        if ended:
             delta = delta + self._parser.finish()
         response.text = delta.content
         for piece in delta.tool_calls:
@@ -207,11 +208,11 @@ class ToolCallStream:
                 assert piece.id is not None and piece.name is not None, "a call's first delta names it"
                 self._pending[piece.index] = [piece.id, piece.name, ""]
             self._pending[piece.index][2] += piece.arguments
-        if chunk.finished or not self._named:
+        if ended or not self._named:
             for index in sorted(self._pending):
                 call_id, name, arguments = self._pending[index]
                 response.tool_calls.add(id=call_id, name=name, arguments=arguments)
             self._pending.clear()
-        if chunk.finished:
+        if ended:
             response.finish_reason = tool_finish_reason(response.finish_reason, self._parser.num_calls) or ""
         return response

@@ -19,12 +19,14 @@ Defaults follow vLLM and the OpenAI API where they have one:
     max_stop_string_chars   256             characters per stop string
     max_stop_token_ids      64
     max_logprobs            20              vLLM's max_logprobs, OpenAI's top_logprobs
+    max_n                   16              choices per request (n, best_of) and prompts per
+                                            completions request, each
     max_inflight_requests   1024            per router, over both front ends (TGI's
                                             max_concurrent_requests); over it the
                                             router answers RESOURCE_EXHAUSTED / 429
 
-``n`` and ``best_of`` other than 1 are rejected by the HTTP front end (one
-choice per request); the gRPC contract has neither. The replica checks again
+``n`` / ``best_of`` above ``max_n`` are refused (and above a replica's
+``max_num_seqs``, by the replica: every choice is a sequence). The replica checks again
 what it cannot trust (``LLMEngine.validate``), so a bad request never reaches
 the scheduler.
 """
@@ -35,7 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cluster.shared.types import MAX_LOGPROBS, MAX_STOP_STRINGS
+from cluster.shared.types import MAX_CHOICES, MAX_LOGPROBS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 OFFLOAD_BYTES = 64 * 1024  # requests at least this large are parsed and tokenized off the event loop
@@ -69,6 +71,8 @@ class Limits:
         max_stop_string_chars: Longest stop string, in characters.
         max_stop_token_ids: Most stop token ids.
         max_logprobs: Most top log-probabilities per token (at most 20).
+        max_n: Most choices per request (``n``, ``best_of``), and most
+            prompts in one completions request.
         max_inflight_requests: Most requests one router streams at once;
             None is unbounded.
     """
@@ -81,6 +85,7 @@ class Limits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_logprobs: int = 20
+    max_n: int = 16
     max_inflight_requests: Optional[int] = 1024
 
     def __post_init__(self) -> None:
@@ -94,6 +99,8 @@ class Limits:
             raise ValueError(f"max_stop_strings must be at most {MAX_STOP_STRINGS}, got {self.max_stop_strings}")
         if self.max_logprobs > MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS}, got {self.max_logprobs}")
+        if self.max_n > MAX_CHOICES:
+            raise ValueError(f"max_n must be at most {MAX_CHOICES}, got {self.max_n}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
 
@@ -183,6 +190,12 @@ class Limits:
         if num is not None and num > self.max_logprobs:
             raise LimitError(f"{field} = {num} exceeds this server's max_logprobs of {self.max_logprobs}: "
                              f"ask for at most {self.max_logprobs}", field)
+
+    def check_n(self, num: Optional[int], field: str) -> None:
+        """Raises LimitError when more choices (or prompts) are asked than ``max_n``."""
+        if num is not None and num > self.max_n:
+            raise LimitError(f"{field} = {num} exceeds this server's max_n of {self.max_n}: ask for at most "
+                             f"{self.max_n} (or raise --max-n)", field)
 
     def check_messages(self, num: int, field: str) -> None:
         """Raises LimitError for too many chat messages."""

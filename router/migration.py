@@ -32,6 +32,13 @@ but not the same one; ``frequency_penalty`` / ``presence_penalty`` count only
 output tokens, and after a migration the streamed tokens are part of the
 prompt, so those penalties see fewer tokens.
 
+Several choices (``n`` / ``best_of`` > 1) stream from one replica as one
+request, their chunks tagged with ``index``. When that replica dies, each
+unfinished choice continues on its own as a one-choice request (its seed
+``seed + index``, as the engine derives it) from its own streamed tokens;
+their chunks are merged into the one stream (``migrating_choices``). A
+request that dies before any token is retried whole.
+
 At most ``migration_limit`` migrations per request (default 3, like Dynamo's
 ``--migration-limit``); past that the request fails with ``NoReplicaError``
 (gRPC ``UNAVAILABLE``) saying how often it moved.
@@ -45,6 +52,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
+from router.streams import merge_indexed
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +117,8 @@ class _Retext:
 
 async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                            migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-                           tokenizer: Optional[TokenDecoder] = None) -> AsyncIterator[StreamChunk]:
+                           tokenizer: Optional[TokenDecoder] = None,
+                           resume: Optional[tuple[list[int], str, int, int]] = None) -> AsyncIterator[StreamChunk]:
     """Streams ``request`` through ``open_stream``, migrating when a replica dies.
 
     Args:
@@ -119,6 +128,8 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
         tokenizer: The model's tokenizer (``decode(ids, skip_special_tokens)``):
             after a migration the text is detokenized here, as one replica
             would have (see the module doc). None: the replicas' text as is.
+        resume: ``(generated, sent, cached, migrations)`` of a stream whose
+            replica already died: it continues after those tokens.
 
     Raises:
         MigrationLimitError: A replica died after ``migration_limit`` migrations.
@@ -126,13 +137,21 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
     """
     if migration_limit < 0:
         raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
-    generated: list[int] = []
-    sent = ""  # text the client received
+    generated: list[int] = list(resume[0]) if resume else []
+    sent = resume[1] if resume else ""  # text the client received
     retext: Optional[_Retext] = None
     prompt_tokens = len(request.prompt_token_ids)
-    cached: Optional[int] = None
+    cached: Optional[int] = resume[2] if resume else None
     current = request
-    migrations = 0
+    migrations = resume[3] if resume else 0
+    if resume:
+        retext = _Retext(tokenizer, request, generated, sent) if tokenizer is not None else None
+        if len(generated) >= request.sampling_params.max_tokens:  # only the final chunk was lost
+            text = retext.final_text() if retext is not None else ""
+            yield StreamChunk(request.request_id, [], text, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
+                              completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
+            return
+        current = continuation(request, generated, migrations)
     while True:
         stream = open_stream(current)
         try:
@@ -174,3 +193,70 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                               completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
             return
         current = continuation(request, generated, migrations)
+
+
+def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
+    """Choice ``index`` of a request with several, as a one-choice request of its own
+    (the seed the engine gives that choice; prompt logprobs were sent with the first chunk)."""
+    sampling = request.sampling_params
+    seed = sampling.seed + index if sampling.seed is not None else None
+    return dataclasses.replace(
+        request, request_id=f"{request.request_id}-c{index}",
+        sampling_params=dataclasses.replace(sampling, n=1, best_of=None, seed=seed, prompt_logprobs=None))
+
+
+async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
+                            migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                            tokenizer: Optional[TokenDecoder] = None) -> AsyncIterator[StreamChunk]:
+    """``migrating_stream`` for a request with any number of choices (see the module doc).
+
+    Raises:
+        As ``migrating_stream``.
+    """
+    num_choices = request.sampling_params.num_choices
+    if num_choices == 1:
+        async for chunk in migrating_stream(open_stream, request, migration_limit, tokenizer):
+            yield chunk
+        return
+    if migration_limit < 0:
+        raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
+    migrations = 0
+    while True:
+        generated: list[list[int]] = [[] for _ in range(num_choices)]
+        sent = [""] * num_choices
+        done = [False] * num_choices
+        cached: Optional[int] = None
+        stream = open_stream(request)
+        try:
+            async for chunk in stream:
+                generated[chunk.index].extend(chunk.token_ids)
+                sent[chunk.index] += chunk.text
+                cached = chunk.cached_prompt_tokens if cached is None else cached
+                done[chunk.index] = done[chunk.index] or chunk.finish_reason is not None
+                yield chunk
+                if chunk.finished:
+                    return
+            return
+        except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
+            if not is_replica_death(exc):
+                raise
+            if migrations >= migration_limit:
+                raise MigrationLimitError(
+                    f"request {request.request_id}: its replica died after {migrations} migration(s), the "
+                    f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
+            migrations += 1
+            logger.warning("request %s: replica died with %d choice(s) unfinished: migrating (%d of at most %d)",
+                           request.request_id, done.count(False), migrations, migration_limit)
+        finally:
+            await stream.aclose()
+        if any(generated):
+            break  # each choice continues on its own below
+    pending = [i for i in range(num_choices) if not done[i]]
+    streams = {i: migrating_stream(open_stream, choice_request(request, i), migration_limit, tokenizer,
+                                   resume=(generated[i], sent[i], cached or 0, migrations)) for i in pending}
+    merged = merge_indexed(list(streams.values()), list(streams), [1] * len(streams))
+    try:
+        async for chunk in merged:
+            yield chunk
+    finally:
+        await merged.aclose()

@@ -140,7 +140,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 engine_request, tools = await asyncio.to_thread(self._convert, request, limits)
             else:
                 engine_request, tools = self._convert(request, limits)
-            tool_stream = ToolCallStream.of(tools)
+            tool_streams: dict[int, Any] = {}  # one tool-call parser per choice
             if not request.request_id:
                 engine_request = dataclasses.replace(engine_request, request_id=request_id)
             if tenant is not None:
@@ -159,6 +159,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         except StopAsyncIteration:
                             break
                     response = convert.chunk_to_proto(chunk)
+                    if tools is not None and chunk.index not in tool_streams:
+                        tool_streams[chunk.index] = ToolCallStream.of(tools)
+                    tool_stream = tool_streams.get(chunk.index)
                     yield response if tool_stream is None else tool_stream.rewrite(response, chunk)
             finally:
                 await stream.aclose()  # cancels the Serve response if still running

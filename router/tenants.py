@@ -228,10 +228,14 @@ class Admission:
     async def meter(self, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
         """Passes ``stream`` through, counts the tenant's tokens on its last chunk,
         and releases the admission when it ends (closing this closes ``stream``)."""
+        done: dict[int, int] = {}  # completion tokens of each choice that finished
         try:
             async for chunk in stream:
+                if chunk.finish_reason is not None:
+                    done[chunk.index] = chunk.completion_tokens
                 if chunk.finished:
-                    self.gate.record_tokens(self.tenant, chunk)
+                    self.gate.record_tokens(self.tenant, dataclasses.replace(
+                        chunk, completion_tokens=sum(done.values())))
                 yield chunk
         finally:
             self.release()

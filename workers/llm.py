@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from cluster.shared.config import EngineConfig
@@ -36,6 +36,19 @@ class CompletionOutput:
     logprobs: Optional[list[TokenLogprob]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # with SamplingParams.prompt_logprobs
     finish_message: Optional[str] = None  # set when the engine ended it (e.g. out of KV blocks)
+    index: int = 0  # which choice of its prompt (SamplingParams.n)
+    # With n > 1 (or best_of): every returned choice, this one first; see ``outputs``.
+    choices: list["CompletionOutput"] = field(default_factory=list, repr=False)
+
+    @property
+    def outputs(self) -> list["CompletionOutput"]:
+        """The prompt's choices (vLLM's ``RequestOutput.outputs``): n of them, ``index`` 0 first."""
+        return self.choices or [self]
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        """Sum of the output tokens' logprobs (None without logprobs)."""
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None
 
 
 class LLM:
@@ -118,16 +131,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one per prompt")
         prios = list(priorities) if priorities is not None else [0] * len(prompts)
-        requests = [self.make_request(p, sp, pr) for p, sp, pr in zip(prompts, params, prios)]
+        requests = [self.make_request(p, best_of_params(sp), pr) for p, sp, pr in zip(prompts, params, prios)]
         for req in requests:  # validate all before queuing any
             self.engine.validate(req)
         grammars = self._compile_grammars(requests)  # before queuing any, too
-        results = {r.request_id: CompletionOutput(r.request_id, list(r.prompt_token_ids)) for r in requests}
+        results = {r.request_id: [CompletionOutput(r.request_id, list(r.prompt_token_ids), index=i)
+                                  for i in range(r.sampling_params.num_choices)] for r in requests}
         for req, grammar in zip(requests, grammars):
             self.engine.add_request(req, grammar)
         for out in self.stream_until_done():
-            _accumulate(results[out.request_id], out)
-        return [results[r.request_id] for r in requests]
+            _accumulate(results[out.request_id][out.index], out)
+        return [_choices(results[r.request_id], asked) for r, asked in zip(requests, params)]
 
     def _compile_grammars(self, requests: list[GenerationRequest]) -> list[object]:
         """Each request's compiled structured-output grammar (None without
@@ -149,6 +163,37 @@ class LLM:
         """Steps the engine until no request is left, yielding every output."""
         while self.engine.has_unfinished_requests():
             yield from self.engine.step()
+
+
+def best_of_params(params: SamplingParams) -> SamplingParams:
+    """What the engine runs for ``params``: with ``best_of``, logprobs are always
+    computed (choices are ranked on them; stripped again if not asked for)."""
+    if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
+        return replace(params, logprobs=0)
+    return params
+
+
+def select_best(scores: Sequence[float], n: int) -> list[int]:
+    """Indices of the ``n`` highest ``scores`` (cumulative logprobs), best first;
+    ties keep the lower index (OpenAI's ``best_of``)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n]
+
+
+def _choices(outs: list[CompletionOutput], asked: SamplingParams) -> CompletionOutput:
+    """The prompt's result: choice 0 holding every returned choice in ``choices``
+    (with best_of, the n best by cumulative logprob, renumbered from 0)."""
+    if asked.best_of is not None and asked.best_of > asked.n:
+        picked = [outs[i] for i in select_best([o.cumulative_logprob or 0.0 for o in outs], asked.n)]
+        for i, out in enumerate(picked):
+            out.index = i
+            if asked.logprobs is None:
+                out.logprobs = None
+        outs = picked
+    if len(outs) > 1:
+        outs[0].choices = list(outs)
+        for out in outs[1:]:
+            out.prompt_logprobs = outs[0].prompt_logprobs
+    return outs[0]
 
 
 def _accumulate(result: CompletionOutput, out: RequestOutput) -> None:

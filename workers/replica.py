@@ -193,6 +193,9 @@ class ReplicaServer:
                 completion_tokens=out.num_output_tokens,
                 cached_prompt_tokens=out.num_cached_tokens,
                 replica_id=self.replica_id,
+                prompt_logprobs=out.prompt_logprobs,
+                index=out.index,
+                more_choices=out.more_choices,
             )
 
     async def _tracked(self, request: GenerationRequest) -> AsyncIterator[Any]:

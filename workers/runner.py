@@ -251,6 +251,8 @@ class ModelRunner:
                 if entry is not None:
                     prompt_logprobs[row] = entry
         result = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if out.fork_samples is not None:  # forks sample where a prompt ends: never an expanded row
+            result.fork_samples = [out.fork_samples[row_of[i][0]] for i in range(len(reqs))]
         # Heads read the row that sampled each request's last kept token.
         result.spec_proposals = self._head_proposals(reqs, last_rows, sampled)
         return result
@@ -268,6 +270,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         sample_rows, sample_reqs, owners = [], [], []
+        forks: list[tuple[int, ScheduledRequest]] = []  # (owner, request as the fork samples)
         end = 0
         for pos_in_batch, req in zip(order, batch):
             end += len(req.input_token_ids)
@@ -276,8 +279,16 @@ class ModelRunner:
                 sample_rows.append(end - 1)
                 sample_reqs.append(req)
                 owners.append(pos_in_batch)
+                for params in req.fork_params:
+                    forks.append((pos_in_batch, dataclasses.replace(req, sampling_params=params, fork_params=())))
+        num_main = len(sample_rows)
+        if forks:  # parallel sampling: each fork samples from its parent's last row
+            row_of = dict(zip(owners, sample_rows))
+            sample_rows = sample_rows + [row_of[owner] for owner, _ in forks]
+            sample_reqs = sample_reqs + [fork for _, fork in forks]
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[Optional[list]] = [None for _ in reqs]
+        fork_samples: Optional[list] = None
         prompt_logprobs = self._prompt_logprobs(hidden, order, batch)
         if sample_rows:
             rows = host_to_device(sample_rows, torch.long, self.device)
@@ -285,12 +296,17 @@ class ModelRunner:
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
                 return ModelOutput(sampled_token_ids=[], logprobs=[])
             token_ids, sampled_logprobs = self.sampler(logits, sample_reqs)
-            for owner, tok, lp in zip(owners, token_ids, sampled_logprobs):
+            for owner, tok, lp in zip(owners, token_ids[:num_main], sampled_logprobs[:num_main]):
                 sampled[owner] = [tok]
                 logprobs[owner] = lp
+            if forks:
+                fork_samples = [None] * len(reqs)
+                for (owner, _), tok, lp in zip(forks, token_ids[num_main:], sampled_logprobs[num_main:]):
+                    fork_samples[owner] = (fork_samples[owner] or []) + [(tok, lp)]
             if self.medusa is not None:  # the heads read these rows after sampling
-                self._sample_hidden = (hidden, dict(zip(owners, sample_rows)))
-        out = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                self._sample_hidden = (hidden, dict(zip(owners, sample_rows[:num_main])))
+        out = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          fork_samples=fork_samples)
         if with_proposals and sample_rows:
             out.spec_proposals = self._head_proposals(reqs, list(range(len(reqs))), sampled)
         return out

@@ -16,6 +16,11 @@ from cluster.shared.structured import StructuredOutputsParams
 # user knobs; the router validates tighter per-deployment limits later.
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI allows 300 on its side)
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+MAX_BAD_WORDS = 256
+# What one request may fork into (n, best_of) before a replica's own max_num_seqs bounds it.
+MAX_CHOICES = 256
 
 
 class ReplicaOverloadedError(RuntimeError):
@@ -72,6 +77,22 @@ class SamplingParams:
         structured_outputs: A constraint the output must match (JSON
             schema, regex, choice, grammar; ``cluster/shared/structured.py``),
             enforced in the engine; a dict is read as vLLM's request object.
+        n: Choices to return. The prompt is prefilled once; its KV blocks
+            are shared by the choices (``workers/engine/scheduler.py``).
+            Choice i samples with seed ``seed + i`` when ``seed`` is set, so
+            it equals a single request with that seed.
+        best_of: Choices to generate, of which the ``n`` with the highest
+            cumulative logprob are returned (OpenAI's ``best_of``; >= n;
+            the engine generates them all, the caller selects).
+        logit_bias: Token id -> bias added to its logit, in [-100, 100]
+            (OpenAI: -100 bans the token, 100 forces it); a dict or pairs.
+        allowed_token_ids: Only these tokens may be sampled (vLLM).
+        bad_words: Words never generated (vLLM): their last token is banned
+            where the output ends with the rest of the word; the engine
+            tokenizes them into ``bad_words_token_ids``.
+        bad_words_token_ids: Token sequences never generated, as above.
+        min_tokens: Tokens generated before EOS, stop token ids or stop
+            strings may end the output (vLLM).
     """
 
     max_tokens: int = 16
@@ -89,8 +110,28 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: Optional[tuple[int, ...]] = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids (integers) to numbers in [-100, 100], "
+                             f"got {self.logit_bias!r}") from None
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        else:
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_mapping(self.structured_outputs))
         # Accept lists from users; store tuples so the object stays hashable.
@@ -142,6 +183,50 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
             self.structured_outputs.validate()
+        self._validate_choices_and_processors()
+
+    def _validate_choices_and_processors(self) -> None:
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or not self.n <= self.best_of <= MAX_CHOICES:
+                raise ValueError(f"best_of must be an integer in [n, {MAX_CHOICES}] (n = {self.n}), "
+                                 f"got {self.best_of!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(ids)}")
+            if any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError("allowed_token_ids must be token ids (integers >= 0)")
+        if len(self.bad_words) > MAX_BAD_WORDS or len(self.bad_words_token_ids) > 4 * MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(self.bad_words)}")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if any(not w or any(not isinstance(t, int) or t < 0 for t in w) for w in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences the engine generates: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_logit_processors(self) -> bool:
+        """Whether sampling edits this row's logits: bias, allowed ids, bad words or min_tokens."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -193,10 +278,18 @@ class StreamChunk:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     replica_id: str = ""
+    # With SamplingParams.prompt_logprobs, on the request's first chunk: one per prompt token
+    # (None for the first).
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # Parallel sampling (n / best_of): the choice of this chunk, and whether other choices are
+    # still streaming (finish_reason then ends this choice only; completion_tokens is its own).
+    index: int = 0
+    more_choices: bool = False
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The whole request ended (every choice)."""
+        return self.finish_reason is not None and not self.more_choices
 
 
 @dataclass(frozen=True)

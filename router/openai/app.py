@@ -4,6 +4,8 @@ Routes::
 
     POST /v1/completions        prompt (string or token ids) → text
     POST /v1/chat/completions   messages (rendered with the chat template) → message
+    POST /tokenize              vLLM's: prompt (or chat messages) → token ids, count
+    POST /detokenize            vLLM's: token ids → text
     GET  /v1/models             the one served model
     GET  /health                200 while the server runs, 503 while it drains
     GET  /metrics               Prometheus text: the router's and every live replica's
@@ -45,8 +47,9 @@ from router.backend import Backend
 from router.errors import OverloadedError
 from router.limits import OFFLOAD_BYTES, Limits
 from router.openai.protocol import (APIError, ParsedRequest, backend_error, bad_request, error_response,
-                                    internal_error, parse_request)
+                                    internal_error, parse_request, tokenize_chat)
 from router.openai.responses import EventStream, close_stream, event_stream, whole_response
+from router.streams import merge_indexed
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,57 @@ class OpenAIServer:
         """``POST /v1/chat/completions``."""
         return await self._generate(request, chat=True)
 
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` (vLLM's): ``{"prompt"}`` or ``{"messages"}`` (rendered with the
+        chat template) → ``{"tokens", "count", "max_model_len"}``; ``return_token_strs``
+        adds each token's text."""
+        try:
+            body = await self._json(request)
+            tokenizer = self.backend.tokenizer
+            if body.get("messages") is not None:
+                if body.get("prompt") is not None:
+                    raise bad_request("send prompt or messages, not both", "prompt")
+                ids = tokenize_chat(body, tokenizer, self.limits)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise bad_request("prompt must be a string (or send messages)", "prompt")
+                special = body.get("add_special_tokens", True)
+                if not isinstance(special, bool):
+                    raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
+                ids = tokenizer.encode(prompt, add_special_tokens=special) if prompt else []
+            out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.backend.model.max_model_len}
+            if body.get("return_token_strs"):
+                out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            return JSONResponse(out)
+        except APIError as err:
+            return error_response(err)
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` (vLLM's): ``{"tokens": [ids]}`` → ``{"prompt": text}``."""
+        try:
+            body = await self._json(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise bad_request("tokens must be a list of integer token ids", "tokens")
+            try:
+                self.backend.tokenizer.check_token_ids(tokens, "tokens")
+            except ValueError as exc:
+                raise bad_request(str(exc), "tokens") from None
+            return JSONResponse({"prompt": self.backend.tokenizer.decode(tokens, skip_special_tokens=False)})
+        except APIError as err:
+            return error_response(err)
+
+    async def _json(self, request: Request) -> dict:
+        raw = await self._read_body(request)  # API keys: checked by the middleware, like every route
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
+        if not isinstance(body, dict):
+            raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
     def _admit(self, request: Request) -> Any:
         """The caller's ``(tenant, admission)`` (``Security.admit``); ``(None, None)`` without security."""
         if self.security is None:
@@ -122,7 +176,7 @@ class OpenAIServer:
             if admission is not None:
                 admission.release()
             raise
-        stream = self.backend.stream(parsed.request)
+        stream = self._open(parsed)
         if admission is not None:
             stream = admission.meter(stream)  # releases the admission when the stream ends
         stream = stream.__aiter__()
@@ -148,6 +202,15 @@ class OpenAIServer:
             events = event_stream(self.backend.tokenizer, parsed, stream, first, ident, created)
             return EventStream(events, headers={"Cache-Control": "no-cache"})
         return await whole_response(request, self.backend.tokenizer, parsed, stream, first, ident, created)
+
+    def _open(self, parsed: ParsedRequest) -> Any:
+        """The request's stream: one backend stream, or with several prompts theirs
+        merged, choice ``i`` of prompt ``p`` at index ``p * num_generated + i``."""
+        if len(parsed.requests) == 1:
+            return self.backend.stream(parsed.request)
+        width = parsed.num_generated
+        return merge_indexed([self.backend.stream(r) for r in parsed.requests],
+                             [p * width for p in range(len(parsed.requests))], [width] * len(parsed.requests))
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused with 413 once it passes ``max_request_bytes`` (declared or streamed)."""
@@ -187,6 +250,8 @@ def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
     ]
     if metrics is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 import anyio
@@ -32,10 +32,13 @@ from router.openai.protocol import (
     backend_error,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     error_response,
     finish_reason,
     internal_error,
-    usage_body,
+    merge_completion_logprobs,
+    prompt_logprobs_body,
+    usage_totals,
 )
 from router.tools import ParserDelta, make_parser, parse_tool_output, tool_finish_reason
 
@@ -68,12 +71,62 @@ class EventStream(StreamingResponse):
 
 
 @dataclass
-class _Result:
-    """A whole non-streamed generation."""
+class _Choice:
+    """One choice of a non-streamed generation, as collected."""
 
-    text: str
-    last: Optional[StreamChunk]
-    logprobs: list
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    last: Optional[StreamChunk] = None
+    prompt_logprobs: Optional[list] = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry.logprob for entry in self.logprobs)
+
+
+class _Usage:
+    """Counts of a request over its choices: each prompt once, every choice's completion."""
+
+    def __init__(self, parsed: ParsedRequest) -> None:
+        self.width = parsed.num_generated
+        self.prompts: dict[int, tuple[int, int]] = {}  # prompt -> (prompt tokens, cached)
+        self.completions: dict[int, int] = {}  # choice (internal index) -> completion tokens
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.prompts[chunk.index // self.width] = (chunk.prompt_tokens, chunk.cached_prompt_tokens)
+        self.completions[chunk.index] = chunk.completion_tokens
+
+    def body(self) -> dict[str, Any]:
+        return usage_totals(sum(p for p, _ in self.prompts.values()), sum(self.completions.values()),
+                            sum(c for _, c in self.prompts.values()))
+
+
+def _prompt_text(parsed: ParsedRequest, tokenizer: Any, prompt: int) -> str:
+    """The prompt as the client sent it (decoded when sent as token ids), for echo."""
+    texts = parsed.prompt_texts
+    if prompt < len(texts) and texts[prompt] is not None:
+        return texts[prompt]
+    return tokenizer.decode(parsed.requests[prompt].prompt_token_ids, skip_special_tokens=False)
+
+
+def _echo_logprobs(parsed: ParsedRequest, tokenizer: Any, prompt: int, entries: Optional[list]) -> Optional[dict]:
+    if parsed.logprobs is None:
+        return None
+    return echo_logprobs(parsed.requests[prompt].prompt_token_ids, entries or [], parsed.logprobs, tokenizer)
+
+
+def _select(parsed: ParsedRequest, collected: dict[int, _Choice]) -> list[tuple[int, int, _Choice]]:
+    """``(returned index, prompt, choice)`` in order: per prompt its ``n`` choices, with
+    best_of the n of highest cumulative logprob (ties: the lower index)."""
+    width, n = parsed.num_generated, parsed.n
+    out = []
+    for prompt in range(len(parsed.requests)):
+        mine = [collected.get(prompt * width + i, _Choice()) for i in range(width)]
+        order = list(range(width))
+        if width > n:
+            order = sorted(order, key=lambda i: (-mine[i].cumulative_logprob, i))[:n]
+        out.extend((prompt * n + j, prompt, mine[i]) for j, i in enumerate(order))
+    return out
 
 
 async def whole_response(
@@ -81,7 +134,8 @@ async def whole_response(
     first: Optional[StreamChunk], ident: str, created: int,
 ) -> Response:
     """Collects the whole output; a client disconnect cancels the generation."""
-    consumer = asyncio.ensure_future(_collect(stream, first))
+    usage = _Usage(parsed)
+    consumer = asyncio.ensure_future(_collect(stream, first, usage))
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -101,9 +155,17 @@ async def whole_response(
             logger.error("request %s failed", parsed.request.request_id, exc_info=exc)
             err = internal_error(parsed.request.request_id)
         return error_response(err)
-    result: _Result = consumer.result()
+    choices = [_choice_body(parsed, tokenizer, index, prompt, result)
+               for index, prompt, result in _select(parsed, consumer.result())]
+    return JSONResponse({
+        "id": ident, "object": "chat.completion" if parsed.chat else "text_completion", "created": created,
+        "model": parsed.echo_model, "choices": choices, "usage": usage.body(),
+    })
+
+
+def _choice_body(parsed: ParsedRequest, tokenizer: Any, index: int, prompt: int, result: _Choice) -> dict[str, Any]:
     reason = finish_reason(result.last) if result.last else None
-    want_logprobs = parsed.request.sampling_params.logprobs is not None
+    want_logprobs = parsed.logprobs is not None
     if parsed.chat:
         lp = chat_logprobs(result.logprobs, tokenizer) if want_logprobs else None
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
@@ -114,39 +176,49 @@ async def whole_response(
             reason = tool_finish_reason(reason, len(tool_output.tool_calls))
         elif tool_output is not None:
             message["content"] = tool_output.content
-        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
-        obj = "chat.completion"
+        body = {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
     else:
+        text = result.text
         lp = completion_logprobs(result.logprobs, tokenizer, 0) if want_logprobs else None
-        choice = {"index": 0, "text": result.text, "logprobs": lp, "finish_reason": reason}
-        obj = "text_completion"
-    return JSONResponse({
-        "id": ident, "object": obj, "created": created, "model": parsed.echo_model,
-        "choices": [choice], "usage": usage_body(result.last),
-    })
+        if parsed.echo:
+            head = _prompt_text(parsed, tokenizer, prompt)
+            lp = merge_completion_logprobs(_echo_logprobs(parsed, tokenizer, prompt, result.prompt_logprobs), lp,
+                                           len(head)) if want_logprobs else None
+            text = head + text
+        body = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+    if parsed.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(result.prompt_logprobs, parsed.prompt_logprobs, tokenizer)
+    return body
 
 
-async def _collect(stream: AsyncIterator[StreamChunk], first: Optional[StreamChunk]) -> _Result:
-    parts: list[str] = []
-    logprobs: list = []
-    last = None
+async def _collect(stream: AsyncIterator[StreamChunk], first: Optional[StreamChunk],
+                   usage: _Usage) -> dict[int, _Choice]:
+    collected: dict[int, _Choice] = {}
+    prompt_lps: dict[int, list] = {}  # prompt -> its logprobs (on its first chunk only)
     chunk = first
     while chunk is not None:
-        parts.append(chunk.text)
-        logprobs.extend(chunk.logprobs or ())
-        last = chunk
+        choice = collected.setdefault(chunk.index, _Choice())
+        choice.text += chunk.text
+        choice.logprobs.extend(chunk.logprobs or ())
+        choice.last = chunk
+        usage.add(chunk)
+        if chunk.prompt_logprobs is not None:
+            prompt_lps[chunk.index // usage.width] = chunk.prompt_logprobs
         if chunk.finished:
             break
         chunk = await anext(stream, None)
-    return _Result("".join(parts), last, logprobs)
+    for index, choice in collected.items():
+        choice.prompt_logprobs = prompt_lps.get(index // usage.width)
+    return collected
 
 
 async def event_stream(
     tokenizer: Any, parsed: ParsedRequest, stream: AsyncIterator[StreamChunk], first: Optional[StreamChunk],
     ident: str, created: int,
 ) -> AsyncIterator[str]:
-    """Server-sent events of one streamed generation."""
-    want_logprobs = parsed.request.sampling_params.logprobs is not None
+    """Server-sent events of one streamed generation (every choice, each chunk
+    tagged with its ``index``; best_of is never streamed, so indices are final)."""
+    want_logprobs = parsed.logprobs is not None
     obj = "chat.completion.chunk" if parsed.chat else "text_completion"
     base = {"id": ident, "object": obj, "created": created, "model": parsed.echo_model}
 
@@ -154,38 +226,59 @@ async def event_stream(
         return "data: " + json.dumps({**base, "choices": choices, **extra}) + "\n\n"
 
     last: Optional[StreamChunk] = None
-    offset = 0
-    tool_parser = make_parser(parsed.tools) if parsed.chat else None
+    usage = _Usage(parsed)
+    offsets: dict[int, int] = {}
+    parsers: dict[int, Any] = {}  # chat with tools: one tool-call parser per choice
+    prompt_lps: dict[int, list] = {}
+    width = parsed.num_generated
     try:
-        if parsed.chat:  # the role comes first, as OpenAI sends it
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
         chunk = first
         while chunk is not None:
             last = chunk
-            if chunk.text or chunk.finished or chunk.logprobs:
+            usage.add(chunk)
+            index = chunk.index
+            prompt = index // width
+            if chunk.prompt_logprobs is not None:
+                prompt_lps[prompt] = chunk.prompt_logprobs
+            first_of_choice = index not in offsets
+            if first_of_choice:
+                offsets[index] = 0
+                if parsed.chat:  # the role comes first, as OpenAI sends it
+                    parsers[index] = make_parser(parsed.tools)
+                    yield event([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                elif parsed.echo:
+                    head = _prompt_text(parsed, tokenizer, prompt)
+                    yield event([{"index": index, "text": head, "finish_reason": None,
+                                  "logprobs": _echo_logprobs(parsed, tokenizer, prompt, prompt_lps.get(prompt))}])
+                    offsets[index] = len(head)
+            if chunk.text or chunk.finish_reason is not None or chunk.logprobs or first_of_choice:
                 entries = chunk.logprobs or []
                 if parsed.chat:
-                    delta, reason = _chat_delta(chunk, tool_parser)
-                    choice = {"index": 0, "delta": delta,
+                    delta, reason = _chat_delta(chunk, parsers[index])
+                    choice = {"index": index, "delta": delta,
                               "logprobs": chat_logprobs(entries, tokenizer) if want_logprobs else None,
                               "finish_reason": reason}
                     # Text the tool-call parser holds back (a possible call) sends nothing yet.
                     held = not delta and reason is None and not (want_logprobs and entries)
                 else:
-                    choice = {"index": 0, "text": chunk.text,
-                              "logprobs": (completion_logprobs(entries, tokenizer, offset)
+                    choice = {"index": index, "text": chunk.text,
+                              "logprobs": (completion_logprobs(entries, tokenizer, offsets[index])
                                            if want_logprobs else None),
                               "finish_reason": finish_reason(chunk)}
+                    held = not (chunk.text or chunk.finish_reason is not None or entries)
+                if first_of_choice and parsed.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(prompt_lps.get(prompt), parsed.prompt_logprobs,
+                                                                     tokenizer)
                     held = False
-                offset += len(chunk.text)
+                offsets[index] += len(chunk.text)
                 if not held:
                     yield event([choice])
             if chunk.finished:
                 break
             chunk = await anext(stream, None)
         if parsed.include_usage:
-            yield event([], usage=usage_body(last))
+            yield event([], usage=usage.body())
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status is already sent
         err = backend_error(exc)
         if err is None:
@@ -204,7 +297,7 @@ def _chat_delta(chunk: StreamChunk, tool_parser: Any) -> tuple[dict[str, Any], O
     if tool_parser is None:
         return ({"content": chunk.text} if chunk.text else {}), finish_reason(chunk)
     out: ParserDelta = tool_parser.feed(chunk.text)
-    if chunk.finished:
+    if chunk.finish_reason is not None:
         out = out + tool_parser.finish()
     delta: dict[str, Any] = {}
     if out.content:

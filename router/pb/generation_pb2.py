@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprefixserve/v1/generation.proto\x12\x0eprefixserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"~\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.prefixserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.prefixserve.v1.ChatMessage\"\x97\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12=\n\x12structured_outputs\x18\x14 \x01(\x0b\x32!.prefixserve.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"\x89\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1a.prefixserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x12\x1d\n\x10whitespace_limit\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x06\n\x04kindB\x13\n\x11_whitespace_limit\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"\x92\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x34\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x18.prefixserve.v1.TokenIdsH\x00\x12\x30\n\x08messages\x18\x03 \x01(\x0b\x32\x1c.prefixserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.prefixserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12#\n\x05tools\x18\x08 \x03(\x0b\x32\x14.prefixserve.v1.Tool\x12\x13\n\x0btool_choice\x18\t \x01(\t\x12\x1c\n\x14tool_choice_function\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb2\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.prefixserve.v1.Usage\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12,\n\ntool_calls\x18\x06 \x03(\x0b\x32\x18.prefixserve.v1.ToolCall\"\x15\n\x13ListReplicasRequest\"\xb2\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x06 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\"E\n\x14ListReplicasResponse\x12-\n\x08replicas\x18\x01 \x03(\x0b\x32\x1b.prefixserve.v1.ReplicaInfo2\xb8\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.prefixserve.v1.GenerateRequest\x1a .prefixserve.v1.GenerateResponse0\x01\x12Y\n\x0cListReplicas\x12#.prefixserve.v1.ListReplicasRequest\x1a$.prefixserve.v1.ListReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprefixserve/v1/generation.proto\x12\x0eprefixserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"~\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.prefixserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.prefixserve.v1.ChatMessage\"\xaa\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x0f \x03(\x0b\x32-.prefixserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x17\n\nmin_tokens\x18\x12 \x01(\rH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x0c\x88\x01\x01\x12=\n\x12structured_outputs\x18\x14 \x01(\x0b\x32!.prefixserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\x89\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1a.prefixserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x12\x1d\n\x10whitespace_limit\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x06\n\x04kindB\x13\n\x11_whitespace_limit\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"\x92\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x34\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x18.prefixserve.v1.TokenIdsH\x00\x12\x30\n\x08messages\x18\x03 \x01(\x0b\x32\x1c.prefixserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.prefixserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12#\n\x05tools\x18\x08 \x03(\x0b\x32\x14.prefixserve.v1.Tool\x12\x13\n\x0btool_choice\x18\t \x01(\t\x12\x1c\n\x14tool_choice_function\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.prefixserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa8\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.prefixserve.v1.Usage\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12,\n\ntool_calls\x18\x06 \x03(\x0b\x32\x18.prefixserve.v1.ToolCall\x12\r\n\x05index\x18\x07 \x01(\r\x12.\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1c.prefixserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.prefixserve.v1.TokenLogprob\"\x15\n\x13ListReplicasRequest\"\xb2\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x06 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x02\"E\n\x14ListReplicasResponse\x12-\n\x08replicas\x18\x01 \x03(\x0b\x32\x1b.prefixserve.v1.ReplicaInfo2\xb8\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.prefixserve.v1.GenerateRequest\x1a .prefixserve.v1.GenerateResponse0\x01\x12Y\n\x0cListReplicas\x12#.prefixserve.v1.ListReplicasRequest\x1a$.prefixserve.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.pb.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=51
   _globals['_TOKENIDS']._serialized_end=74
   _globals['_CHATMESSAGE']._serialized_start=76
@@ -42,23 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=345
   _globals['_CHATMESSAGES']._serialized_end=403
   _globals['_SAMPLINGPARAMS']._serialized_start=406
-  _globals['_SAMPLINGPARAMS']._serialized_end=941
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=944
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1209
-  _globals['_CHOICELIST']._serialized_start=1211
-  _globals['_CHOICELIST']._serialized_end=1238
-  _globals['_GENERATEREQUEST']._serialized_start=1241
-  _globals['_GENERATEREQUEST']._serialized_end=1643
-  _globals['_USAGE']._serialized_start=1645
-  _globals['_USAGE']._serialized_end=1732
-  _globals['_GENERATERESPONSE']._serialized_start=1735
-  _globals['_GENERATERESPONSE']._serialized_end=1913
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1915
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1936
-  _globals['_REPLICAINFO']._serialized_start=1939
-  _globals['_REPLICAINFO']._serialized_end=2117
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=2119
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=2188
-  _globals['_GENERATION']._serialized_start=2191
-  _globals['_GENERATION']._serialized_end=2375
+  _globals['_SAMPLINGPARAMS']._serialized_end=1216
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=978
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1026
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1219
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1484
+  _globals['_CHOICELIST']._serialized_start=1486
+  _globals['_CHOICELIST']._serialized_end=1513
+  _globals['_GENERATEREQUEST']._serialized_start=1516
+  _globals['_GENERATEREQUEST']._serialized_end=1918
+  _globals['_TOKENLOGPROB']._serialized_start=1920
+  _globals['_TOKENLOGPROB']._serialized_end=2019
+  _globals['_TOPLOGPROB']._serialized_start=2021
+  _globals['_TOPLOGPROB']._serialized_end=2068
+  _globals['_USAGE']._serialized_start=2070
+  _globals['_USAGE']._serialized_end=2157
+  _globals['_GENERATERESPONSE']._serialized_start=2160
+  _globals['_GENERATERESPONSE']._serialized_end=2456
+  _globals['_LISTREPLICASREQUEST']._serialized_start=2458
+  _globals['_LISTREPLICASREQUEST']._serialized_end=2479
+  _globals['_REPLICAINFO']._serialized_start=2482
+  _globals['_REPLICAINFO']._serialized_end=2660
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=2662
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=2731
+  _globals['_GENERATION']._serialized_start=2734
+  _globals['_GENERATION']._serialized_end=2918
 # @@protoc_insertion_point(module_scope)

@@ -125,8 +125,10 @@ MODEL = ModelInfo("tiny", MAX_MODEL_LEN)
      "top_logprobs", "top_logprobs = 21 exceeds this server's max_logprobs of 20"),
     ({"messages": [{"role": "user", "content": "x"}] * 3}, True, Limits(max_messages=2), "messages",
      "messages has 3 messages: this server's max_messages is 2"),
-    ({"prompt": "x", "n": 2}, False, Limits(), "n", "only n = 1"),
-    ({"prompt": "x", "best_of": 3}, False, Limits(), "best_of", "best_of = 3 is not supported"),
+    ({"prompt": "x", "n": 5}, False, Limits(max_n=4), "n", "n = 5 exceeds this server's max_n of 4"),
+    ({"prompt": "x", "best_of": 5}, False, Limits(max_n=4), "best_of", "max_n of 4"),
+    ({"prompt": ["x"] * 5}, False, Limits(max_n=4), "prompt", "prompt = 5 exceeds this server's max_n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 9}, True, Limits(max_n=8), "n", "max_n of 8"),
     ({"prompt": "x", "seed": 2**64}, False, Limits(), "seed", "seed must be in"),
     ({"prompt": "x", "priority": 2**40}, False, Limits(), "priority", "priority must be in"),
 ])

@@ -62,25 +62,33 @@ class FakeBackend:
             finish = self.script_finish if self.script else FinishReason.LENGTH
             n = len(pieces)
             prompt_len = len(request.prompt_token_ids)
+            choices = request.sampling_params.num_choices
+            prompt_lps = None
+            if request.sampling_params.prompt_logprobs is not None:
+                prompt_lps = [None] + [TokenLogprob(t, -1.0, ((t, -1.0),)) for t in request.prompt_token_ids[1:]]
             for i in range(n):
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 if i == self.fail_after:
                     raise NoReplicaError("the replica died")
-                logprobs = None
-                if request.sampling_params.logprobs is not None:
-                    logprobs = [TokenLogprob(100 + i, -0.5, ((100 + i, -0.5), (7, -1.5)))]
-                yield StreamChunk(
-                    request_id=request.request_id,
-                    token_ids=[100 + i],
-                    text=pieces[i],
-                    finish_reason=finish if i == n - 1 else None,
-                    logprobs=logprobs,
-                    prompt_tokens=prompt_len,
-                    completion_tokens=i + 1,
-                    cached_prompt_tokens=cached_tokens(prompt_len),
-                    replica_id="replica-0",
-                )
+                for c in range(choices):  # choice c's tokens are 100 + i + 10 * c, logprob -0.5 - c
+                    logprobs = None
+                    if request.sampling_params.logprobs is not None:
+                        logprobs = [TokenLogprob(100 + i + 10 * c, -0.5 - c, ((100 + i, -0.5), (7, -1.5)))]
+                    yield StreamChunk(
+                        request_id=request.request_id,
+                        token_ids=[100 + i + 10 * c],
+                        text=pieces[i] if not c else f"{pieces[i]}/{c}",
+                        finish_reason=finish if i == n - 1 else None,
+                        logprobs=logprobs,
+                        prompt_tokens=prompt_len,
+                        completion_tokens=i + 1,
+                        cached_prompt_tokens=cached_tokens(prompt_len),
+                        replica_id="replica-0",
+                        prompt_logprobs=prompt_lps if i == 0 and c == 0 else None,
+                        index=c,
+                        more_choices=not (i == n - 1 and c == choices - 1),
+                    )
         finally:
             self.finalized.append(request.request_id)
             self.finalized_event.set()
@@ -241,11 +249,18 @@ def _error(exc_info) -> dict:
     [
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": "hello", "top_p": 0.0}, "top_p", "(0, 1]"),
-        ({"prompt": "hello", "n": 2}, "n", "n = 1"),
+        ({"prompt": "hello", "n": 17}, "n", "max_n of 16"),
+        ({"prompt": "hello", "n": 3, "best_of": 2}, "best_of", ">= n = 3"),
+        ({"prompt": "hello", "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+        ({"prompt": "hello", "logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+        ({"prompt": "hello", "logit_bias": {"999999": 1}}, "logit_bias", "not a token id"),
+        ({"prompt": "hello", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"prompt": "hello", "suffix": "x"}, "suffix", "not supported"),
+        ({"prompt": ["a"] * 17}, "prompt", "max_n of 16"),
         ({"prompt": "hello", "temperature": -1.0}, "temperature", ">= 0"),
         ({"prompt": [1, 99999]}, "prompt", "out of range"),
         ({"prompt": "hello", "max_tokens": 10_000}, "max_tokens", "at most"),
-        ({"prompt": ["a", "b"]}, "prompt", "batched"),
+        ({"prompt": ["a", ""]}, "prompt", "prompt[1] is empty"),
     ],
 )
 def test_bad_completion_requests_get_400(client, kwargs, param, words):
@@ -481,3 +496,95 @@ def test_tools_on_completions_get_400(served):
     _, handle = served
     response = httpx2.post(handle.url + "/completions", json={"prompt": "hi", "tools": [WEATHER_TOOL]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+# ------------------------------------------------- choices, prompts, echo, tokenize
+def test_n_returns_indexed_choices_and_sums_usage(client, backend):
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, n=3, seed=4)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [" w0 w1", " w0/1 w1/1", " w0/2 w1/2"]
+    assert backend.requests[-1].sampling_params.n == 3 and backend.requests[-1].sampling_params.seed == 4
+    assert out.usage.completion_tokens == 6 and out.usage.prompt_tokens == len(backend.requests[-1].prompt_token_ids)
+
+
+def test_n_streamed_tags_every_chunk_with_its_choice(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                            n=3, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    content: dict[int, str] = {}
+    roles, finishes = set(), {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.add(choice.index)
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert roles == {0, 1, 2} and finishes == {0: "length", 1: "length", 2: "length"}
+    assert content == {0: " w0 w1", 1: " w0/1 w1/1", 2: " w0/2 w1/2"}
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_best_of_returns_the_n_best_by_cumulative_logprob(client, backend):
+    # The fake's choice c has logprob -0.5 - c per token: choices 0 and 1 are the best two.
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, n=2, best_of=4)
+    params = backend.requests[-1].sampling_params
+    assert (params.n, params.best_of, params.logprobs) == (2, 4, 0)  # logprobs computed to rank
+    assert [c.text for c in out.choices] == [" w0 w1", " w0/1 w1/1"] and [c.index for c in out.choices] == [0, 1]
+    assert all(c.logprobs is None for c in out.choices)  # not asked for: not returned
+    assert out.usage.completion_tokens == 8  # every generated choice counts
+
+
+def test_a_list_of_prompts_returns_choices_in_order(client, backend):
+    prompts = ["one", "two two", [5, 6, 7], "four"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, n=2)
+    assert [c.index for c in out.choices] == list(range(8))
+    sent = backend.requests[-4:]
+    assert [r.prompt_token_ids for r in sent][2] == [5, 6, 7]
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in sent)
+    assert out.usage.completion_tokens == 8
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, stream=True))
+    assert sorted(c.choices[0].index for c in streamed if c.choices) == [0, 1, 2, 3]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, backend, router_tok):
+    out = client.completions.create(model=MODEL, prompt="hello there", max_tokens=1, echo=True)
+    assert out.choices[0].text == "hello there w0"
+    assert backend.requests[-1].sampling_params.prompt_logprobs is None  # no logprobs: the cache serves it all
+    out = client.completions.create(model=MODEL, prompt="hello there", max_tokens=1, echo=True, logprobs=1)
+    ids = backend.requests[-1].prompt_token_ids
+    assert backend.requests[-1].sampling_params.prompt_logprobs == 1
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [-1.0] * (len(ids) - 1) + [-0.5]
+    streamed = list(client.completions.create(model=MODEL, prompt="hello there", max_tokens=2, echo=True,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "hello there w0 w1"
+
+
+def test_prompt_logprobs_and_processor_fields_reach_the_replica(client, backend):
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1, logit_bias={"9": -100, "11": 50},
+                                    extra_body={"prompt_logprobs": 0, "allowed_token_ids": [9, 11, 12],
+                                                "bad_words": ["zz"], "min_tokens": 1})
+    params = backend.requests[-1].sampling_params
+    assert params.logit_bias == ((9, -100.0), (11, 50.0)) and params.allowed_token_ids == (9, 11, 12)
+    assert params.bad_words == ("zz",) and params.min_tokens == 1 and params.prompt_logprobs == 0
+    entries = out.model_extra["choices"][0]["prompt_logprobs"] if out.model_extra.get("choices") else \
+        out.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and entries[1] == {"6": {"logprob": -1.0, "rank": 1, "decoded_token": entries[1]["6"]
+                                                       ["decoded_token"]}}
+
+
+def test_tokenize_and_detokenize(served, router_tok):
+    _, handle = served
+    base = f"http://127.0.0.1:{handle.port}"
+    out = httpx2.post(f"{base}/tokenize", json={"prompt": "hello world"}).json()
+    assert out["tokens"] == router_tok.encode("hello world") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx2.post(f"{base}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == router_tok.render_chat(messages)
+    back = httpx2.post(f"{base}/detokenize", json={"tokens": out["tokens"]}).json()
+    assert back["prompt"] == router_tok.decode(out["tokens"], skip_special_tokens=False)
+    bad = httpx2.post(f"{base}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

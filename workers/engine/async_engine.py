@@ -198,7 +198,7 @@ class AsyncEngine:
         self._inbox.put(("add", (request, compiled)))
         finished = False
         held: Optional[RequestOutput] = None  # tokens not yet yielded (stream_interval)
-        sent_first = False
+        sent_first: set[int] = set()  # choices (RequestOutput.index) whose first token went out
         try:
             while True:
                 item = await out_queue.get()
@@ -208,13 +208,20 @@ class AsyncEngine:
                         if held is not None:  # what was computed still reaches the client, then the error
                             yield held
                         raise item
+                    if held is not None and held.index != item.index:  # outputs of one choice merge
+                        out, held = held, None
+                        if out.new_token_ids:
+                            sent_first.add(out.index)
+                        yield out
                     held = item if held is None else merge_outputs(held, item)
                     if held.finished or out_queue.empty():
                         break
                     item = out_queue.get_nowait()  # already computed: sent with the rest, never waited for
-                if held.finished or not sent_first or len(held.new_token_ids) >= self.stream_interval:
+                if (held.finish_reason is not None or held.index not in sent_first
+                        or len(held.new_token_ids) >= self.stream_interval):
                     out, held = held, None
-                    sent_first = sent_first or bool(out.new_token_ids)
+                    if out.new_token_ids:
+                        sent_first.add(out.index)
                     yield out
                     if out.finished:
                         finished = True

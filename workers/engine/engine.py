@@ -15,11 +15,12 @@ One step::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Optional, Protocol
 
-from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats
+from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
@@ -65,7 +66,8 @@ class LLMEngine:
         self.model_fingerprint = model_fingerprint
         self._clock = clock
         self._detok: dict[str, Optional[IncrementalDetokenizer]] = {}
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, Sequence] = {}  # every live choice, by its engine id
+        self._groups: dict[str, _Group] = {}  # requests with several choices, by request id
         self.num_steps = 0
         self.schedule_seconds = 0.0  # in schedule(), proposals included (bench spec: what speculation costs)
         self.structured = scheduler.structured  # the grammar backend of structured outputs (None: refused)
@@ -78,8 +80,33 @@ class LLMEngine:
         if request.sampling_params.structured_outputs is not None and self.structured is None:
             raise ValueError("structured_outputs needs a grammar backend, and this engine has none: install "
                              "xgrammar (pip install xgrammar) and give the model a tokenizer.json")
-        if request.request_id in self._seqs:
+        if request.request_id in self._seqs or request.request_id in self._groups:
             raise ValueError(f"request id {request.request_id!r} is already running: use a unique id")
+        params = request.sampling_params
+        num_choices = params.num_choices
+        if num_choices > 1:
+            max_num_seqs = self.scheduler.max_num_seqs
+            if num_choices > max_num_seqs:
+                name = "best_of" if params.best_of is not None else "n"
+                raise ValueError(f"{name} is {num_choices} but this replica runs at most max_num_seqs = "
+                                 f"{max_num_seqs} sequences at once: lower {name}")
+            if request.num_resumed_output_tokens:
+                raise ValueError("num_resumed_output_tokens cannot be combined with n / best_of > 1: resume "
+                                 "each choice as its own request")
+            taken = [cid for cid in _choice_ids(request.request_id, num_choices) if cid in self._seqs]
+            if taken:
+                raise ValueError(f"request id {request.request_id!r} collides with choice {taken[0]!r} of a "
+                                 "running request: use a unique id")
+        vocab = self.vocab_size
+        named = [t for t, _ in params.logit_bias if t >= vocab]
+        if named:
+            raise ValueError(f"logit_bias names token {named[0]}, outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be below the vocabulary size {vocab}")
+        if any(t >= vocab for word in params.bad_words_token_ids for t in word):
+            raise ValueError(f"bad_words_token_ids must be below the vocabulary size {vocab}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer; send bad_words_token_ids instead")
         problem = self.scheduler.check_request_fits(len(request.prompt_token_ids), request.sampling_params.max_tokens)
         if problem:
             raise ValueError(problem)
@@ -98,11 +125,12 @@ class LLMEngine:
                 compile); nothing was queued.
         """
         self.validate(request)
+        params = self._engine_params(request.sampling_params)
         grammar = self._new_grammar(request, compiled_grammar)
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=request.sampling_params,
+            sampling_params=_choice_params(params, 0),
             block_size=self.scheduler.kv_manager.block_size,
             model_fingerprint=self.model_fingerprint,
             cache_salt=request.cache_salt,
@@ -111,13 +139,33 @@ class LLMEngine:
         )
         seq.queued_time = self._clock()
         seq.grammar = grammar
+        num_choices = params.num_choices
+        if num_choices > 1:
+            ids = _choice_ids(request.request_id, num_choices)
+            seq.pending_forks = [(ids[i], _choice_params(params, i), self._new_grammar(request, compiled_grammar))
+                                 for i in range(1, num_choices)]
+            self._groups[request.request_id] = _Group(ids)
         self._seqs[request.request_id] = seq
-        self._detok[request.request_id] = (
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, request.sampling_params.stop)
-            if self.tokenizer is not None
-            else None
-        )
+        self._detok[request.request_id] = self._new_detokenizer(seq)
         self.scheduler.add_request(seq)
+
+    def _new_detokenizer(self, seq: Sequence) -> Optional[IncrementalDetokenizer]:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.stop)
+
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``bad_words`` tokenized into ``bad_words_token_ids`` (vLLM's
+        rule: each word as it is and after a space, its last token banned after the rest)."""
+        if not params.bad_words:
+            return params
+        words = set(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(_encode(self.tokenizer, text))
+                if ids:
+                    words.add(ids)
+        return dataclasses.replace(params, bad_words_token_ids=tuple(sorted(words)))
 
     def _new_grammar(self, request: GenerationRequest, compiled: object) -> object:
         """The request's grammar state, advanced over the output tokens a
@@ -140,6 +188,14 @@ class LLMEngine:
         Returns:
             The final output (finish reason ``abort``), or None if unknown.
         """
+        group = self._groups.get(request_id)
+        if group is not None:  # every choice still running; the last output ends the request
+            last = None
+            for choice_id in group.choice_ids:
+                seq = self._seqs.get(choice_id)
+                if seq is not None and self.scheduler.abort_request(choice_id):
+                    last = self._finish_output(seq, [], None, FinishReason.ABORT)
+            return last
         seq = self._seqs.get(request_id)
         if seq is None or not self.scheduler.abort_request(request_id):
             return None
@@ -186,6 +242,9 @@ class LLMEngine:
                 seq.first_scheduled_time = now
 
     def _make_output(self, seq: Sequence, new_ids: list[int], new_logprobs) -> RequestOutput:
+        if seq.request_id not in self._seqs and seq.group_id in self._groups:  # a choice forked this step
+            self._seqs[seq.request_id] = seq
+            self._detok[seq.request_id] = self._new_detokenizer(seq)
         detok = self._detok.get(seq.request_id)
         text = detok.append(new_ids) if detok is not None else ""
         reason = seq.finish_reason
@@ -194,7 +253,7 @@ class LLMEngine:
             reason = FinishReason.STOP
         if reason is None:
             return RequestOutput(
-                request_id=seq.request_id,
+                request_id=seq.group_id,
                 new_token_ids=new_ids,
                 new_text=text,
                 finish_reason=None,
@@ -204,6 +263,8 @@ class LLMEngine:
                 new_logprobs=new_logprobs,
                 prompt_logprobs=_take_prompt_logprobs(seq),
                 queue_time=_queue_time(seq),
+                index=seq.choice_index,
+                more_choices=seq.group_id in self._groups,
             )
         out = self._finish_output(seq, new_ids, new_logprobs, reason)
         out.new_text = text + out.new_text
@@ -212,8 +273,16 @@ class LLMEngine:
     def _finish_output(self, seq: Sequence, new_ids, new_logprobs, reason: FinishReason) -> RequestOutput:
         detok = self._detok.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
+        more = False
+        group = self._groups.get(seq.group_id)
+        if group is not None:
+            group.num_finished += 1 + len(seq.pending_forks)  # choices never forked end with it
+            seq.pending_forks = []
+            more = group.num_finished < len(group.choice_ids)
+            if not more:
+                del self._groups[seq.group_id]
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.group_id,
             new_token_ids=new_ids,
             new_text=detok.flush() if detok is not None else "",
             finish_reason=reason,
@@ -224,6 +293,8 @@ class LLMEngine:
             prompt_logprobs=_take_prompt_logprobs(seq),
             finish_message=seq.finish_message,
             queue_time=_queue_time(seq),
+            index=seq.choice_index,
+            more_choices=more,
         )
 
     # -------------------------------------------------------------- stats
@@ -241,6 +312,38 @@ class LLMEngine:
             num_kv_blocks=kv.num_device_blocks,
             at=time.time(),
         )
+
+
+@dataclasses.dataclass
+class _Group:
+    """The choices of one request with n / best_of > 1 (choice 0 has the request's id)."""
+
+    choice_ids: list[str]
+    num_finished: int = 0
+
+
+def _choice_ids(request_id: str, num_choices: int) -> list[str]:
+    """Engine ids of a request's choices: the request's own, then ``<id>#n<i>``."""
+    return [request_id] + [f"{request_id}#n{i}" for i in range(1, num_choices)]
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """What choice ``index`` samples with: one sequence, its own seed (``seed + index``,
+    as vLLM derives them), prompt logprobs with choice 0 only."""
+    if params.num_choices == 1:
+        return params
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed,
+                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (``tokenizers`` or Hugging Face style)."""
+    try:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:
+        encoded = tokenizer.encode(text)
+    return list(getattr(encoded, "ids", encoded))
 
 
 def _take_prompt_logprobs(seq: Sequence) -> Optional[list]:

@@ -249,6 +249,43 @@ class KVCacheManager:
             seq.cpu_block_ids = []
         seq.num_registered_blocks = 0
 
+    def fork(self, parent: Sequence, child: Sequence) -> Optional[list[tuple[int, int]]]:
+        """Gives ``child`` (a fork of ``parent`` holding no blocks) the
+        parent's computed KV (mutates the pool and ``child``'s block fields).
+
+        The parent's full blocks are shared by reference count; a partly
+        filled last block is copied into a new block of the child (copy on
+        write: the child's next token goes into it, the parent's into its
+        own). Block size 4, 6 computed tokens::
+
+            parent   [A, B]   A full (shared), B holds 2 tokens
+            child    [A, C]   C: B's 2 tokens copied, then the child's own
+
+        Returns:
+            ``(from_slot, to_slot)`` KV rows to copy before the next forward
+            (maybe empty), or None when no block is free or the parent
+            released blocks outside its sliding window (nothing changed:
+            the child is then recomputed).
+        """
+        assert not child.block_ids and not child.cpu_block_ids and not parent.cpu_block_ids
+        if parent.num_released_blocks:
+            return None
+        bs = self.block_size
+        num_computed = parent.num_computed_tokens
+        num_full, num_partial = divmod(num_computed, bs)
+        shared = parent.block_ids[:num_full]
+        new_blocks = self._try_take(shared, 1 if num_partial else 0)
+        if new_blocks is None:
+            return None
+        moves = []
+        if num_partial:
+            src, dst = parent.block_ids[num_full], new_blocks[0]
+            moves = [(src * bs + j, dst * bs + j) for j in range(num_partial)]
+        child.block_ids = list(shared) + new_blocks
+        child.num_computed_tokens = num_computed
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        return moves
+
     # ---------------------------------------------------------------- swapping
     def swap_out(self, seq: Sequence) -> Optional[list[tuple[int, int]]]:
         """Moves the blocks holding ``seq``'s computed KV to the swap pool and

@@ -55,6 +55,13 @@ class ScheduledRequest:
     # (the fed token's, then each draft's), a backend buffer of packed bits ([rows, ceil(V / 32)]
     # int32 for xgrammar); None: unconstrained.
     grammar_bitmask: Any = None
+    # Parallel sampling (n / best_of): the sampling parameters of the other choices, which fork
+    # from this request at this step. The runner samples each from this request's last row, as a
+    # request with those parameters and no output yet (ModelOutput.fork_samples).
+    fork_params: Sequence[SamplingParams] = ()
+    # With SamplingParams.min_tokens: the tokens that may not be sampled while the output is
+    # shorter than min_tokens (the EOS tokens unless ignore_eos, and the stop token ids).
+    min_tokens_banned_ids: Sequence[int] = ()
 
     @property
     def num_input_tokens(self) -> int:
@@ -108,6 +115,8 @@ class ModelOutput:
     # tokens after the ones it returned, for the next step's speculation: candidate
     # continuations, the likeliest first (one unless num_proposal_candidates > 1).
     spec_proposals: Optional[list[Optional[list[list[int]]]]] = None
+    # Per scheduled request with fork_params: one (token id, logprobs or None) per fork, in order.
+    fork_samples: Optional[list[Optional[list[tuple[int, Optional[list[TokenLogprob]]]]]]] = None
 
 
 @dataclass
@@ -127,17 +136,25 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     finish_message: Optional[str] = None  # why the engine (not the user) ended it
     queue_time: Optional[float] = None  # seconds from add_request to first scheduled (engine clock)
+    # Parallel sampling (SamplingParams.n / best_of): which choice these tokens belong to, and
+    # whether other choices of the request are still generating (finish_reason then ends this
+    # choice only). Counts (num_output_tokens) are this choice's.
+    index: int = 0
+    more_choices: bool = False
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The whole request ended (every choice)."""
+        return self.finish_reason is not None and not self.more_choices
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output covering two consecutive ones of a request (``first``
     then ``later``): their tokens, text and logprobs in order, ``later``'s
     totals and finish. A stream sends it as one chunk where the client
-    receives the same tokens and text either way."""
+    receives the same tokens and text either way. Both are of one choice
+    (the same ``index``)."""
+    assert first.index == later.index, (first.index, later.index)
     logprobs = first.new_logprobs
     if later.new_logprobs is not None:
         logprobs = (logprobs or []) + later.new_logprobs
@@ -153,4 +170,6 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
         finish_message=later.finish_message,
         queue_time=first.queue_time if first.queue_time is not None else later.queue_time,
+        index=later.index,
+        more_choices=later.more_choices,
     )

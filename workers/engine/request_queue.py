@@ -60,6 +60,21 @@ class RequestQueue:
         self._next_arrival_index += 1
         bisect.insort(self.waiting, seq, key=self.key)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a sequence that already holds device blocks (a fork of a running
+        one) at the end of ``running`` (mutates).
+
+        Raises:
+            ValueError: The request id is already in use.
+        """
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in use: use a unique id")
+        self._by_id[seq.request_id] = seq
+        self._arrival_index[seq.request_id] = self._next_arrival_index
+        self._next_arrival_index += 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def requeue(self, seq: Sequence, status: SequenceStatus) -> None:
         """Puts a sequence taken off ``running`` back as WAITING or SWAPPED, in
         key order: a preempted sequence's key predates every later arrival of

@@ -36,6 +36,21 @@ after the runner computed the step. One ``schedule()`` must be followed by
 its ``update_from_output`` (even when the output is empty: sequences that
 could never fit are reported there) before the next ``schedule()``.
 
+Parallel sampling (``n`` / ``best_of``): a request is one sequence until it
+samples its first token; in that step the runner samples every choice from
+the same last row (``ScheduledRequest.fork_params``), and ``update_from_output``
+forks a sequence per extra choice that shares the prompt's KV
+(``KVCacheManager.fork``: full blocks by reference, the partial last block
+copied)::
+
+    step k     parent: prompt chunk ..L-1, samples choices 0..n-1
+    update     parent gets token 0; fork i gets token i, blocks [shared | copy]
+    step k+1   n decodes, each writing its own block from position L on
+
+Every choice counts against ``max_num_seqs`` from admission on (its slots
+are held while the parent prefills), as in vLLM. A fork that finds no free
+block waits to be recomputed (its prompt then comes from the prefix cache).
+
 The queues and their order live in ``request_queue.py``; what a request must
 be to run here, in ``validation.py``.
 """
@@ -322,9 +337,16 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.queue.requeue(seq, SequenceStatus.WAITING)
 
+    def _num_slots_taken(self) -> int:
+        """Running sequences and the choices they will fork (held slots)."""
+        return self.num_running + sum(len(s.pending_forks) for s in self.queue.running)
+
+    def _has_slots_for(self, seq: Sequence) -> bool:
+        return self._num_slots_taken() + 1 + len(seq.pending_forks) <= self.max_num_seqs
+
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         swapped = self.queue.swapped
-        while swapped and plan.budget > 0 and self.num_running < self.max_num_seqs:
+        while swapped and plan.budget > 0 and self._has_slots_for(swapped[0]):
             seq = swapped[0]
             if self._never_fits(seq.num_tokens):
                 self._finish_for_capacity(seq)
@@ -342,7 +364,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         waiting = self.queue.waiting
         in_flight: Optional[set[bytes]] = None
-        while waiting and plan.budget > 0 and self.num_running < self.max_num_seqs:
+        while waiting and plan.budget > 0 and self._has_slots_for(waiting[0]):
             seq = waiting[0]
             if self._never_fits(seq.num_tokens):
                 self._finish_for_capacity(seq)
@@ -432,7 +454,16 @@ class Scheduler:
             num_proposals=guesses,
             num_proposal_candidates=self.speculator.num_candidates if guesses else 1,
             grammar_bitmask=masks,
+            fork_params=tuple(p for _, p, _ in seq.pending_forks) if samples else (),
+            min_tokens_banned_ids=self._min_tokens_banned(seq) if samples else (),
         )
+
+    def _min_tokens_banned(self, seq: Sequence) -> tuple[int, ...]:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+        return eos + params.stop_token_ids
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[StepResult]:
@@ -472,10 +503,41 @@ class Scheduler:
             assert len(sampled) == req.num_sample_tokens, (req.request_id, sampled)
             if not sampled:
                 continue
+            forks = []
+            if req.fork_params:
+                assert model_out.fork_samples is not None and model_out.fork_samples[i] is not None, req.request_id
+                forks = self._fork(seq, model_out.fork_samples[i])
             new_ids = self._append_tokens(seq, sampled)
             self._receive_proposals(seq, model_out, i)
             logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
             results.append((seq, new_ids, logprobs[: len(new_ids)] if logprobs is not None else None))
+            results.extend(forks)
+        return results
+
+    def _fork(self, seq: Sequence, samples: list[tuple[int, Optional[list[TokenLogprob]]]]) -> list[StepResult]:
+        """Forks ``seq``'s pending choices, each with its sampled first token
+        (before ``seq`` appends its own, which may finish and free it). A fork
+        that does not end on that token shares ``seq``'s KV and runs, or,
+        without a free block, waits for recompute."""
+        assert len(samples) == len(seq.pending_forks), (seq.request_id, samples)
+        results: list[StepResult] = []
+        for (child_id, params, grammar), (token_id, logprobs) in zip(seq.pending_forks, samples):
+            child = seq.fork(child_id, params, len(results) + 1)
+            child.grammar = grammar
+            child.append_token(token_id)
+            reason = self._check_stop(child, token_id)
+            if reason is not None:
+                child.status = SequenceStatus.FINISHED
+                child.finish_reason = reason
+            else:
+                moves = self.kv_manager.fork(seq, child)
+                if moves is not None:
+                    self._kv_moves.extend(moves)
+                    self.queue.add_running(child)
+                else:
+                    self.queue.add(child)
+            results.append((child, [token_id], logprobs[:1] if logprobs is not None else None))
+        seq.pending_forks = []
         return results
 
     def _apply_verified(self, seq: Sequence, req: ScheduledRequest, model_out: ModelOutput, i: int) -> StepResult:
@@ -542,10 +604,11 @@ class Scheduler:
             seq.finish_message = (f"request {seq.request_id!r}: token {token_id} is outside its "
                                   "structured-output grammar; the output so far is returned")
             return FinishReason.ABORT
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
+        if seq.num_output_tokens > params.min_tokens:  # min_tokens: the sampler banned them before
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -94,6 +94,11 @@ class Sequence:
         # With sampling_params.structured_outputs: the grammar state (workers/engine/structured.py),
         # advanced by every token the sequence keeps.
         self.grammar = None
+        # Parallel sampling: the choices still to fork from this sequence when it samples its
+        # first token, as (request id, sampling params, grammar state); set by the engine.
+        self.pending_forks: list[tuple[str, SamplingParams, object]] = []
+        self.choice_index = 0  # which choice of its request this sequence is
+        self.group_id = request_id  # the request's id (a fork's own id differs)
 
         # Owned by the KV manager.
         self.block_ids: list[int] = []  # device block table while RUNNING
@@ -119,6 +124,33 @@ class Sequence:
             priority=request.priority,
             arrival_time=request.arrival_time,
         )
+
+    def fork(self, request_id: str, sampling_params: SamplingParams, choice_index: int) -> "Sequence":
+        """A new waiting sequence with this one's prompt (and its hashes, not
+        recomputed) and its output so far, holding no blocks. No mutation of
+        ``self``."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.request_id = request_id
+        child.sampling_params = sampling_params
+        child.output_token_ids = list(self.output_token_ids)
+        child._token_ids = list(self._token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.status = SequenceStatus.WAITING
+        child.finish_reason = None
+        child.finish_message = None
+        child.num_computed_tokens = 0
+        child.num_preemptions = 0
+        child.prompt_logprobs = None
+        child.prompt_logprobs_sent = True
+        child.grammar = None
+        child.pending_forks = []
+        child.choice_index = choice_index
+        child.block_ids = []
+        child.cpu_block_ids = []
+        child.num_registered_blocks = 0
+        child.num_released_blocks = 0
+        return child
 
     # ---------------------------------------------------------------- sizes
     @property

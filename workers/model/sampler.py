@@ -5,6 +5,10 @@ Pipeline of one step (rows are requests; every stage is batched with masks)::
     logits [N, V] float32
       |-- grammar masks: -inf outside each constrained row's allowed tokens,
       |                  in place, native (rows with grammar_bitmask)
+      |-- processors:    allowed_token_ids (a cached packed mask, the same
+      |                  native pass), then logit_bias, bad_words and
+      |                  min_tokens bans as one sparse index_add at the named
+      |                  tokens only, in place (rows that have them)
       |-- logprobs: log_softmax(raw logits)          (rows with logprobs != None)
       |-- penalties: repetition (prompt + output),
       |              frequency / presence (output)   (rows with penalties)
@@ -19,7 +23,11 @@ Choices worth knowing:
   grammar's mask, as in vLLM: a constrained row's logprobs are those of the
   tokens it may emit). They then describe the model,
   not the sampling knobs, and a sampled token always has a finite logprob.
-  vLLM's default (``logprobs_mode="raw_logprobs"``) does the same.
+  vLLM's default (``logprobs_mode="raw_logprobs"``) does the same. The
+  request's own hard edits of the distribution (``allowed_token_ids``,
+  ``logit_bias``, ``bad_words``, ``min_tokens``) come before them, like a
+  grammar: logprobs describe what the request may emit, and ``best_of``
+  ranks choices on them.
 * **Exponential race.** ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks
   token i with probability ``p_i`` (the min of ``E_i / p_i`` is reached by i
   with that probability). Each row needs only its own noise, so a row's draw
@@ -187,6 +195,7 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._native: Optional[object] = None  # cpu_ops, for the greedy argmax on CPU (loaded on first use)
+        self._allowed_masks: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # allowed_token_ids masks
 
     def __call__(
         self, logits: torch.Tensor, requests: list[ScheduledRequest]
@@ -208,6 +217,9 @@ class Sampler:
         constrained = [i for i, r in enumerate(requests) if r.grammar_bitmask is not None]
         if constrained:
             self._apply_grammar(logits, constrained, [requests[i].grammar_bitmask for i in constrained])
+        processed = [i for i, r in enumerate(requests) if r.sampling_params.has_logit_processors]
+        if processed:
+            self._apply_processors(logits, processed, requests)
         params = [r.sampling_params for r in requests]
         if all(p.greedy and not p.has_penalties for p in params):
             # Fast path: one argmax, no copies.
@@ -229,6 +241,60 @@ class Sampler:
                 cpu_ops.mask_rows(self._native, logits, torch.tensor(rows, dtype=torch.long), packed)
                 return
         apply_token_bitmask(logits, rows, packed)
+
+    def _apply_processors(self, logits: torch.Tensor, rows: list[int], requests: list[ScheduledRequest]) -> None:
+        """The request's own edits, in place on ``rows``: ``allowed_token_ids``
+        as a packed mask (built once per request, applied like a grammar's),
+        then one ``index_add_`` at the biased and banned tokens only (no pass
+        over the vocabulary: bans add -inf)."""
+        vocab = logits.shape[1]
+        allowed = [i for i in rows if requests[i].sampling_params.allowed_token_ids is not None]
+        if allowed:
+            self._apply_grammar(logits, allowed, [self._allowed_mask(requests[i].sampling_params, vocab)
+                                                  for i in allowed])
+        index: list[int] = []
+        values: list[float] = []
+        for i in rows:
+            req = requests[i]
+            params = req.sampling_params
+            base = i * vocab
+            for token_id, bias in params.logit_bias:
+                if token_id < vocab and bias:
+                    index.append(base + token_id)
+                    values.append(bias)
+            banned = set(req.min_tokens_banned_ids) if len(req.output_token_ids) < params.min_tokens else set()
+            output = req.output_token_ids
+            for word in params.bad_words_token_ids:
+                prefix = len(word) - 1
+                if prefix <= len(output) and (not prefix or tuple(output[len(output) - prefix:]) == word[:-1]):
+                    banned.add(word[-1])
+            for token_id in banned:
+                if token_id < vocab:
+                    index.append(base + token_id)
+                    values.append(float("-inf"))
+        if index:
+            idx = torch.tensor(index, dtype=torch.long, device=logits.device)
+            val = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+            logits.index_put_((idx // vocab, idx % vocab), val, accumulate=True)
+
+    def _allowed_mask(self, params, vocab: int) -> torch.Tensor:
+        """``[1, ceil(V / 32)]`` int32 packed mask of ``params.allowed_token_ids``,
+        cached by identity (the scheduler hands the same object every step)."""
+        key = id(params.allowed_token_ids)
+        hit = self._allowed_masks.get(key)
+        if hit is not None and hit[0] is params.allowed_token_ids:
+            return hit[1]
+        words = (vocab + 31) // 32
+        ids = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
+        bits = torch.zeros(words * 32, dtype=torch.bool)
+        bits[ids] = True
+        weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+        packed = (bits.view(words, 32).long() * weights).sum(dim=1)
+        packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32).view(1, words)
+        if len(self._allowed_masks) >= 256:
+            self._allowed_masks.clear()
+        self._allowed_masks[key] = (params.allowed_token_ids, packed)
+        return packed
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(dim=-1)``; on CPU the native one-pass kernel (torch's
