@@ -90,12 +90,38 @@ def test_streams_text_and_routes_a_repeated_prefix_to_its_replica(cluster):
     serve_grpc(cluster, body)
 
 
+def test_n_choices_stream_with_their_index_logprobs_and_prompt_logprobs(cluster):
+    prompt = list(range(30, 51))
+
+    async def body(stub, channel):
+        request = ids_request(prompt, max_tokens=6, n=3, seed=11, logprobs=1, prompt_logprobs=0, ignore_eos=True)
+        request.sampling.temperature = 1.0
+        chunks = await collect(stub, request)
+        tokens: dict[int, list[int]] = {}
+        for chunk in chunks:
+            tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
+            assert len(chunk.logprobs) == len(chunk.token_ids)
+        assert sorted(tokens) == [0, 1, 2] and all(len(t) == 6 for t in tokens.values())
+        ends = [c for c in chunks if c.finish_reason]
+        assert sorted(c.index for c in ends) == [0, 1, 2] and all(c.usage.completion_tokens == 6 for c in ends)
+        assert len([c for c in chunks if c.prompt_logprobs]) == 1
+        assert len(next(c for c in chunks if c.prompt_logprobs).prompt_logprobs) == len(prompt) - 1
+        for i in range(3):  # choice i is the single request with seed + i
+            single = ids_request(prompt, max_tokens=6, seed=11 + i, ignore_eos=True)
+            single.sampling.temperature = 1.0
+            assert [t for c in await collect(stub, single) for t in c.token_ids] == tokens[i]
+
+    serve_grpc(cluster, body)
+
+
 def test_bad_inputs_get_invalid_argument_naming_the_field(cluster):
     cases = [
         (pb.GenerateRequest(prompt=""), "prompt"),
         (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p"),
         (ids_request([1, 10**6]), "prompt_token_ids.ids[1]"),
         (pb.GenerateRequest(), "prompt, prompt_token_ids or messages"),
+        (ids_request([1, 2], n=17), "sampling.n = 17 exceeds this server's max_n of 16"),
+        (ids_request([1, 2], logit_bias={3: -200.0}), "sampling.logit_bias[3]"),
     ]
 
     async def body(stub, channel):

@@ -3,6 +3,9 @@ client against the real OpenAI HTTP server (and the gRPC router), a real
 ``RouterBackend``, one Ray Serve replica of the default model
 (SmolLM2-135M-Instruct) and Redis.
 
+The request surface beyond them (n, logit_bias, echo, a list of prompts)
+runs on the same cluster, at the end.
+
 What the engine enforces must reach a client as that client's library sees
 it: ``chat.completions.parse`` gets a Pydantic object for every prompt,
 every tool call's arguments validate against its tool's schema, a streamed
@@ -366,3 +369,75 @@ def test_grpc_json_schema_matches_http_and_bad_regex_is_invalid_argument(client,
     Person.model_validate_json(text)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs.regex does not compile" in error.details()
+
+
+# ------------------------------------------------ the rest of the request surface
+# (n, logit_bias, echo, batched prompts on the same cluster: a second one would double its start-up)
+
+
+def test_n_choices_through_the_openai_client_streamed_and_not(client, model, cluster):
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, n=3,
+                                    temperature=0.8, seed=5, logprobs=0)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.text for c in out.choices)
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)  # one prompt, 3 choices
+    singles = [client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                         temperature=0.8, seed=5 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in out.choices] == singles  # choice i is the request seeded with seed + i
+    stream = client.chat.completions.create(model=model, messages=user("Name a color."), max_tokens=6, n=3,
+                                            temperature=0.8, stream=True, stream_options={"include_usage": True})
+    text: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
+        usage = chunk.usage or usage
+    assert sorted(text) == [0, 1, 2] and all(text.values())
+    assert usage is not None and usage.completion_tokens > 6
+    wait_idle_without_leak(cluster[0])
+
+
+def test_logit_bias_bans_and_forces_a_token(client, model, cluster):
+    tokenizer = RouterTokenizer.from_model_dir(cluster[1])
+    prompt = "One, two, three, four,"
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0)
+    word = greedy.choices[0].logprobs.tokens[0]  # the greedy first token, e.g. " five"
+    (banned_id,) = tokenizer.encode(word, add_special_tokens=False)
+    banned = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0.0, n=4, logprobs=0,
+                                       logit_bias={str(banned_id): -100})
+    for choice in banned.choices:
+        assert word not in choice.logprobs.tokens
+    forced_id = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.9, seed=2,
+                                       logit_bias={str(forced_id): 100})
+    assert tokenizer.encode(forced.choices[0].text, add_special_tokens=False) == [forced_id] * 4
+    wait_idle_without_leak(cluster[0])
+
+
+def test_echo_and_a_list_of_prompts(client, model, cluster):
+    prompts = ["Roses are red,", "The sky is", "1, 2, 3,", "Hello, my name is"]
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0.0, echo=True)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for prompt, choice in zip(prompts, out.choices):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0.0)
+        assert choice.text == prompt + alone.choices[0].text
+    scored = client.completions.create(model=model, prompt="The cat sat on the", max_tokens=1, temperature=0.0,
+                                       echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == scored.choices[0].text
+    wait_idle_without_leak(cluster[0])
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"n": 17}, "n"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+])
+def test_bad_choice_and_bias_requests_are_400_and_leak_nothing(client, model, cluster, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, **kwargs)
+    assert info.value.response.json()["error"]["param"] == param
+    wait_idle_without_leak(cluster[0])

@@ -98,6 +98,12 @@ def next_token(token_ids: Seq[int]) -> int:
     return acc % VOCAB
 
 
+def fork_token(context: Seq[int], index: int) -> int:
+    """The fake model's first token of choice ``index`` of a parallel-sampling request
+    (choice 0 samples ``next_token``): distinct per choice, so the choices diverge."""
+    return (next_token(context) + index) % VOCAB
+
+
 def echo_token(token_ids: Seq[int]) -> int:
     """A fake model that mostly repeats itself (the token 4 back, two times in
     three), so n-gram proposals are often right and often wrong."""
@@ -181,7 +187,10 @@ class FakeRunner:
                     pos = req.num_computed_tokens + len(req.input_token_ids) - len(drafts) - 1 + depth[i]
                 self.device[req.block_ids[slot_pos // bs]][slot_pos % bs] = (token, pos)
             sampled.append(self._verify(context, drafts, parents) if req.num_sample_tokens else [])
-        return ModelOutput(sampled_token_ids=sampled, logprobs=[None] * len(sampled))
+        forks = [[(fork_token(context, j + 1), None) for j in range(len(req.fork_params))] if req.fork_params else None
+                 for req, context in zip(sched.scheduled, contexts)]
+        return ModelOutput(sampled_token_ids=sampled, logprobs=[None] * len(sampled),
+                           fork_samples=forks if any(f is not None for f in forks) else None)
 
     def _verify(self, context: list[int], drafts: list[int], parents: list[int]) -> list[int]:
         """The model's token after the context, then after each draft it agrees

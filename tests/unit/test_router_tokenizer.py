@@ -8,6 +8,8 @@ and ``LLM.encode`` run unbound on the engine's own tokenizer, so no weights load
 
 from __future__ import annotations
 
+import re
+
 import functools
 import itertools
 import json
@@ -140,9 +142,34 @@ def test_unset_optional_fields_take_the_python_defaults():
     SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=-3, stop=("\n\n", "END"),
                    stop_token_ids=(2, 7), ignore_eos=True, repetition_penalty=1.1,
                    presence_penalty=-0.5, frequency_penalty=0.25, logprobs=5),
+    SamplingParams(n=3, logit_bias={5: -100.0, 9: 2.5}, allowed_token_ids=(5, 9, 11), bad_words=("no", "never"),
+                   min_tokens=2, prompt_logprobs=1),
 ])
 def test_sampling_params_round_trip(params):
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+
+
+def test_choice_index_and_logprobs_reach_the_proto():
+    from cluster.shared.types import TokenLogprob
+
+    entry = TokenLogprob(5, -0.25, ((5, -0.25), (7, -2.0)))
+    msg = chunk_to_proto(StreamChunk("r", [5], "a", FinishReason.LENGTH, logprobs=[entry], completion_tokens=4,
+                                     prompt_logprobs=[None, entry], index=2, more_choices=True))
+    assert msg.index == 2 and msg.finish_reason == "length" and msg.usage.completion_tokens == 4
+    assert [(e.token_id, e.logprob) for e in msg.logprobs] == [(5, -0.25)]
+    assert [(t.token_id, t.logprob) for t in msg.logprobs[0].top_logprobs] == [(5, -0.25), (7, -2.0)]
+    assert len(msg.prompt_logprobs) == 1
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (pb.SamplingParams(n=17), "sampling.n = 17 exceeds this server's max_n of 16"),
+    (pb.SamplingParams(logit_bias={5: 101.0}), "sampling.logit_bias[5] = 101.0 is out of range"),
+    (pb.SamplingParams(logit_bias={10**6: 1.0}), "sampling.logit_bias names token 1000000"),
+    (pb.SamplingParams(allowed_token_ids=[10**6]), "sampling.allowed_token_ids names token"),
+])
+def test_bad_choice_and_processor_fields_name_the_field(router_tok, sampling, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        request_from_proto(pb.GenerateRequest(prompt="hi", sampling=sampling), router_tok)
 
 
 def test_request_round_trip(router_tok):

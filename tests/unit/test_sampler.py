@@ -243,3 +243,41 @@ def test_top_k_matches_transformers():
     for row, k in enumerate(ks):
         theirs = TopKLogitsWarper(k)(None, logits[row : row + 1].clone())
         assert torch.equal(ours[row : row + 1], theirs)
+
+
+def test_logit_processors_equal_their_dense_definition():
+    """logit_bias, allowed_token_ids, bad_words and min_tokens, applied sparsely in place,
+    give the logprobs of the dense edit (bias added, the rest -inf), row by row."""
+    logits = make_logits(5)
+    dense = logits.clone()
+    requests = [
+        make_request(temperature=0.0, logprobs=3, logit_bias={4: 2.5, 9: -100}),
+        make_request(temperature=0.0, logprobs=3, allowed_token_ids=[7, 8, 40]),
+        make_request(output=(5, 6), temperature=0.0, logprobs=3, bad_words_token_ids=[(6, 11), (12,), (5, 13)]),
+        make_request(output=(1,), temperature=0.0, logprobs=3, min_tokens=3, stop_token_ids=[20]),
+        make_request(temperature=0.0, logprobs=3),
+    ]
+    requests[3].min_tokens_banned_ids = (2, 20)  # the scheduler names EOS and the stop ids
+    dense[0, 4] += 2.5
+    dense[0, 9] += -100
+    keep = torch.full((VOCAB,), float("-inf"))
+    keep[[7, 8, 40]] = 0
+    dense[1] += keep
+    dense[2, [11, 12]] = float("-inf")  # (5, 13): the output does not end with 5
+    dense[3, [2, 20]] = float("-inf")
+    token_ids, logprobs = Sampler(seed=0)(logits, requests)
+    assert token_ids == dense.argmax(dim=-1).tolist()
+    expected = dense.log_softmax(dim=-1)
+    for row, entry in enumerate(logprobs):
+        assert entry[0].logprob == pytest.approx(expected[row, token_ids[row]].item(), abs=1e-5)
+    assert token_ids[1] in (7, 8, 40)
+
+
+def test_fork_rows_sample_as_their_own_requests():
+    """A forked choice samples from its parent's row with its own seed: the same token as a
+    request with that seed alone."""
+    logits = make_logits(1)
+    alone = [Sampler(seed=0)(logits.clone(), [make_request(temperature=1.0, seed=s)])[0][0] for s in (7, 8, 9)]
+    rows = logits.expand(3, VOCAB).contiguous()
+    together, _ = Sampler(seed=0)(rows, [make_request(temperature=1.0, seed=s) for s in (7, 8, 9)])
+    assert together == alone

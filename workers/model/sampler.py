@@ -204,7 +204,8 @@ class Sampler:
 
         Args:
             logits: [N, V] float32 logits of the rows that sample; rows with a
-                grammar mask are masked in place (the rest is not modified).
+                grammar mask or the request's own edits (logit_bias, ...) are
+                edited in place (the rest is not modified).
             requests: The N requests, aligned with the rows.
 
         Returns:
