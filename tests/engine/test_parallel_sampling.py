@@ -165,3 +165,19 @@ def test_async_streams_every_choice_and_cancel_frees_the_group(tiny):
     finally:
         front.shutdown()
     assert_all_blocks_free_or_cached(tiny.engine.scheduler)
+
+
+def test_bench_parallel_holds_one_prompt_and_the_outputs(tiny_dir, tmp_path):
+    import argparse
+    import json
+
+    from cluster.bench.parallel import run_parallel
+
+    path = tmp_path / "parallel.json"
+    args = argparse.Namespace(input_len=42, n=4, output_len=9, temperature=0.8, rounds=1, json=str(path))
+    assert run_parallel(args, {"model": str(tiny_dir), "block_size": 4}) == 0
+    report = json.loads(path.read_text())
+    ways = report["ways"]
+    assert report["peak_blocks_bound"] == 11 + 4 * 3  # 42 tokens: 11 blocks; each output 2 + 9 tokens from a partial
+    assert ways["n=N"]["peak_blocks"] <= report["peak_blocks_bound"] < ways["separate, cache off"]["peak_blocks"]
+    assert all(way["identical"] for way in ways.values())
