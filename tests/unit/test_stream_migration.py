@@ -180,3 +180,51 @@ def test_continuation_keeps_everything_but_prompt_budget_and_id():
     cont = continuation(request, [5, 6], 2)
     assert cont.prompt_token_ids == [9, 9, 5, 6] and cont.sampling_params.max_tokens == 8
     assert (cont.request_id, cont.priority, cont.cache_salt, cont.sampling_params.stop) == ("x-m2", 3, "tenant", (".",))
+
+
+class ChoiceScript:
+    """A request with n choices: choice c continues ``TARGET + 10 * c`` from where its prompt
+    ends (a one-choice continuation says which choice it is by its seed); the first attempt
+    dies after ``die_after`` rounds of one chunk per choice."""
+
+    def __init__(self, die_after: int) -> None:
+        self.die_after = die_after
+        self.requests: list[GenerationRequest] = []
+
+    async def __call__(self, request: GenerationRequest):
+        self.requests.append(request)
+        params = request.sampling_params
+        first_attempt = len(self.requests) == 1
+        choices = range(params.num_choices) if params.num_choices > 1 else [params.seed - 100]
+        done = len(request.prompt_token_ids) - 4
+        for i in range(params.max_tokens):
+            if first_attempt and i == self.die_after:
+                raise ActorDiedError()
+            for c in choices:
+                last = i == params.max_tokens - 1
+                token = TARGET[done + i] + 10 * c
+                yield StreamChunk(request.request_id, [token], f"<{token}>", FinishReason.LENGTH if last else None,
+                                  prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1,
+                                  index=c if params.num_choices > 1 else 0,
+                                  more_choices=params.num_choices > 1 and not (last and c == choices[-1]))
+
+
+def test_choices_of_a_dead_replica_continue_each_as_its_own_request():
+    from router.migration import migrating_choices
+
+    request = GenerationRequest("r1", [1, 2, 3, 4], SamplingParams(max_tokens=8, temperature=1.0, seed=100, n=3))
+    script = ChoiceScript(die_after=3)
+
+    async def main():
+        return [c async for c in migrating_choices(script, request, 3, None)]
+
+    chunks = asyncio.run(main())
+    for c in range(3):
+        mine = [chunk for chunk in chunks if chunk.index == c]
+        assert [t for chunk in mine for t in chunk.token_ids] == [t + 10 * c for t in TARGET]
+        assert [chunk.finish_reason for chunk in mine].count(FinishReason.LENGTH) == 1
+    assert chunks[-1].finished and not any(chunk.finished for chunk in chunks[:-1])
+    continued = script.requests[1:]
+    assert sorted(r.sampling_params.seed for r in continued) == [100, 101, 102]  # choice i: seed + i
+    assert all(r.sampling_params.n == 1 and r.prompt_token_ids[4:] == [t + 10 * (r.sampling_params.seed - 100)
+                                                                        for t in TARGET[:3]] for r in continued)
