@@ -75,6 +75,14 @@ def is_replica_death(exc: BaseException) -> bool:
     return False
 
 
+def _check_limit(exc: BaseException, request: GenerationRequest, migrations: int, migration_limit: int) -> None:
+    """Raises MigrationLimitError (from the replica's death ``exc``) once the limit is spent."""
+    if migrations >= migration_limit:
+        raise MigrationLimitError(
+            f"request {request.request_id}: its replica died after {migrations} migration(s), the "
+            f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
+
+
 def continuation(request: GenerationRequest, generated: list[int], attempt: int) -> GenerationRequest:
     """The request that continues ``request`` after ``generated`` tokens were streamed."""
     sampling = request.sampling_params
@@ -175,10 +183,7 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
         except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
             if not is_replica_death(exc):
                 raise
-            if migrations >= migration_limit:
-                raise MigrationLimitError(
-                    f"request {request.request_id}: its replica died after {migrations} migration(s), the "
-                    f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
+            _check_limit(exc, request, migrations, migration_limit)
             migrations += 1
             logger.warning("request %s: replica died after %d streamed token(s): migrating (%d of at most %d)",
                            request.request_id, len(generated), migrations, migration_limit)
@@ -240,10 +245,7 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
         except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
             if not is_replica_death(exc):
                 raise
-            if migrations >= migration_limit:
-                raise MigrationLimitError(
-                    f"request {request.request_id}: its replica died after {migrations} migration(s), the "
-                    f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
+            _check_limit(exc, request, migrations, migration_limit)
             migrations += 1
             logger.warning("request %s: replica died with %d choice(s) unfinished: migrating (%d of at most %d)",
                            request.request_id, done.count(False), migrations, migration_limit)
