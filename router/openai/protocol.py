@@ -1,4 +1,6 @@
-"""OpenAI request parsing and response bodies for ``router.openai`` (no I/O).
+"""OpenAI request parsing for ``router.openai`` (no I/O); the pieces of
+response bodies are in ``bodies.py``, the choice and logit-edit fields in
+``request_fields.py``.
 
 Requests are JSON objects as the OpenAI API (and vLLM's extras) define them.
 Validation errors are :class:`APIError` whose message names the field as the
@@ -16,10 +18,12 @@ from typing import Any, Optional
 
 from starlette.responses import JSONResponse
 
-from cluster.shared.types import GenerationRequest, SamplingParams, StreamChunk, TokenLogprob
+from cluster.shared.types import GenerationRequest, SamplingParams
 from router.backend import ModelInfo
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import LimitError, Limits
+from router.openai.errors import APIError, bad_request, is_ids, number, param_of
+from router.openai.request_fields import choice_fields, processor_fields
 from router.structured_request import StructuredRequestError, structured_outputs_from_body
 from router.tokenizer import RouterTokenizer
 from router.tools import (ToolError, ToolPlan, apply_tool_constraint, message_tool_fields, parse_tool_plan,
@@ -28,53 +32,7 @@ from router.tools import (ToolError, ToolPlan, apply_tool_constraint, message_to
 MAX_CACHE_SALT_CHARS = 256
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("seed", "top_k")
-# Integer ranges of the gRPC contract (int64 seed, int32 top_k and priority), enforced on HTTP too.
-_INT_RANGES = {"seed": (-2**63, 2**64 - 1), "top_k": (-2**31, 2**31 - 1), "priority": (-2**31, 2**31 - 1)}
 
-
-class APIError(Exception):
-    """An error returned to the client as an OpenAI error body.
-
-    Args:
-        status: HTTP status code.
-        message: What went wrong and what to change.
-        param: The request field at fault, if any.
-        type_: OpenAI error type.
-        code: Machine-readable code, if any.
-        headers: Extra response headers (``Retry-After`` of a 429).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: Optional[str] = None,
-        type_: str = "invalid_request_error",
-        code: Optional[str] = None,
-        headers: Optional[dict[str, str]] = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: Optional[str] = None) -> APIError:
-    """A 400 ``invalid_request_error``."""
-    return APIError(400, message, param)
-
-
-def param_of(message: str) -> Optional[str]:
-    """The field a ``SamplingParams``/tokenizer message starts with (``top_p must ...`` → ``top_p``)."""
-    head = message.split(" ", 1)[0].split("[", 1)[0]
-    return head if head.replace("_", "").replace(".", "").isalnum() else None
 
 
 @dataclass
@@ -112,27 +70,6 @@ class ParsedRequest:
         return self.request.sampling_params.num_choices
 
 
-def _number(body: dict, name: str, integer: bool) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        kind = "an integer" if integer else "a number"
-        raise bad_request(f"{name} must be {kind}, got {value!r}", name)
-    if integer and not isinstance(value, int):
-        if not float(value).is_integer():
-            raise bad_request(f"{name} must be an integer, got {value!r}", name)
-        value = int(value)
-    if not integer:
-        value = float(value)
-        if not math.isfinite(value):
-            raise bad_request(f"{name} must be a finite number, got {value!r}", name)
-    elif name in _INT_RANGES and not _INT_RANGES[name][0] <= value <= _INT_RANGES[name][1]:
-        low, high = _INT_RANGES[name]
-        raise bad_request(f"{name} must be in [{low}, {high}], got {value!r}", name)
-    return value
-
-
 def _check_model(body: dict, model: ModelInfo) -> str:
     name = body.get("model")
     if name is None:
@@ -157,14 +94,10 @@ def _check_unsupported(body: dict, chat: bool) -> None:
     # tools / tool_choice / functions: _tool_plan (router/tools) on chat, refused on completions
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in value)
-
-
 def _prompts(body: dict, limits: Limits) -> list[Any]:
     """The prompts of a completions body: a string, token ids, or a list of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not _is_ids(prompt):
+    if isinstance(prompt, list) and prompt and not is_ids(prompt):
         limits.check_n(len(prompt), "prompt")
         return prompt
     return [prompt]
@@ -175,7 +108,7 @@ def _prompt_ids(prompt: Any, tokenizer: RouterTokenizer, name: str = "prompt") -
         if not prompt:
             raise bad_request(f"{name} is empty: send at least one character", "prompt")
         return tokenizer.encode(prompt)
-    if _is_ids(prompt):
+    if is_ids(prompt):
         if not prompt:
             raise bad_request(f"{name} is empty: send at least one token id", "prompt")
         try:
@@ -251,16 +184,16 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, 
                      vocab_size: Optional[int] = None) -> SamplingParams:
     kwargs: dict[str, Any] = {}
     for name in _FLOATS:
-        value = _number(body, name, integer=False)
+        value = number(body, name, integer=False)
         if value is not None:
             kwargs[name] = value
     for name in _INTS:
-        value = _number(body, name, integer=True)
+        value = number(body, name, integer=True)
         if value is not None:
             kwargs[name] = value
     limits.check_prompt(prompt_len, model.max_model_len, "messages" if chat else "prompt")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = limits.resolve_max_tokens(_number(body, max_name, integer=True), prompt_len, model.max_model_len,
+    max_tokens = limits.resolve_max_tokens(number(body, max_name, integer=True), prompt_len, model.max_model_len,
                                            max_name, default=None if chat else 16)
     kwargs["max_tokens"] = max_tokens
     stop = body.get("stop")
@@ -285,9 +218,9 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, 
             raise bad_request("ignore_eos must be true or false", "ignore_eos")
         kwargs["ignore_eos"] = ignore_eos
     kwargs["logprobs"] = _logprobs(body, chat, limits)
-    kwargs.update(_choice_fields(body, chat, limits))
-    kwargs.update(_processor_fields(body, vocab_size))
-    prompt_lp = _number(body, "prompt_logprobs", integer=True)
+    kwargs.update(choice_fields(body, chat, limits))
+    kwargs.update(processor_fields(body, vocab_size))
+    prompt_lp = number(body, "prompt_logprobs", integer=True)
     limits.check_logprobs(prompt_lp, "prompt_logprobs")
     if prompt_lp is not None:
         kwargs["prompt_logprobs"] = prompt_lp
@@ -301,85 +234,15 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, 
         raise bad_request(str(exc), param_of(str(exc))) from None
 
 
-def _choice_fields(body: dict, chat: bool, limits: Limits) -> dict[str, Any]:
-    """``n`` and ``best_of`` (completions only), within ``max_n``; best_of >= n, not streamed."""
-    out: dict[str, Any] = {}
-    n = _number(body, "n", integer=True)
-    if n is not None:
-        if n < 1:
-            raise bad_request(f"n must be >= 1, got {n}", "n")
-        limits.check_n(n, "n")
-        out["n"] = n
-    best_of = None if chat else _number(body, "best_of", integer=True)
-    if best_of is not None:
-        if best_of < (n or 1):
-            raise bad_request(f"best_of = {best_of} must be >= n = {n or 1}: raise best_of or lower n", "best_of")
-        limits.check_n(best_of, "best_of")
-        if best_of > (n or 1) and body.get("stream"):
-            raise bad_request("best_of cannot be streamed (the best choices are known only at the end): "
-                              "set stream to false or leave best_of unset", "best_of")
-        out["best_of"] = best_of
-    return out
-
-
-def _token_id_list(body: dict, name: str, vocab_size: Optional[int]) -> Optional[tuple[int, ...]]:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_ids(value) or not value:
-        raise bad_request(f"{name} must be a non-empty list of integer token ids", name)
-    bad = [t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size)]
-    if bad:
-        raise bad_request(f"{name} holds {bad[0]}, not a token id: ids must be in [0, {vocab_size})", name)
-    return tuple(value)
-
-
-def _processor_fields(body: dict, vocab_size: Optional[int]) -> dict[str, Any]:
-    """``logit_bias`` (OpenAI: token id -> [-100, 100]) and vLLM's ``allowed_token_ids``,
-    ``bad_words`` and ``min_tokens``."""
-    out: dict[str, Any] = {}
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad_request('logit_bias must be an object mapping token ids to biases, like {"50256": -100}',
-                              "logit_bias")
-        pairs = []
-        for key, value in bias.items():
-            text = str(key).strip()
-            if not (text.isdigit() and (vocab_size is None or int(text) < vocab_size)):
-                limit = f"[0, {vocab_size})" if vocab_size is not None else "integers >= 0"
-                raise bad_request(f"logit_bias key {key!r} is not a token id: keys must be token ids in {limit}",
-                                  "logit_bias")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise bad_request(f"logit_bias[{key!r}] = {value!r} is out of range: biases must be numbers "
-                                  "in [-100, 100]", "logit_bias")
-            pairs.append((int(text), float(value)))
-        out["logit_bias"] = tuple(pairs)
-    allowed = _token_id_list(body, "allowed_token_ids", vocab_size)
-    if allowed is not None:
-        out["allowed_token_ids"] = allowed
-    words = body.get("bad_words")
-    if words is not None:
-        if isinstance(words, str):
-            words = [words]
-        if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
-            raise bad_request("bad_words must be a list of non-empty strings", "bad_words")
-        out["bad_words"] = tuple(words)
-    min_tokens = _number(body, "min_tokens", integer=True)
-    if min_tokens is not None:
-        out["min_tokens"] = min_tokens
-    return out
-
-
 def _logprobs(body: dict, chat: bool, limits: Limits) -> Optional[int]:
     if not chat:
-        num = _number(body, "logprobs", integer=True)
+        num = number(body, "logprobs", integer=True)
         limits.check_logprobs(num, "logprobs")
         return num
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise bad_request("logprobs must be true or false for chat completions", "logprobs")
-    top = _number(body, "top_logprobs", integer=True)
+    top = number(body, "top_logprobs", integer=True)
     limits.check_logprobs(top, "top_logprobs")
     if top is not None and top < 0:
         raise bad_request(f"top_logprobs must be in [0, {limits.max_logprobs}], got {top}", "top_logprobs")
@@ -449,7 +312,7 @@ def _parse_request(
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
         raise bad_request(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
-    priority = _number(body, "priority", integer=True) or 0
+    priority = number(body, "priority", integer=True) or 0
     requests = []
     asked_logprobs = None
     for prompt_ids in prompts:
@@ -466,7 +329,7 @@ def _parse_request(
     first = requests[0].sampling_params
     return ParsedRequest(requests[0], stream, include_usage, chat, name, tools, requests=requests, n=first.n,
                          echo=echo, logprobs=asked_logprobs,
-                         prompt_logprobs=_number(body, "prompt_logprobs", integer=True), prompt_texts=texts)
+                         prompt_logprobs=number(body, "prompt_logprobs", integer=True), prompt_texts=texts)
 
 
 def _engine_params(params: SamplingParams, echo: bool) -> SamplingParams:
@@ -477,107 +340,6 @@ def _engine_params(params: SamplingParams, echo: bool) -> SamplingParams:
     if echo and params.logprobs is not None:
         params = replace(params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
     return params
-
-
-def usage_body(last: Optional[StreamChunk]) -> dict[str, Any]:
-    """``usage`` from the final chunk's counters."""
-    prompt = last.prompt_tokens if last else 0
-    completion = last.completion_tokens if last else 0
-    return usage_totals(prompt, completion, last.cached_prompt_tokens if last else 0)
-
-
-def usage_totals(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """``usage`` of a request: each prompt counted once, the completion tokens of every choice."""
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def finish_reason(chunk: StreamChunk) -> Optional[str]:
-    """The finish reason as OpenAI spells it (``stop`` / ``length``; ``abort`` as vLLM does), None until the end."""
-    return chunk.finish_reason.value if chunk.finish_reason is not None else None
-
-
-def completion_logprobs(entries: list[TokenLogprob], tokenizer: RouterTokenizer, offset: int) -> dict[str, Any]:
-    """Legacy completions ``logprobs`` object for ``entries`` (text offsets start at ``offset``)."""
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for entry in entries:
-        token = tokenizer.decode([entry.token_id], skip_special_tokens=False)
-        out["tokens"].append(token)
-        out["token_logprobs"].append(entry.logprob)
-        out["top_logprobs"].append(
-            {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in entry.top_logprobs}
-        )
-        out["text_offset"].append(offset)
-        offset += len(token)
-    return out
-
-
-def echo_logprobs(prompt_ids: list[int], entries: list[Optional[TokenLogprob]], top: int,
-                  tokenizer: RouterTokenizer) -> dict[str, Any]:
-    """Legacy completions ``logprobs`` of an echoed prompt: every prompt token, its
-    logprob and ``top`` alternatives (``None`` for the first: nothing predicts it)."""
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
-    for i, token_id in enumerate(prompt_ids):
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
-        entry = entries[i] if i < len(entries) else None
-        out["tokens"].append(token)
-        out["token_logprobs"].append(entry.logprob if entry is not None else None)
-        out["top_logprobs"].append({tokenizer.decode([t], skip_special_tokens=False): lp
-                                    for t, lp in entry.top_logprobs[:top]} if entry is not None else None)
-        out["text_offset"].append(offset)
-        offset += len(token)
-    return out
-
-
-def merge_completion_logprobs(first: Optional[dict[str, Any]], later: Optional[dict[str, Any]],
-                              shift: int) -> Optional[dict[str, Any]]:
-    """Two legacy ``logprobs`` objects end to end (``later``'s offsets moved by ``shift``)."""
-    if first is None or later is None:
-        return later if first is None else first
-    return {"tokens": first["tokens"] + later["tokens"],
-            "token_logprobs": first["token_logprobs"] + later["token_logprobs"],
-            "top_logprobs": first["top_logprobs"] + later["top_logprobs"],
-            "text_offset": first["text_offset"] + [o + shift for o in later["text_offset"]]}
-
-
-def prompt_logprobs_body(entries: Optional[list[Optional[TokenLogprob]]], top: int,
-                         tokenizer: RouterTokenizer) -> Optional[list[Optional[dict[str, Any]]]]:
-    """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or
-    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the token and its ``top`` best
-    (rank 1 is the likeliest; None for the prompt's token outside the top)."""
-    if entries is None:
-        return None
-    out: list[Optional[dict[str, Any]]] = []
-    for entry in entries:
-        if entry is None:
-            out.append(None)
-            continue
-        ranks = {t: r + 1 for r, (t, _) in enumerate(entry.top_logprobs)}
-        items = {entry.token_id: entry.logprob, **{t: lp for t, lp in entry.top_logprobs[:top]}}
-        out.append({str(t): {"logprob": lp, "rank": ranks.get(t),
-                             "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
-                    for t, lp in items.items()})
-    return out
-
-
-def chat_logprobs(entries: list[TokenLogprob], tokenizer: RouterTokenizer) -> dict[str, Any]:
-    """Chat ``logprobs`` object (``{"content": [...]}``) for ``entries``."""
-
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    return {
-        "content": [
-            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]}
-            for e in entries
-        ]
-    }
 
 
 def error_response(err: APIError) -> JSONResponse:

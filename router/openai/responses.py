@@ -27,19 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.shared.types import StreamChunk
-from router.openai.protocol import (
-    ParsedRequest,
-    backend_error,
-    chat_logprobs,
-    completion_logprobs,
-    echo_logprobs,
-    error_response,
-    finish_reason,
-    internal_error,
-    merge_completion_logprobs,
-    prompt_logprobs_body,
-    usage_totals,
-)
+from router.openai.bodies import (chat_logprobs, completion_logprobs, echo_logprobs, finish_reason,
+                                  merge_completion_logprobs, prompt_logprobs_body, usage_totals)
+from router.openai.protocol import ParsedRequest, backend_error, error_response, internal_error
 from router.tools import ParserDelta, make_parser, parse_tool_output, tool_finish_reason
 
 logger = logging.getLogger(__name__)

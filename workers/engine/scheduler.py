@@ -36,20 +36,10 @@ after the runner computed the step. One ``schedule()`` must be followed by
 its ``update_from_output`` (even when the output is empty: sequences that
 could never fit are reported there) before the next ``schedule()``.
 
-Parallel sampling (``n`` / ``best_of``): a request is one sequence until it
-samples its first token; in that step the runner samples every choice from
-the same last row (``ScheduledRequest.fork_params``), and ``update_from_output``
-forks a sequence per extra choice that shares the prompt's KV
-(``KVCacheManager.fork``: full blocks by reference, the partial last block
-copied)::
-
-    step k     parent: prompt chunk ..L-1, samples choices 0..n-1
-    update     parent gets token 0; fork i gets token i, blocks [shared | copy]
-    step k+1   n decodes, each writing its own block from position L on
-
-Every choice counts against ``max_num_seqs`` from admission on (its slots
-are held while the parent prefills), as in vLLM. A fork that finds no free
-block waits to be recomputed (its prompt then comes from the prefix cache).
+Parallel sampling (``n`` / ``best_of``): a request forks into its choices
+in the step that samples its first token; the choices share the prompt's KV
+and every one holds a ``max_num_seqs`` slot from admission on
+(``forks.py``).
 
 The queues and their order live in ``request_queue.py``; what a request must
 be to run here, in ``validation.py``.
@@ -63,6 +53,7 @@ from typing import Sequence as Sequence_
 
 from cluster.shared.config import SchedulerConfig
 from cluster.shared.types import FinishReason, TokenLogprob
+from workers.engine.forks import fork_choices, slots_taken
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.request_queue import RequestQueue
@@ -337,12 +328,8 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.queue.requeue(seq, SequenceStatus.WAITING)
 
-    def _num_slots_taken(self) -> int:
-        """Running sequences and the choices they will fork (held slots)."""
-        return self.num_running + sum(len(s.pending_forks) for s in self.queue.running)
-
     def _has_slots_for(self, seq: Sequence) -> bool:
-        return self._num_slots_taken() + 1 + len(seq.pending_forks) <= self.max_num_seqs
+        return slots_taken(self.queue) + 1 + len(seq.pending_forks) <= self.max_num_seqs
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         swapped = self.queue.swapped
@@ -506,38 +493,14 @@ class Scheduler:
             forks = []
             if req.fork_params:
                 assert model_out.fork_samples is not None and model_out.fork_samples[i] is not None, req.request_id
-                forks = self._fork(seq, model_out.fork_samples[i])
+                forks, moves = fork_choices(seq, model_out.fork_samples[i], self.kv_manager, self.queue,
+                                            self._check_stop)
+                self._kv_moves.extend(moves)
             new_ids = self._append_tokens(seq, sampled)
             self._receive_proposals(seq, model_out, i)
             logprobs = model_out.logprobs[i] if i < len(model_out.logprobs) else None
             results.append((seq, new_ids, logprobs[: len(new_ids)] if logprobs is not None else None))
             results.extend(forks)
-        return results
-
-    def _fork(self, seq: Sequence, samples: list[tuple[int, Optional[list[TokenLogprob]]]]) -> list[StepResult]:
-        """Forks ``seq``'s pending choices, each with its sampled first token
-        (before ``seq`` appends its own, which may finish and free it). A fork
-        that does not end on that token shares ``seq``'s KV and runs, or,
-        without a free block, waits for recompute."""
-        assert len(samples) == len(seq.pending_forks), (seq.request_id, samples)
-        results: list[StepResult] = []
-        for (child_id, params, grammar), (token_id, logprobs) in zip(seq.pending_forks, samples):
-            child = seq.fork(child_id, params, len(results) + 1)
-            child.grammar = grammar
-            child.append_token(token_id)
-            reason = self._check_stop(child, token_id)
-            if reason is not None:
-                child.status = SequenceStatus.FINISHED
-                child.finish_reason = reason
-            else:
-                moves = self.kv_manager.fork(seq, child)
-                if moves is not None:
-                    self._kv_moves.extend(moves)
-                    self.queue.add_running(child)
-                else:
-                    self.queue.add(child)
-            results.append((child, [token_id], logprobs[:1] if logprobs is not None else None))
-        seq.pending_forks = []
         return results
 
     def _apply_verified(self, seq: Sequence, req: ScheduledRequest, model_out: ModelOutput, i: int) -> StepResult:
