@@ -2,6 +2,12 @@
 into the prefixserve cache folder and loaded with ctypes (which releases the
 GIL during a call).
 
+Sources live as C files in ``csrc/`` beside this module (package data):
+``source(name)`` reads one and writes each of its local includes (a
+quoted header of ``csrc/``) out in full (shared pieces, such as the vector ``exp`` of several
+kernels), so the text that is hashed and compiled is the whole kernel and a
+changed header rebuilds what includes it.
+
 A kernel is built once per source, flags and machine (the digest names the
 file, so concurrent builders agree and a changed source rebuilds). No
 compiler, or a failed build, returns None: callers fall back to torch and
@@ -20,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +41,16 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
+
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+_LOCAL_INCLUDE = re.compile(r'^#\s*include "([A-Za-z0-9_.]+)"$', re.MULTILINE)
+
+
+def source(name: str) -> str:
+    """The C text of ``csrc/<name>``, its local includes written out (recursively)."""
+    text = (CSRC / name).read_text()
+    return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)), text)
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,259 @@
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MRQ 6
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+/* 32 bytes of k-pairs -> q of input 2kk (lo) and 2kk+1 (hi) for columns 0..15 (0) and 16..31 (1) */
+#define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
+    const __m256i b_ = _mm256_loadu_si256((const __m256i*)(p));                          \
+    const __m256i m_ = _mm256_set1_epi8(0x0F);                                           \
+    const __m256i l_ = _mm256_and_si256(b_, m_);                                         \
+    const __m256i h_ = _mm256_and_si256(_mm256_srli_epi16(b_, 4), m_);                   \
+    lo0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(l_)));          \
+    lo1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(l_, 1)));     \
+    hi0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(h_)));          \
+    hi1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h_, 1)));     \
+} while (0)
+#define LOAD_S8(p, w0, w1) do {                                                          \
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))));        \
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((p) + 16))));  \
+} while (0)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+#define MRQ 3
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
+    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
+    const __m128i m_ = _mm_set1_epi8(0x0F);                                              \
+    const __m128i l_ = _mm_and_si128(b_, m_);                                            \
+    const __m128i h_ = _mm_and_si128(_mm_srli_epi16(b_, 4), m_);                         \
+    lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l_));                                  \
+    lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l_, 8)));               \
+    hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h_));                                  \
+    hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h_, 8)));               \
+} while (0)
+#define LOAD_S8(p, w0, w1) do {                                                          \
+    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b_));                                   \
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b_, 8)));                \
+} while (0)
+#else
+#error "the quantized GEMM needs AVX2 and FMA"
+#endif
+#define NR (2 * VL)
+
+int qgemm_panel_width(void) { return NR; }
+#ifndef DECODE_ROWS
+#define DECODE_ROWS 16
+#endif
+
+/* R rows of x against one panel; xs: the rows' group sums [R][G] (stride G). */
+#define QUKR(R)                                                                             \
+static void qukr_##R(const float* x, long ldx, const float* xs, long G,                     \
+                     const unsigned char* q, const float* sc, const float* mn, int bits,     \
+                     long K, long gs, float* y, long ldy, int nvalid, const float* bias) {  \
+    vec acc[R][2];                                                                          \
+    for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }               \
+    for (long g = 0; g < G; ++g) {                                                          \
+        vec ga[R][2];                                                                       \
+        for (int r = 0; r < R; ++r) { ga[r][0] = VZERO(); ga[r][1] = VZERO(); }             \
+        const long k0 = g * gs;                                                             \
+        const long len = k0 + gs <= K ? gs : K - k0;  /* the last group may be shorter */   \
+        if (bits == 4) {                                                             \
+            const unsigned char* qp = q + (k0 / 2) * NR;                                    \
+            for (long kk = 0; kk < len / 2; ++kk) {                                         \
+                vec l0, l1, h0, h1;                                                         \
+                LOAD_U4(qp + kk * NR, l0, l1, h0, h1);                                      \
+                for (int r = 0; r < R; ++r) {                                               \
+                    const vec xa = VSET1(x[r * ldx + k0 + 2 * kk]);                         \
+                    ga[r][0] = VFMA(l0, xa, ga[r][0]); ga[r][1] = VFMA(l1, xa, ga[r][1]);   \
+                    const vec xb = VSET1(x[r * ldx + k0 + 2 * kk + 1]);                     \
+                    ga[r][0] = VFMA(h0, xb, ga[r][0]); ga[r][1] = VFMA(h1, xb, ga[r][1]);   \
+                }                                                                           \
+            }                                                                               \
+        } else {                                                                            \
+            const signed char* qp = (const signed char*)q + k0 * NR;                        \
+            for (long k = 0; k < len; ++k) {                                                \
+                vec w0, w1;                                                                 \
+                LOAD_S8(qp + k * NR, w0, w1);                                               \
+                for (int r = 0; r < R; ++r) {                                               \
+                    const vec xa = VSET1(x[r * ldx + k0 + k]);                              \
+                    ga[r][0] = VFMA(w0, xa, ga[r][0]); ga[r][1] = VFMA(w1, xa, ga[r][1]);   \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        const vec s0 = VLOAD(sc + g * NR), s1 = VLOAD(sc + g * NR + VL);                    \
+        for (int r = 0; r < R; ++r) {                                                       \
+            acc[r][0] = VFMA(s0, ga[r][0], acc[r][0]); acc[r][1] = VFMA(s1, ga[r][1], acc[r][1]); \
+        }                                                                                   \
+        if (mn) {                                                                           \
+            const vec m0 = VLOAD(mn + g * NR), m1 = VLOAD(mn + g * NR + VL);                \
+            for (int r = 0; r < R; ++r) {                                                   \
+                const vec xsum = VSET1(xs[r * G + g]);                                      \
+                acc[r][0] = VFMA(m0, xsum, acc[r][0]); acc[r][1] = VFMA(m1, xsum, acc[r][1]); \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    if (bias) {                                                                             \
+        const vec b0 = VLOAD(bias), b1 = VLOAD(bias + VL);                                  \
+        for (int r = 0; r < R; ++r) { acc[r][0] = VADD(acc[r][0], b0); acc[r][1] = VADD(acc[r][1], b1); } \
+    }                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                           \
+        if (nvalid == NR) {                                                                 \
+            VSTORE(y + r * ldy, acc[r][0]); VSTORE(y + r * ldy + VL, acc[r][1]);            \
+        } else {                                                                            \
+            float tmp[NR];                                                                  \
+            VSTORE(tmp, acc[r][0]); VSTORE(tmp + VL, acc[r][1]);                            \
+            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+QUKR(1) QUKR(2) QUKR(3)
+#if MRQ > 3
+QUKR(4) QUKR(5) QUKR(6)
+#endif
+
+typedef void (*qukr_fn)(const float*, long, const float*, long, const unsigned char*, const float*,
+                        const float*, int, long, long, float*, long, int, const float*);
+static const qukr_fn QUKRS[MRQ + 1] = {
+    0, qukr_1, qukr_2, qukr_3,
+#if MRQ > 3
+    qukr_4, qukr_5, qukr_6,
+#endif
+};
+
+/* A panel's q as exact small-integer floats, [K][NR] (4-bit: inputs 2kk and
+   2kk + 1 from byte row kk, as the microkernel reads them). */
+static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
+    if (bits == 4) {
+        for (long kk = 0; kk < K / 2; ++kk) {
+            vec l0, l1, h0, h1;
+            LOAD_U4(q + kk * NR, l0, l1, h0, h1);
+            VSTORE(wf + (2 * kk) * NR, l0); VSTORE(wf + (2 * kk) * NR + VL, l1);
+            VSTORE(wf + (2 * kk + 1) * NR, h0); VSTORE(wf + (2 * kk + 1) * NR + VL, h1);
+        }
+    } else {
+        for (long k = 0; k < K; ++k) {
+            vec w0, w1;
+            LOAD_S8((const signed char*)q + k * NR, w0, w1);
+            VSTORE(wf + k * NR, w0); VSTORE(wf + k * NR + VL, w1);
+        }
+    }
+}
+
+/* Up to FR rows against a decoded panel wf: the same operations in the same
+   order as qukr (per group an FMA chain from zero over the group's inputs,
+   then scale, then min), so the same bits; the running sums wait in acc
+   (L1) between groups, leaving the registers to FR rows of group sums. */
+#define FR (2 * MRQ)
+static void fukr(int R, const float* x, long ldx, const float* xs, long G, const float* wf,
+                 const float* sc, const float* mn, int bits, long K, long gs, float* y, long ldy,
+                 int nvalid, const float* bias) {
+    float acc[FR][NR] __attribute__((aligned(64)));
+    for (long g = 0; g < G; ++g) {
+        const long k0 = g * gs;
+        const long len = k0 + gs <= K ? gs : K - k0;
+        const long k1 = k0 + (bits == 4 ? (len / 2) * 2 : len);
+        vec ga[FR][2];
+        for (int r = 0; r < FR; ++r) { ga[r][0] = VZERO(); ga[r][1] = VZERO(); }
+        for (long k = k0; k < k1; ++k) {
+            const vec w0 = VLOAD(wf + k * NR), w1 = VLOAD(wf + k * NR + VL);
+            for (int r = 0; r < FR; ++r) {
+                if (r < R) {
+                    const vec xa = VSET1(x[r * ldx + k]);
+                    ga[r][0] = VFMA(w0, xa, ga[r][0]); ga[r][1] = VFMA(w1, xa, ga[r][1]);
+                }
+            }
+        }
+        const vec s0 = VLOAD(sc + g * NR), s1 = VLOAD(sc + g * NR + VL);
+        for (int r = 0; r < R; ++r) {
+            vec a0 = g ? VLOAD(acc[r]) : VZERO(), a1 = g ? VLOAD(acc[r] + VL) : VZERO();
+            a0 = VFMA(s0, ga[r][0], a0); a1 = VFMA(s1, ga[r][1], a1);
+            if (mn) {
+                const vec xsum = VSET1(xs[r * G + g]);
+                a0 = VFMA(VLOAD(mn + g * NR), xsum, a0); a1 = VFMA(VLOAD(mn + g * NR + VL), xsum, a1);
+            }
+            VSTORE(acc[r], a0); VSTORE(acc[r] + VL, a1);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        vec a0 = VLOAD(acc[r]), a1 = VLOAD(acc[r] + VL);
+        if (bias) { a0 = VADD(a0, VLOAD(bias)); a1 = VADD(a1, VLOAD(bias + VL)); }
+        if (nvalid == NR) {
+            VSTORE(y + r * ldy, a0); VSTORE(y + r * ldy + VL, a1);
+        } else {
+            float tmp[NR];
+            VSTORE(tmp, a0); VSTORE(tmp + VL, a1);
+            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);
+        }
+    }
+}
+
+/* y[M, ldy] = x[M, ldx] @ W.T (+ bias) for a quantized W (module doc).
+   q: panels, each K * bits / 8 * NR bytes; scales / mins: panels of ceil(K / gs) * NR
+   floats (mins NULL: none); bias: NULL or ceil(N / NR) * NR floats. */
+void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
+               const float* mins, int bits, long gs, long N, const float* bias, float* y, long ldy) {
+    const long P = (N + NR - 1) / NR;
+    const long G = (K + gs - 1) / gs;
+    const long qbytes = K * bits / 8 * NR;
+    float* xs = (float*)malloc(sizeof(float) * (M * G + 1));
+    for (long m = 0; m < M; ++m)
+        for (long g = 0; g < G; ++g) {
+            float s = 0.0f;
+            const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
+            for (long k = g * gs; k < end; ++k) s += x[m * ldx + k];
+            xs[m * G + g] = s;
+        }
+    const int parallel = (double)M * (double)N * (double)K > 262144.0;
+    if (M >= DECODE_ROWS) {
+        /* Many rows (prefill): each panel's q decoded to floats once, then FR rows at a time on them
+           (the small-batch kernel below converts q for every MRQ rows). Same bits either way. */
+        #pragma omp parallel if (parallel)
+        {
+            float* wf = (float*)aligned_alloc(64, sizeof(float) * (K + 1) * NR);
+            #pragma omp for schedule(dynamic, 1)
+            for (long p = 0; p < P; ++p) {
+                const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+                const float* b = bias ? bias + p * NR : 0;
+                decode_panel(q + p * qbytes, bits, K, wf);
+                for (long m = 0; m < M; m += FR) {
+                    const int rows = (M - m) < FR ? (int)(M - m) : FR;
+                    fukr(rows, x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
+                         mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+                }
+            }
+            free(wf);
+        }
+        free(xs);
+        return;
+    }
+    #pragma omp parallel for schedule(static) if (parallel)
+    for (long p = 0; p < P; ++p) {
+        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+        const float* b = bias ? bias + p * NR : 0;
+        for (long m = 0; m < M; m += MRQ) {
+            const int rows = (M - m) < MRQ ? (int)(M - m) : MRQ;
+            QUKRS[rows](x + m * ldx, ldx, xs + m * G, G, q + p * qbytes, scales + p * G * NR,
+                        mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+        }
+    }
+    free(xs);
+}
