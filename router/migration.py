@@ -50,6 +50,7 @@ import dataclasses
 import logging
 from typing import AsyncIterator, Callable, Optional
 
+from cluster.shared.choices import choice_params
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
 from router.streams import merge_indexed
@@ -203,11 +204,8 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
 def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
     """Choice ``index`` of a request with several, as a one-choice request of its own
     (the seed the engine gives that choice; prompt logprobs were sent with the first chunk)."""
-    sampling = request.sampling_params
-    seed = sampling.seed + index if sampling.seed is not None else None
-    return dataclasses.replace(
-        request, request_id=f"{request.request_id}-c{index}",
-        sampling_params=dataclasses.replace(sampling, n=1, best_of=None, seed=seed, prompt_logprobs=None))
+    params = dataclasses.replace(choice_params(request.sampling_params, index), prompt_logprobs=None)
+    return dataclasses.replace(request, request_id=f"{request.request_id}-c{index}", sampling_params=params)
 
 
 async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,

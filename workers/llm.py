@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
+from cluster.shared.choices import ranking_params, select_best
 from cluster.shared.config import EngineConfig
 from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 from workers.builder import build_engine
@@ -131,7 +132,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one per prompt")
         prios = list(priorities) if priorities is not None else [0] * len(prompts)
-        requests = [self.make_request(p, best_of_params(sp), pr) for p, sp, pr in zip(prompts, params, prios)]
+        requests = [self.make_request(p, ranking_params(sp), pr) for p, sp, pr in zip(prompts, params, prios)]
         for req in requests:  # validate all before queuing any
             self.engine.validate(req)
         grammars = self._compile_grammars(requests)  # before queuing any, too
@@ -163,20 +164,6 @@ class LLM:
         """Steps the engine until no request is left, yielding every output."""
         while self.engine.has_unfinished_requests():
             yield from self.engine.step()
-
-
-def best_of_params(params: SamplingParams) -> SamplingParams:
-    """What the engine runs for ``params``: with ``best_of``, logprobs are always
-    computed (choices are ranked on them; stripped again if not asked for)."""
-    if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
-        return replace(params, logprobs=0)
-    return params
-
-
-def select_best(scores: Sequence[float], n: int) -> list[int]:
-    """Indices of the ``n`` highest ``scores`` (cumulative logprobs), best first;
-    ties keep the lower index (OpenAI's ``best_of``)."""
-    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n]
 
 
 def _choices(outs: list[CompletionOutput], asked: SamplingParams) -> CompletionOutput:

@@ -132,11 +132,7 @@ class OpenAIServer:
             return error_response(err)
 
     async def _json(self, request: Request) -> dict:
-        raw = await self._read_body(request)  # API keys: checked by the middleware, like every route
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
+        body = _decode(await self._read_body(request))  # API keys: checked by the middleware, like every route
         if not isinstance(body, dict):
             raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -148,11 +144,7 @@ class OpenAIServer:
         return self.security.admit(request.headers.get("authorization"))
 
     def _parse(self, raw: bytes, chat: bool, limits: Limits) -> ParsedRequest:
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
-        return parse_request(body, chat, self.backend.tokenizer, self.backend.model, limits)
+        return parse_request(_decode(raw), chat, self.backend.tokenizer, self.backend.model, limits)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         admission = None
@@ -226,6 +218,14 @@ class OpenAIServer:
                                code="request_too_large")
             parts.append(part)
         return b"".join(parts)
+
+
+def _decode(raw: bytes) -> Any:
+    """The JSON of a request body (a 400 when it is not JSON)."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON ({exc}): send a JSON object") from None
 
 
 def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[Limits] = None,

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from starlette.responses import JSONResponse
 
+from cluster.shared.choices import ranking_params
 from cluster.shared.types import GenerationRequest, SamplingParams
 from router.backend import ModelInfo
 from router.errors import NoReplicaError, OverloadedError
@@ -180,8 +181,10 @@ def _chat_ids(body: dict, tokenizer: RouterTokenizer, limits: Limits, tools: Opt
     return ids
 
 
-def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, limits: Limits,
-                     vocab_size: Optional[int] = None) -> SamplingParams:
+def _sampling_params(body: dict, chat: bool, prompt_lens: list[int], model: ModelInfo, limits: Limits,
+                     vocab_size: Optional[int] = None) -> list[SamplingParams]:
+    """The sampling parameters of each prompt (of ``prompt_lens`` tokens): the body's
+    fields, parsed once, and each prompt's ``max_tokens``."""
     kwargs: dict[str, Any] = {}
     for name in _FLOATS:
         value = number(body, name, integer=False)
@@ -191,11 +194,13 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, 
         value = number(body, name, integer=True)
         if value is not None:
             kwargs[name] = value
-    limits.check_prompt(prompt_len, model.max_model_len, "messages" if chat else "prompt")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = limits.resolve_max_tokens(number(body, max_name, integer=True), prompt_len, model.max_model_len,
-                                           max_name, default=None if chat else 16)
-    kwargs["max_tokens"] = max_tokens
+    requested = number(body, max_name, integer=True)
+    max_tokens = []
+    for prompt_len in prompt_lens:
+        limits.check_prompt(prompt_len, model.max_model_len, "messages" if chat else "prompt")
+        max_tokens.append(limits.resolve_max_tokens(requested, prompt_len, model.max_model_len, max_name,
+                                                    default=None if chat else 16))
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -229,7 +234,7 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, model: ModelInfo, 
     except StructuredRequestError as exc:
         raise bad_request(str(exc), exc.param) from None
     try:
-        return SamplingParams(**kwargs)
+        return [SamplingParams(**kwargs, max_tokens=m) for m in max_tokens]
     except ValueError as exc:
         raise bad_request(str(exc), param_of(str(exc))) from None
 
@@ -315,8 +320,8 @@ def _parse_request(
     priority = number(body, "priority", integer=True) or 0
     requests = []
     asked_logprobs = None
-    for prompt_ids in prompts:
-        params = _sampling_params(body, chat, len(prompt_ids), model, limits, vocab)
+    for prompt_ids, params in zip(prompts, _sampling_params(body, chat, [len(p) for p in prompts], model, limits,
+                                                            vocab)):
         try:
             params = apply_tool_constraint(params, tools)
         except ToolError as exc:
@@ -335,8 +340,7 @@ def _parse_request(
 def _engine_params(params: SamplingParams, echo: bool) -> SamplingParams:
     """What the replica runs for the client's ``params``: best_of ranks choices on their
     logprobs (computed even when not asked), echo with logprobs needs the prompt's."""
-    if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
-        params = replace(params, logprobs=0)
+    params = ranking_params(params)
     if echo and params.logprobs is not None:
         params = replace(params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
     return params

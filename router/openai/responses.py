@@ -26,6 +26,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cluster.shared.choices import select_best
 from cluster.shared.types import StreamChunk
 from router.openai.bodies import (chat_logprobs, completion_logprobs, echo_logprobs, finish_reason,
                                   merge_completion_logprobs, prompt_logprobs_body, usage_totals)
@@ -112,9 +113,7 @@ def _select(parsed: ParsedRequest, collected: dict[int, _Choice]) -> list[tuple[
     out = []
     for prompt in range(len(parsed.requests)):
         mine = [collected.get(prompt * width + i, _Choice()) for i in range(width)]
-        order = list(range(width))
-        if width > n:
-            order = sorted(order, key=lambda i: (-mine[i].cumulative_logprob, i))[:n]
+        order = select_best([c.cumulative_logprob for c in mine], n) if width > n else list(range(width))
         out.extend((prompt * n + j, prompt, mine[i]) for j, i in enumerate(order))
     return out
 

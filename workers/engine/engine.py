@@ -21,6 +21,7 @@ import time
 from typing import Callable, Optional, Protocol
 
 from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams
+from cluster.shared.choices import choice_params
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
@@ -130,7 +131,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=_choice_params(params, 0),
+            sampling_params=choice_params(params, 0),
             block_size=self.scheduler.kv_manager.block_size,
             model_fingerprint=self.model_fingerprint,
             cache_salt=request.cache_salt,
@@ -142,7 +143,7 @@ class LLMEngine:
         num_choices = params.num_choices
         if num_choices > 1:
             ids = _choice_ids(request.request_id, num_choices)
-            seq.pending_forks = [(ids[i], _choice_params(params, i), self._new_grammar(request, compiled_grammar))
+            seq.pending_forks = [(ids[i], choice_params(params, i), self._new_grammar(request, compiled_grammar))
                                  for i in range(1, num_choices)]
             self._groups[request.request_id] = _Group(ids)
         self._seqs[request.request_id] = seq
@@ -162,7 +163,7 @@ class LLMEngine:
         words = set(params.bad_words_token_ids)
         for word in params.bad_words:
             for text in (word, " " + word.lstrip()):
-                ids = tuple(_encode(self.tokenizer, text))
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
                 if ids:
                     words.add(ids)
         return dataclasses.replace(params, bad_words_token_ids=tuple(sorted(words)))
@@ -325,25 +326,6 @@ class _Group:
 def _choice_ids(request_id: str, num_choices: int) -> list[str]:
     """Engine ids of a request's choices: the request's own, then ``<id>#n<i>``."""
     return [request_id] + [f"{request_id}#n{i}" for i in range(1, num_choices)]
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """What choice ``index`` samples with: one sequence, its own seed (``seed + index``,
-    as vLLM derives them), prompt logprobs with choice 0 only."""
-    if params.num_choices == 1:
-        return params
-    seed = params.seed + index if params.seed is not None else None
-    return dataclasses.replace(params, n=1, best_of=None, seed=seed,
-                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (``tokenizers`` or Hugging Face style)."""
-    try:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-    except TypeError:
-        encoded = tokenizer.encode(text)
-    return list(getattr(encoded, "ids", encoded))
 
 
 def _take_prompt_logprobs(seq: Sequence) -> Optional[list]:

@@ -52,12 +52,8 @@ class RequestQueue:
         Raises:
             ValueError: The request id is already in use.
         """
-        if seq.request_id in self._by_id:
-            raise ValueError(f"request id {seq.request_id!r} is already in use: use a unique id")
         assert seq.status is SequenceStatus.WAITING and not seq.block_ids and seq.num_computed_tokens == 0
-        self._by_id[seq.request_id] = seq
-        self._arrival_index[seq.request_id] = self._next_arrival_index
-        self._next_arrival_index += 1
+        self._register(seq)
         bisect.insort(self.waiting, seq, key=self.key)
 
     def add_running(self, seq: Sequence) -> None:
@@ -67,13 +63,16 @@ class RequestQueue:
         Raises:
             ValueError: The request id is already in use.
         """
+        self._register(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _register(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in use: use a unique id")
         self._by_id[seq.request_id] = seq
         self._arrival_index[seq.request_id] = self._next_arrival_index
         self._next_arrival_index += 1
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     def requeue(self, seq: Sequence, status: SequenceStatus) -> None:
         """Puts a sequence taken off ``running`` back as WAITING or SWAPPED, in

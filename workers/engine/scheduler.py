@@ -52,8 +52,8 @@ from typing import Iterable, Optional
 from typing import Sequence as Sequence_
 
 from cluster.shared.config import SchedulerConfig
-from cluster.shared.types import FinishReason, TokenLogprob
-from workers.engine.forks import fork_choices, slots_taken
+from cluster.shared.types import FinishReason
+from workers.engine.forks import StepResult, fork_choices, slots_taken
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from workers.engine.request_queue import RequestQueue
@@ -62,7 +62,6 @@ from workers.engine.spec_decode import Speculator, accepted_path, tree_depth
 from workers.engine.structured import GrammarBackend, fill_draft_masks, trim_drafts
 from workers.engine.validation import Capacity, fit_problem
 
-StepResult = tuple[Sequence, list[int], Optional[list[TokenLogprob]]]
 
 STATS_EXACT_WAITING = 32  # waiting sequences whose cached prefix the stats look up
 
@@ -115,6 +114,7 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._sorted_eos = tuple(sorted(self.eos_token_ids))  # what min_tokens bans
         self.sliding_window = sliding_window
         self.speculator = speculator
         self.structured = structured
@@ -449,7 +449,7 @@ class Scheduler:
         params = seq.sampling_params
         if seq.num_output_tokens >= params.min_tokens:
             return ()
-        eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+        eos = () if params.ignore_eos else self._sorted_eos
         return eos + params.stop_token_ids
 
     # ------------------------------------------------------------------ update
