@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.model.quant import gptq  # noqa: E402
-from workers.model.quant.checkpoints import pack_layer  # noqa: E402
+from workers.model.quant.checkpoint_writer import pack_layer
 
 logger = logging.getLogger("check_quant_packing")
 

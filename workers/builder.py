@@ -20,7 +20,8 @@ from workers.engine.block_pool import BlockPool
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.scheduler import Scheduler
-from workers.engine.spec_decode import RunnerProposer, Speculator
+from workers.engine.proposers import RunnerProposer
+from workers.engine.spec_decode import Speculator
 from workers.engine.structured import JumpForwardProposer
 from workers.model.config import ModelArchConfig
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
@@ -33,7 +34,8 @@ from workers.provision import (
     pick_device,
     resolve_max_model_len,
 )
-from workers.runner import ModelRunner, kv_block_bytes
+from workers.runner import ModelRunner
+from workers.kv_memory import kv_block_bytes
 from workers.structured import make_backend
 
 if TYPE_CHECKING:

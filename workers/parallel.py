@@ -22,13 +22,7 @@ joins ``tcp://127.0.0.1:<port>``, loads its own slice from the model folder
 hold. The driver takes the minimum, so a block id means the same slots on
 every rank, and the ranks allocate their KV and swap tensors.
 
-Placement: inside a placement group (a Serve replica deployed with
-``placement_group_bundles``) the ranks go into its *last* N bundles, each
-asking for its bundle's CPU and GPU; bundle 0 stays the replica's own
-(``cluster/app/builder.py`` asks for 1 + N bundles, STRICT_PACK). Outside one they are
-created with ``num_cpus_per_rank`` CPUs. Each rank runs
-``torch.set_num_threads`` with its share of the cores: its whole CPUs, or the
-machine's cores split over the ranks when it asks for a fraction.
+Placement and threads: ``workers/placement.py``.
 
 Sampling happens on rank 0 only, over the gathered full logits, with the
 engine seed: outputs and seeded draws do not depend on the TP size.
@@ -58,7 +52,9 @@ from workers.model.linear import weight_bytes
 from workers.model.loader import read_arch
 from workers.model.tp import TPContext, TPShard, plan_shards
 from workers.provision import activation_bytes_for, load_model_for, num_cpu_blocks_for, num_kv_blocks_for
-from workers.runner import ModelRunner, kv_block_bytes
+from workers.runner import ModelRunner
+from workers.kv_memory import kv_block_bytes
+from workers.placement import RankPlacement, rank_placements, set_cpu_threads, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +62,6 @@ DEFAULT_RANK_NUM_CPUS = 0.5
 STARTUP_TIMEOUT_S = 300.0
 # A collective waits this long for a peer; ranks move in lockstep, so only a dead peer trips it.
 COLLECTIVE_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class RankPlacement:
-    """Ray resources and bundle of one rank actor."""
-
-    num_cpus: float
-    num_gpus: float
-    bundle_index: Optional[int] = None  # None: outside any placement group
 
 
 @dataclass(frozen=True)
@@ -89,58 +76,6 @@ class RankInfo:
     weight_bytes: int = 0
     quantization: Optional[str] = None
     kv_cache_dtype: str = "auto"
-
-
-def rank_placements(
-    world_size: int, num_cpus_per_rank: float, num_gpus_per_rank: float, placement_group: Any = None
-) -> list[RankPlacement]:
-    """Where the ranks go: the last ``world_size`` bundles of ``placement_group``
-    (their resources), else anywhere with the given resources.
-
-    Raises:
-        ValueError: If the placement group has no room for the ranks.
-    """
-    if placement_group is None:
-        return [RankPlacement(num_cpus_per_rank, num_gpus_per_rank) for _ in range(world_size)]
-    bundles = placement_group.bundle_specs
-    if len(bundles) <= world_size:
-        raise ValueError(
-            f"the current placement group has {len(bundles)} bundles; tensor_parallel_size {world_size} needs "
-            f"{world_size + 1}: bundle 0 for the replica, then one per rank (set placement_group_bundles)"
-        )
-    first = len(bundles) - world_size
-    return [
-        RankPlacement(float(b.get("CPU", 0.0)), float(b.get("GPU", 0.0)), first + i)
-        for i, b in enumerate(bundles[first:])
-    ]
-
-
-def machine_cores() -> int:
-    """The cores this process may run on (its affinity, and a container's CPU
-    quota as Ray reads it)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        from ray._private.utils import get_num_cpus
-
-        cores = min(cores, max(1, int(get_num_cpus())))
-    except Exception:  # noqa: BLE001 - older Ray, or no cgroup to read
-        pass
-    return max(1, cores)
-
-
-def threads_per_rank(num_cpus: float, world_size: int, cores: Optional[int] = None) -> int:
-    """Torch threads of a rank (or of a replica, ``world_size`` being the
-    processes that share the machine): its whole CPUs, or its share of the
-    machine's cores when it asks for a fraction of a CPU."""
-    if num_cpus >= 1:
-        return int(num_cpus)
-    return max(1, (cores or machine_cores()) // max(1, world_size))
-
-
-def set_cpu_threads(num_threads: int) -> None:
-    """Torch's (and OpenMP's) threads of this process, for the forward."""
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    torch.set_num_threads(num_threads)
 
 
 class RankWorker:

@@ -122,7 +122,7 @@ def profile_step_bytes(model: LlamaForCausalLM, config: EngineConfig, num_kv_hea
     call it (the forward has collectives). ``memory``: the CUDA memory API
     (injectable for tests)."""
     from workers.model.attention.base import AttentionMetadata
-    from workers.runner import kv_layout
+    from workers.kv_memory import kv_layout
 
     mem = memory if memory is not None else torch.cuda
     bs = config.cache.block_size

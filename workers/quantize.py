@@ -23,7 +23,7 @@ def quantize_checkpoint(src: Path, dst: Path, method: str, group_size: int,
     Returns: ``write_checkpoint``'s summary.
     """
     from workers.model.loader import iter_weights
-    from workers.model.quant.checkpoints import write_checkpoint, write_w8a8_checkpoint
+    from workers.model.quant.checkpoint_writer import write_checkpoint, write_w8a8_checkpoint
 
     if method == "w8a8":  # SmoothQuant as quantization="w8a8" runs it at load, written out
         from workers.model.attention.torch_backend import TorchAttentionBackend

@@ -70,7 +70,7 @@ def forward_threads(config: EngineConfig, packed_replicas: int) -> Optional[int]
         return None
     if num_cpus <= 0:
         return None
-    from workers.parallel import machine_cores, threads_per_rank
+    from workers.placement import machine_cores, threads_per_rank
 
     cores = machine_cores()
     sharing = min(max(1, packed_replicas), max(1, int(cores / num_cpus)))
@@ -164,7 +164,7 @@ class ReplicaServer:
         from workers.builder import build_engine, freeze_heap as freeze_process_heap
 
         if threads is not None:
-            from workers.parallel import set_cpu_threads
+            from workers.placement import set_cpu_threads
 
             set_cpu_threads(threads)
             logger.info("forward on %d CPU threads", threads)

@@ -22,49 +22,16 @@ import torch
 from cluster.shared.sizes import cdiv
 from workers.cuda_graphs import DecodeGraphs
 from workers.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
-from workers.engine.spec_decode import tree_paths
-from workers.model.attention import kv_int8
+from workers.engine.spec_trees import tree_paths
 from workers.model.attention.base import AttentionMetadata, host_to_device
 from workers.model.linear import weight_bytes
 from workers.model.sampler import Sampler, token_logprobs
 from workers.swap import BlockSwapper
+from workers.kv_memory import kv_block_bytes, kv_layout, lazy_zeros
 
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 64  # rows of logits computed at once for prompt logprobs
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros whose CPU pages are committed only when first written.
-
-    ``torch.zeros`` on CPU writes every byte up front: gigabytes of KV cache
-    cost seconds at start-up and show as resident memory before any request.
-    NumPy's ``zeros`` uses ``calloc``, which maps untouched pages to the
-    shared zero page, so a replica's RSS grows with the blocks it uses.
-    """
-    import numpy as np
-
-    np_dtypes = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8}
-    if device.type != "cpu" or dtype not in np_dtypes:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=np_dtypes[dtype]))
-
-
-def kv_layout(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[torch.dtype, int]:
-    """``(element dtype, elements per (token, head) row)`` of the KV cache: the
-    model's dtype and ``head_dim``, or int8 rows of ``head_dim`` values and their
-    scale (``kv_cache_dtype="int8"``, ``attention/kv_int8.py``)."""
-    if kv_cache_dtype == "int8":
-        return torch.int8, kv_int8.row_width(head_dim)
-    return dtype, head_dim
-
-
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   kv_cache_dtype: str = "auto") -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
-    elem_dtype, row = kv_layout(head_dim, dtype, kv_cache_dtype)
-    elem = torch.tensor([], dtype=elem_dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * row * elem
 
 
 class ModelRunner:

@@ -16,8 +16,9 @@ from cluster.shared.types import SamplingParams
 from tests.factories import make_tiny_model_dir
 from workers.llm import LLM
 from workers.model import qgemm
-from workers.model.quant import checkpoints
-from workers.model.quant.checkpoints import QuantSpec, decode_layer, pack_layer
+from workers.model.quant import checkpoint_writer, checkpoints
+from workers.model.quant.checkpoints import QuantSpec, decode_layer
+from workers.model.quant.checkpoint_writer import pack_layer
 from workers.model.quant.methods import PermutedInputs, quantize_int4
 
 pytestmark = pytest.mark.skipif(qgemm.load() is None, reason="no native quantized kernel here")
@@ -48,7 +49,7 @@ def test_gptq_act_order_permutes_inputs_into_groups():
     # Back to checkpoint order: rows of qweight follow the inputs, g_idx names each input's group.
     inverse = np.argsort(perm)
     q = grouped.q.T[inverse]  # [K, N] in input order
-    packed["qweight"] = torch.from_numpy(checkpoints._pack_nibbles(q, 0))
+    packed["qweight"] = torch.from_numpy(checkpoint_writer._pack_nibbles(q, 0))
     packed["g_idx"] = torch.from_numpy((inverse // 32).astype(np.int32))
     layer = decode_layer("layer", packed, QuantSpec("gptq", 4, 32, desc_act=True))
     assert layer.perm is not None

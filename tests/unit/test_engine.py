@@ -172,7 +172,8 @@ def test_runner_guesses_are_priced_like_the_drafts_they_become():
     # guesses are asked for: the step-cost model sees them as draft tokens, so
     # heads that cost more than they bring get asked for nothing.
     from cluster.shared.config import SpeculativeConfig
-    from workers.engine.spec_decode import RunnerProposer, Speculator
+    from workers.engine.proposers import RunnerProposer
+    from workers.engine.spec_decode import Speculator
 
     speculator = Speculator(SpeculativeConfig(method="medusa", model="heads", num_speculative_tokens=3),
                             proposer=RunnerProposer())

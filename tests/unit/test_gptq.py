@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from workers.model.quant import gptq
-from workers.model.quant.checkpoints import QuantSpec, decode_layer, pack_layer
+from workers.model.quant.checkpoints import QuantSpec, decode_layer
+from workers.model.quant.checkpoint_writer import pack_layer
 
 
 def _inputs(k: int, seed: int) -> torch.Tensor:

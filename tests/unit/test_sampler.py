@@ -9,7 +9,8 @@ import torch
 
 from cluster.shared.types import SamplingParams
 from workers.engine.outputs import ScheduledRequest
-from workers.model.sampler import Sampler, apply_penalties, apply_top_k, apply_top_p, mix_seed
+from workers.model.sampler import Sampler, mix_seed
+from workers.model.logits_ops import apply_penalties, apply_top_k, apply_top_p
 
 VOCAB = 64
 

@@ -16,7 +16,7 @@ from tests.unit.engine_fakes import FINGERPRINT, VOCAB, FakeRunner, make_schedul
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestOutput, merge_outputs
-from workers.parallel import threads_per_rank
+from workers.placement import threads_per_rank
 
 
 def make_engine(max_num_seqs: int = 4, step_s: float = 0.0) -> LLMEngine:

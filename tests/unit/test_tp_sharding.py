@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.model.tp import plan_shards, shard_checkpoint_tensor, split_evenly
-from workers.parallel import RankPlacement, rank_placements, threads_per_rank
+from workers.placement import RankPlacement, rank_placements, threads_per_rank
 
 
 def heads(shards):
