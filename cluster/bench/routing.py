@@ -76,7 +76,7 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import ray
 
     from cluster.bench.datasets import shared_prefix_dataset
-    from cluster.bench.serve import model_vocab, write_outputs
+    from cluster.bench.serve_setup import model_vocab, write_outputs
     from cluster.shared.config import EngineConfig
     from cluster.shared.ray_local import init_local_ray
     from cluster.launch.redis_server import RedisServer
@@ -116,7 +116,7 @@ def _run_policy(args: argparse.Namespace, engine: Any, policy: str, redis_url: s
                 conversations: list) -> tuple[dict[str, Any], list]:
     """One policy on a fresh cluster: (summary, records)."""
     from cluster.bench.metrics import summarize
-    from cluster.bench.serve import start_local_cluster
+    from cluster.bench.serve_setup import start_local_cluster
 
     cluster = start_local_cluster(args, engine, http=False, routing_policy=policy, redis_url=redis_url,
                                   namespace=f"bench-{policy}-{uuid.uuid4().hex[:8]}")
@@ -132,7 +132,8 @@ def _run_policy(args: argparse.Namespace, engine: Any, policy: str, redis_url: s
 
 
 async def _replay(address: str, conversations: list, args: argparse.Namespace, policy: str) -> tuple[list, float]:
-    from cluster.bench.serve import make_client, run_requests, warm_up
+    from cluster.bench.serve import run_requests
+    from cluster.bench.serve_setup import make_client, warm_up
 
     client = make_client("grpc", address)
     try:

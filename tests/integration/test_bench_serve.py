@@ -143,7 +143,8 @@ def test_bench_serve_over_openai_matches_the_workload(cluster, tmp_path):
 
 @pytest.mark.parametrize("backend", ["grpc", "openai"])
 def test_multi_turn_prompts_grow_and_hit_the_previous_turn(cluster, tmp_path, backend):
-    from cluster.bench.serve import make_client, run_requests
+    from cluster.bench.serve import run_requests
+    from cluster.bench.serve_setup import make_client
 
     convs = multi_turn_dataset(6, 3, 20, 6, 5, VOCAB, seed=13 if backend == "grpc" else 14)
     tokenizer = Tokenizer.from_file(str(cluster[1] / "tokenizer.json")) if backend == "openai" else None

@@ -3,6 +3,8 @@ which replicas are alive (docs/DIRECTORY.md).
 
     client.py     Directory: the async client routers and replicas use
                   (registry, heartbeats, publish / resync / lookup, metrics texts)
+    connection.py DirectoryConnection: its Redis connection (URLs, Sentinel,
+                  timeouts) and the unavailable / fail-fast convention
     publisher.py  DirectoryPublisher: a replica's side (numbered KV-event
                   batches, resync on a gap, heartbeats)
     lua.py        the key schema and the server-side scripts
