@@ -8,7 +8,7 @@ model if installed, else a random-init model of the default model's shape
 carry); with random weights the logits are nearly flat, so the 16-bit check
 keeps the log-probability tolerance and drops the token comparison.
 
-Tolerances for 16-bit (documented in the README's GPU section): the
+Tolerances for 16-bit (documented in docs/SERVING.md, "GPU checks"): the
 log-probability of the first generated token within BF16_LOGPROB_TOL /
 FP16_LOGPROB_TOL of transformers' in the same dtype on the same GPU, and the
 first FIRST_TOKENS greedy tokens equal for at least 3 of the 4 prompts

@@ -203,13 +203,18 @@ class SchedulerConfig:
 class ParallelConfig:
     """Tensor parallelism and the forward's CPU threads.
 
-    ``cpu_threads``: torch threads of the forward on CPU, per process (the
-    replica, or each tensor-parallel rank). None picks them: a process that
-    reserves whole CPUs uses as many (``replica_num_cpus`` 4: 4 threads);
-    one that reserves a fraction (several replicas packed on a small machine)
-    uses the machine's cores split over the replicas, or over the ranks of
-    its group. Ray alone would give a fractional actor 1 thread
-    (``OMP_NUM_THREADS=1``), half the speed of a 2-core machine.
+    Attributes:
+        tensor_parallel_size: Ranks of the replica's tensor-parallel group
+            (one Ray actor each, joined by torch.distributed: gloo on CPU,
+            NCCL on GPU); 1 runs the model in the replica itself.
+        cpu_threads: Torch threads of the forward on CPU, per process (the
+            replica, or each tensor-parallel rank). None picks them: a
+            process that reserves whole CPUs uses as many
+            (``replica_num_cpus`` 4: 4 threads); one that reserves a fraction
+            (several replicas packed on a small machine) uses the machine's
+            cores split over the replicas, or over the ranks of its group.
+            Ray alone would give a fractional actor 1 thread
+            (``OMP_NUM_THREADS=1``), half the speed of a 2-core machine.
     """
 
     tensor_parallel_size: int = 1
