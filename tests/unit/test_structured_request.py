@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from typing import AsyncIterator, Optional
 
 import openai
@@ -18,10 +16,10 @@ from cluster.shared.structured import StructuredOutputsParams as SOP
 from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams, StreamChunk
 from router.backend import ModelInfo
 from router.convert import request_from_proto, request_to_proto, sampling_params_from_proto, sampling_params_to_proto
-from router.openai import serve_openai
 from router.openai.protocol import APIError, parse_request
 from router.pb import generation_pb2 as pb
 from tests.factories import make_router_tokenizer
+from tests.unit.http_api.openai_server import serving
 
 MODEL = ModelInfo("tiny-llama", 256)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
@@ -231,17 +229,8 @@ class JsonBackend:
 @pytest.fixture(scope="module")
 def served(router_tok):
     backend = JsonBackend(router_tok, '{"city": "Oslo", "population": 700000}')
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    handle = asyncio.run_coroutine_threadsafe(serve_openai(backend, port=0), loop).result(15)
-    try:
+    with serving(backend) as handle:
         yield backend, handle
-    finally:
-        asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(15)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 def test_openai_parse_sends_the_strict_schema_the_engine_gets(served):

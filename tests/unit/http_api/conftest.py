@@ -4,17 +4,13 @@ loopback port, in an event loop on its own thread."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import openai
 import pytest
 
 from cluster.shared.types import FinishReason
-from router.openai import serve_openai
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_router_tokenizer
-from tests.unit.http_api.openai_server import TEMPLATE, FakeBackend
+from tests.unit.http_api.openai_server import TEMPLATE, FakeBackend, serving
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +21,8 @@ def router_tok(tmp_path_factory) -> RouterTokenizer:
 @pytest.fixture(scope="module")
 def served(router_tok):
     backend = FakeBackend(router_tok)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    handle = asyncio.run_coroutine_threadsafe(serve_openai(backend, port=0), loop).result(15)
-    try:
+    with serving(backend) as handle:
         yield backend, handle
-    finally:
-        asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(15)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 @pytest.fixture()

@@ -8,13 +8,15 @@ thread (the fixtures: ``tests/unit/http_api/conftest.py``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 
 from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk, TokenLogprob
 from router.backend import ModelInfo
 from router.errors import NoReplicaError
+from router.openai import serve_openai
 from router.tokenizer import RouterTokenizer
 
 MODEL = "tiny-llama"
@@ -91,3 +93,20 @@ def _error(exc_info) -> dict:
     body = exc_info.value.response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     return body["error"]
+
+
+@contextlib.contextmanager
+def serving(backend: Any) -> Iterator[Any]:
+    """``serve_openai(backend)`` on a free loopback port, in an event loop on
+    its own thread; yields the server's handle (``handle.url``)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    handle = asyncio.run_coroutine_threadsafe(serve_openai(backend, port=0), loop).result(15)
+    try:
+        yield handle
+    finally:
+        asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(15)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
