@@ -66,9 +66,9 @@ def test_gguf_runs_the_files_q4_1_tensors_and_reproduces_the_float_run(float_run
     assert weight_bytes < 0.25 * float_bytes  # 4 or 8 bits + a float scale (and min) per 32 weights
 
 
-def test_int4_group_32_recovers_the_q4_1_grid(float_run):
+def test_int4_default_group_32_recovers_the_q4_1_grid(float_run):
     base, refs = float_run
-    llm = LLM(max_num_seqs=4, quantization="int4", quantization_group_size=32)
+    llm = LLM(max_num_seqs=4, quantization="int4")  # the default group: 32
     floats = linears(base)
     for name, layer in linears(llm).items():
         if layer is llm.runner.model.lm_head:
@@ -87,9 +87,11 @@ def test_int8_w8a8_and_coarse_int4_run_and_stay_close(float_run):
                    {"quantization": "int4", "quantization_group_size": 128}):
         llm = LLM(max_num_seqs=4, **kwargs)
         outs = llm.generate(PROMPTS, GREEDY)
-        # Lossy: the first greedy token of every prompt still agrees, and logprobs stay close.
+        # Lossy: the first greedy token of every prompt still agrees, and its logprob stays close on
+        # average (int4-g128 0.42 nats on GPTQ's grid; Q4_1's grid there was 0.50, one prompt off by 1.0).
         assert [o.token_ids[0] for o in outs] == [r.token_ids[0] for r in refs], kwargs
-        assert abs(outs[0].logprobs[0].logprob - refs[0].logprobs[0].logprob) < 0.5, kwargs
+        drift = [abs(o.logprobs[0].logprob - r.logprobs[0].logprob) for o, r in zip(outs, refs)]
+        assert sum(drift) / len(drift) < 0.45, (kwargs, drift)
         head = llm.runner.model.lm_head
         assert head.quant.name == "int8-g32"  # the head is int8 weight-only for all three
         kinds = {type(m.quant).__name__ for m in linears(llm).values() if m is not head}

@@ -252,8 +252,9 @@ class EngineConfig:
             Python), ``gptq`` / ``awq`` (a 4-bit checkpoint's packed layers;
             found in its config.json when None); None keeps float weights.
             CPU, float32.
-        quantization_group_size: Inputs per group of ``int4`` (32, 64 or 128;
-            default 128).
+        quantization_group_size: Inputs per group of ``int4``: 32 (the
+            default; Q4_1's grid), 64 or 128 (GPTQ's grid, rounded to
+            nearest): fewer bytes, lower quality (docs/QUANTIZATION.md).
         batch_invariant: Guarantee that a request's outputs (tokens and
             logprobs, bitwise) never depend on what else is in its steps,
             including how its prompt's prefill is chunked: every attention
