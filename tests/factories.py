@@ -26,17 +26,20 @@ TINY = dict(
 
 
 def make_hf_config(family: str, **overrides):
-    """A tiny transformers config of ``family`` (llama | mistral | qwen2); Mistral
-    gets a sliding window of 8 unless told otherwise."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A tiny transformers config of ``family`` (llama | mistral | qwen2 | qwen3);
+    Mistral gets a sliding window of 8 unless told otherwise, Qwen3 its head_dim
+    from the tiny sizes (its class defaults to 128)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
-    defaults = {"mistral": {"sliding_window": 8}}.get(family, {})
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    defaults = {"mistral": {"sliding_window": 8},
+                "qwen3": {"head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}}.get(family, {})
     return classes[family](**{**TINY, **defaults, **overrides})
 
 
 def make_hf_model(config, seed: int = 0):
-    """A random-init float32 HF model in eval mode; Qwen2 q/k/v biases made non-trivial."""
+    """A random-init float32 HF model in eval mode; Qwen2's q/k/v biases and
+    Qwen3's q/k norm weights made non-trivial (they start at 0 and 1)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -46,11 +49,16 @@ def make_hf_model(config, seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if config.model_type == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     return model
 
 
 def make_tiny_model_dir(family: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
-    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2) to
+    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2 | qwen3) to
     ``path``, with a tiny byte-level BPE ``tokenizer.json`` unless told not to."""
     model = make_hf_model(make_hf_config(family, **overrides), seed=seed)
     model.save_pretrained(path)

@@ -43,6 +43,7 @@ TINY_CASES = {
     "uneven": (2, dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=129,
                        vocab_size=511, attention_bias=True, mlp_bias=True)),
     "replicated_kv": (3, dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)),
+    "qwen3_qk_norm": (2, dict(family="qwen3")),  # per-head q/k norms: replicated on every rank
 }
 
 DEFAULT_TEXTS = [
@@ -116,7 +117,9 @@ def free_resources_become(names: list[str], expected: list[float], timeout: floa
 @pytest.fixture(scope="module", params=list(TINY_CASES))
 def tiny(request, tmp_path_factory) -> tuple[int, Case]:
     tp, overrides = TINY_CASES[request.param]
-    model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp(request.param), **overrides)
+    overrides = dict(overrides)
+    model_dir = make_tiny_model_dir(overrides.pop("family", "llama"), tmp_path_factory.mktemp(request.param),
+                                    **overrides)
     if overrides.get("attention_bias"):
         randomize_biases(model_dir)
     vocab = overrides.get("vocab_size", 512)

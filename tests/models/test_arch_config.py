@@ -100,6 +100,15 @@ def test_qwen2_bias_and_optional_window() -> None:
     assert [upper.layer_sliding_window(i) for i in range(3)] == [None, 8, 8]
 
 
+def test_qwen3_norms_its_query_and_key_heads() -> None:
+    arch = _parse("qwen3", head_dim=24, attention_bias=True)
+    assert arch.family == "qwen3" and arch.qk_norm and arch.head_dim == 24
+    assert arch.attention_bias and arch.o_proj_bias  # Qwen3's attention_bias covers o_proj too
+    assert not _parse("qwen2").qk_norm and not _parse("llama").qk_norm
+    upper = _parse("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3)
+    assert [upper.layer_sliding_window(i) for i in range(3)] == [None, 8, 8]
+
+
 def test_qwen2_window_without_layer_types_uses_max_window_layers() -> None:
     config = make_hf_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1).to_dict()
     del config["layer_types"]

@@ -35,6 +35,8 @@ CASES = {
         "qwen2",
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3},
     ),
+    "qwen3_qk_norm": ("qwen3", {}),
+    "qwen3_head_dim_bias": ("qwen3", {"head_dim": 24, "attention_bias": True}),  # head_dim != hidden / heads
 }
 
 

@@ -1,8 +1,9 @@
 """The model architecture as our layers need it, parsed once from an HF ``config.json``.
 
 Only the Llama family is supported: Llama (GQA/MQA, tied embeddings, llama3
-rope scaling), Mistral (sliding window) and Qwen2 (q/k/v bias, optional
-sliding window on the upper layers). Both config formats are read: the
+rope scaling), Mistral (sliding window), Qwen2 (q/k/v bias, optional
+sliding window on the upper layers) and Qwen3 (Qwen2's layout with an
+RMSNorm over each query and key head before the rotary embedding). Both config formats are read: the
 transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
 (``rope_parameters``).
 """
@@ -17,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 FULL_ATTENTION = "full_attention"
@@ -24,7 +26,7 @@ SLIDING_ATTENTION = "sliding_attention"
 
 # rope_theta when a config names none (the transformers defaults of the three classes).
 _DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class ModelArchConfig:
     """Shapes and constants of one decoder-only model (full, unsharded sizes).
 
     Attributes:
-        family: ``llama``, ``mistral`` or ``qwen2``.
+        family: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
         layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
         attention_bias: Bias on the q/k/v projections (Qwen2; Llama's
             ``attention_bias``).
@@ -50,6 +52,8 @@ class ModelArchConfig:
             only; Qwen2 has none).
         sliding_window: Window of the ``sliding_attention`` layers, else None.
         eos_token_ids: All end-of-sequence ids (HF allows a list).
+        qk_norm: An RMSNorm (``rms_norm_eps``) over each query and key head,
+            before the rotary embedding (Qwen3).
     """
 
     family: str
@@ -72,6 +76,7 @@ class ModelArchConfig:
     layer_types: tuple[str, ...]
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -121,6 +126,7 @@ class ModelArchConfig:
         rope_theta, rope_scaling = _parse_rope(config)
         sliding_window, layer_types = _parse_sliding(config, family, num_layers)
         qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))
+        o_bias = family in ("llama", "qwen3") and bool(config.get("attention_bias", False))
         return cls(
             family=family,
             vocab_size=int(config["vocab_size"]),
@@ -136,12 +142,13 @@ class ModelArchConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
-            o_proj_bias=family == "llama" and bool(config.get("attention_bias", False)),
+            o_proj_bias=o_bias,
             mlp_bias=family == "llama" and bool(config.get("mlp_bias", False)),
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
+            qk_norm=family == "qwen3",
         )
 
 
@@ -198,7 +205,7 @@ def _parse_sliding(
 ) -> tuple[Optional[int], tuple[str, ...]]:
     """Which layers use a sliding window, following each HF class's rules."""
     window = config.get("sliding_window")
-    if family == "llama" or (family == "qwen2" and not config.get("use_sliding_window", False)):
+    if family == "llama" or (family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False)):
         window = None
     if window is not None and int(window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or null, got {window}")
@@ -211,7 +218,7 @@ def _parse_sliding(
         if bad:
             raise ValueError(f"unsupported layer_types {sorted(bad)}; use {FULL_ATTENTION} or {SLIDING_ATTENTION}")
         return window, tuple(layer_types)
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         first_sliding = int(config.get("max_window_layers", num_layers))
         types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
         return window, types

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2) over a flat token batch and a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
 
 One forward pass takes every scheduled token of every request at once::
 
@@ -41,21 +41,9 @@ from workers.model.tp import (
     TPShard,
     plan_shards,
     row_parallel_linear,
-    shard_checkpoint_tensor,
     vocab_embedding,
 )
-
-# HF projection name -> (our fused projection, shard id).
-_STACKED_PARAMS = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", "gate"),
-    (".up_proj.", ".gate_up_proj.", "up"),
-)
-# Weights some checkpoints carry that have no parameter here.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
+from workers.model.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +54,8 @@ class LlamaAttention(nn.Module):
         num_heads: Query heads held by this module (all of them without TP).
         num_kv_heads: KV heads held by this module.
         sliding_window: Attend only to the last ``sliding_window`` positions.
+        qk_norm_eps: With a value, an RMSNorm over each query and each key
+            head before the rotary embedding (Qwen3's ``q_norm`` / ``k_norm``).
         tp: The tensor-parallel context; ``o_proj`` is row-parallel with one.
     """
 
@@ -81,6 +71,7 @@ class LlamaAttention(nn.Module):
         sliding_window: Optional[int] = None,
         tp: Optional[TPContext] = None,
         layer_idx: int = 0,
+        qk_norm_eps: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -97,6 +88,8 @@ class LlamaAttention(nn.Module):
         self.use_attention_op = False  # under torch.compile: attention as a custom op (compiled.py)
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = row_parallel_linear(self.q_size, hidden_size, o_bias, tp)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def qkv_shard_rows(self, shard_id: str) -> tuple[int, int]:
         """``(first row, number of rows)`` of the q, k or v part of ``qkv_proj``."""
@@ -116,6 +109,10 @@ class LlamaAttention(nn.Module):
         # q and k are rotated together (one call for both), then split as views:
         # q [T, Hq, D] and k, v [T, Hkv, D] may be non-contiguous, with stride 1 on D.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, before the rotation (Qwen3); a new tensor, rotated in place
+            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
+            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
+            qk = torch.cat([q.view(num_tokens, self.num_heads, -1), k.view(num_tokens, self.num_kv_heads, -1)], 1)
         qk = RotaryEmbedding.apply(qk, cos, sin, self.native, self.fused)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -176,6 +173,7 @@ class LlamaDecoderLayer(nn.Module):
             sliding_window=arch.layer_sliding_window(layer_idx),
             tp=tp,
             layer_idx=layer_idx,
+            qk_norm_eps=arch.rms_norm_eps if arch.qk_norm else None,
         )
         self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -330,68 +328,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors into the (fused) parameters, then finalizes the model.
+        """Copies HF-named tensors into the (fused) parameters, then re-ties the
+        embeddings and rebuilds the rotary table (``weights.py``).
 
         Works on a model built on the ``meta`` device and materialized with
-        ``to_empty``: it re-ties the embeddings and rebuilds the rotary table.
+        ``to_empty``.
 
         Raises:
             ValueError: If a tensor has no parameter, has the wrong shape, or a
                 parameter gets no tensor (the checkpoint does not match the config).
         """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[tuple[str, str]] = set()
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue  # some tied checkpoints store the copy too
-            target, shard_id = _fused_name(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.arch.family} model")
-            if self.tp is not None:
-                tensor = shard_checkpoint_tensor(self.shard, self.arch.head_dim, target, shard_id, tensor)
-            self._copy_into(params[target], target, shard_id, tensor)
-            loaded.add((target, shard_id))
-        self._check_all_loaded(loaded)
+        load_checkpoint(self, weights)
         self.tie_weights()
         self.model.rotary_emb.build_cache(self.model.embed_tokens.weight.device)
-
-    def _copy_into(self, param: torch.Tensor, target: str, shard_id: str, tensor: torch.Tensor) -> None:
-        dest = param.data
-        if shard_id:
-            module = self.get_submodule(target.rsplit(".", 2)[0])
-            shard_rows = module.qkv_shard_rows if shard_id in ("q", "k", "v") else module.gate_up_shard_rows
-            start, size = shard_rows(shard_id)
-            dest = dest.narrow(0, start, size)
-        if dest.shape != tensor.shape:
-            label = f"{target} [{shard_id}]" if shard_id else target
-            raise ValueError(
-                f"checkpoint tensor for {label} has shape {tuple(tensor.shape)}, the config expects "
-                f"{tuple(dest.shape)}; check that config.json belongs to these weights"
-            )
-        dest.copy_(tensor)
-
-    def _check_all_loaded(self, loaded: set[tuple[str, str]]) -> None:
-        expected: set[tuple[str, str]] = set()
-        for name, _ in self.named_parameters():
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            if ".qkv_proj." in name:
-                expected.update((name, s) for s in ("q", "k", "v"))
-            elif ".gate_up_proj." in name:
-                expected.update((name, s) for s in ("gate", "up"))
-            else:
-                expected.add((name, ""))
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
-
-
-def _fused_name(hf_name: str) -> tuple[str, str]:
-    """Maps an HF parameter name to ``(our parameter name, shard id or '')``."""
-    for hf_part, fused_part, shard_id in _STACKED_PARAMS:
-        if hf_part in hf_name:
-            return hf_name.replace(hf_part, fused_part), shard_id
-    return hf_name, ""

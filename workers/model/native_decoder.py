@@ -187,6 +187,8 @@ class NativeDecoder:
         if len(backends) != 1 or not isinstance(backend, TorchAttentionBackend) or backend.batch_invariant:
             return None
         attn = model.model.layers[0].self_attn
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms: the torch layers run it
+            return None
         if attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > cpu_decode.MAX_GROUP \
                 or attn.head_dim > cpu_decode.MAX_DIM:
             return None
