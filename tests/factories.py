@@ -26,14 +26,24 @@ TINY = dict(
 
 
 def make_hf_config(family: str, **overrides):
-    """A tiny transformers config of ``family`` (llama | mistral | qwen2 | qwen3);
-    Mistral gets a sliding window of 8 unless told otherwise, Qwen3 its head_dim
-    from the tiny sizes (its class defaults to 128)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A tiny transformers config of ``family`` (llama | mistral | qwen2 | qwen3 |
+    mixtral | qwen2_moe | qwen3_moe); Mistral gets a sliding window of 8 unless
+    told otherwise, Qwen3 its head_dim from the tiny sizes (its class defaults
+    to 128), the MoE families 8 experts with top-2 routing (Qwen2-MoE a shared
+    expert and a dense second layer)."""
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     defaults = {"mistral": {"sliding_window": 8},
-                "qwen3": {"head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}}.get(family, {})
+                "qwen3": {"head_dim": head_dim},
+                "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48},
+                "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]},
+                "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "head_dim": head_dim, "norm_topk_prob": True}}.get(family, {})
     return classes[family](**{**TINY, **defaults, **overrides})
 
 
@@ -44,12 +54,12 @@ def make_hf_model(config, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if config.model_type == "qwen2":  # make the q/k/v biases matter
+    if config.model_type in ("qwen2", "qwen2_moe"):  # make the q/k/v biases matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if config.model_type == "qwen3":
+    if config.model_type in ("qwen3", "qwen3_moe"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
@@ -58,7 +68,7 @@ def make_hf_model(config, seed: int = 0):
 
 
 def make_tiny_model_dir(family: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
-    """Saves a random-init HF model of ``family`` (llama | mistral | qwen2 | qwen3) to
+    """Saves a random-init HF model of ``family`` (``make_hf_config``'s) to
     ``path``, with a tiny byte-level BPE ``tokenizer.json`` unless told not to."""
     model = make_hf_model(make_hf_config(family, **overrides), seed=seed)
     model.save_pretrained(path)

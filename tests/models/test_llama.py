@@ -37,6 +37,9 @@ CASES = {
     ),
     "qwen3_qk_norm": ("qwen3", {}),
     "qwen3_head_dim_bias": ("qwen3", {"head_dim": 24, "attention_bias": True}),  # head_dim != hidden / heads
+    "mixtral_8x_top2": ("mixtral", {}),
+    "qwen2_moe_shared_expert": ("qwen2_moe", {}),  # a gated shared expert; layer 1 dense
+    "qwen3_moe_norm_topk": ("qwen3_moe", {}),
 }
 
 
@@ -112,7 +115,8 @@ def test_uses_fused_projections(case) -> None:
     _, ours, _ = case
     names = {name for name, _ in ours.named_parameters()}
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
-    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    mlp = "model.layers.0.mlp." + ("experts.0." if ours.arch.is_moe_layer(0) else "")  # each expert fused too
+    assert mlp + "gate_up_proj.weight" in names
     assert not any(".q_proj." in n or ".gate_proj." in n for n in names)
     if ours.arch.tie_word_embeddings:  # one copy: the embedding reads the LM head's packed rows
         assert ours.lm_head.backend == "native" and ours.model.embed_tokens.packed is ours.lm_head.packed

@@ -3,7 +3,9 @@
 Only the Llama family is supported: Llama (GQA/MQA, tied embeddings, llama3
 rope scaling), Mistral (sliding window), Qwen2 (q/k/v bias, optional
 sliding window on the upper layers) and Qwen3 (Qwen2's layout with an
-RMSNorm over each query and key head before the rotary embedding). Both config formats are read: the
+RMSNorm over each query and key head before the rotary embedding), and their
+mixture-of-experts variants: Mixtral (Mistral's attention), Qwen2-MoE (with a
+gated shared expert) and Qwen3-MoE (``workers/model/moe.py``). Both config formats are read: the
 transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
 (``rope_parameters``).
 """
@@ -19,14 +21,19 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 # rope_theta when a config names none (the transformers defaults of the three classes).
 _DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "mixtral": 1e-5,
+                         "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,8 @@ class ModelArchConfig:
     """Shapes and constants of one decoder-only model (full, unsharded sizes).
 
     Attributes:
-        family: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
+        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``,
+            ``qwen2_moe`` or ``qwen3_moe``.
         layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
         attention_bias: Bias on the q/k/v projections (Qwen2; Llama's
             ``attention_bias``).
@@ -53,7 +61,15 @@ class ModelArchConfig:
         sliding_window: Window of the ``sliding_attention`` layers, else None.
         eos_token_ids: All end-of-sequence ids (HF allows a list).
         qk_norm: An RMSNorm (``rms_norm_eps``) over each query and key head,
-            before the rotary embedding (Qwen3).
+            before the rotary embedding (Qwen3, Qwen3-MoE).
+        num_experts / num_experts_per_tok: Routed experts of a MoE layer, and
+            how many each token uses (0: a dense model).
+        moe_intermediate_size: Intermediate size of one routed expert.
+        shared_expert_intermediate_size: Qwen2-MoE's gated shared expert (0: none).
+        norm_topk_prob: Renormalise the chosen experts' probabilities (always
+            for Mixtral).
+        moe_layers: Per layer, whether its MLP is the MoE (Qwen's
+            ``decoder_sparse_step`` and ``mlp_only_layers``).
     """
 
     family: str
@@ -77,6 +93,12 @@ class ModelArchConfig:
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -105,6 +127,9 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer_idx]
+
     def layer_sliding_window(self, layer_idx: int) -> Optional[int]:
         """The sliding window of one layer, or None for full attention."""
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
@@ -125,8 +150,8 @@ class ModelArchConfig:
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' is")
         rope_theta, rope_scaling = _parse_rope(config)
         sliding_window, layer_types = _parse_sliding(config, family, num_layers)
-        qkv_bias = family == "qwen2" or bool(config.get("attention_bias", False))
-        o_bias = family in ("llama", "qwen3") and bool(config.get("attention_bias", False))
+        qkv_bias = family in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False))
+        o_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(config.get("attention_bias", False))
         return cls(
             family=family,
             vocab_size=int(config["vocab_size"]),
@@ -148,7 +173,8 @@ class ModelArchConfig:
             layer_types=layer_types,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            **_parse_moe(config, family, num_layers),
         )
 
 
@@ -205,7 +231,8 @@ def _parse_sliding(
 ) -> tuple[Optional[int], tuple[str, ...]]:
     """Which layers use a sliding window, following each HF class's rules."""
     window = config.get("sliding_window")
-    if family == "llama" or (family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False)):
+    qwen = family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    if family == "llama" or (qwen and not config.get("use_sliding_window", False)):
         window = None
     if window is not None and int(window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or null, got {window}")
@@ -218,11 +245,32 @@ def _parse_sliding(
         if bad:
             raise ValueError(f"unsupported layer_types {sorted(bad)}; use {FULL_ATTENTION} or {SLIDING_ATTENTION}")
         return window, tuple(layer_types)
-    if family in ("qwen2", "qwen3"):
+    if qwen:
         first_sliding = int(config.get("max_window_layers", num_layers))
         types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
         return window, types
     return window, (SLIDING_ATTENTION,) * num_layers
+
+
+def _parse_moe(config: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of ``ModelArchConfig`` (none for a dense family)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if family == "mixtral":
+        experts, inter, shared, norm = int(config["num_local_experts"]), int(config["intermediate_size"]), 0, True
+        layers = (True,) * num_layers
+    else:
+        experts = int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)  # v4 / v5 names
+        inter = int(config["moe_intermediate_size"])
+        shared = int(config.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+        norm = bool(config.get("norm_topk_prob", False))
+        step, dense = int(config.get("decoder_sparse_step", 1) or 1), set(config.get("mlp_only_layers") or ())
+        layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    top_k = int(config["num_experts_per_tok"])
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok must be in 1..{experts} (the experts), got {top_k}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                shared_expert_intermediate_size=shared, norm_topk_prob=norm, moe_layers=layers)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

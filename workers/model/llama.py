@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3 and their MoE variants) over a flat token batch
+and a paged KV cache.
 
 One forward pass takes every scheduled token of every request at once::
 
@@ -36,6 +37,7 @@ from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
 from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from workers.model.linear import Linear, finalize_linears
+from workers.model.moe import SparseMoE
 from workers.model.tp import (
     TPContext,
     TPShard,
@@ -175,7 +177,13 @@ class LlamaDecoderLayer(nn.Module):
             layer_idx=layer_idx,
             qk_norm_eps=arch.rms_norm_eps if arch.qk_norm else None,
         )
-        self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
+        self.mlp: nn.Module
+        if arch.is_moe_layer(layer_idx):
+            self.mlp = SparseMoE(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts,
+                                 arch.num_experts_per_tok, arch.norm_topk_prob,
+                                 arch.shared_expert_intermediate_size or None)
+        else:
+            self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -245,6 +253,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp if tp is not None and tp.world_size > 1 else None
+        if self.tp is not None and arch.num_experts:
+            raise ValueError(f"tensor_parallel_size > 1 is not supported for mixture-of-experts models "
+                             f"({arch.family}) yet; use tensor_parallel_size 1 and more replicas")
         self.shard = self.tp.shard if self.tp is not None else plan_shards(
             arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1
         )[0]

@@ -189,6 +189,8 @@ class NativeDecoder:
         attn = model.model.layers[0].self_attn
         if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms: the torch layers run it
             return None
+        if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers):  # MoE layers
+            return None
         if attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > cpu_decode.MAX_GROUP \
                 or attn.head_dim > cpu_decode.MAX_DIM:
             return None

@@ -24,12 +24,17 @@ STACKED_PARAMS = (
     (".gate_proj.", ".gate_up_proj.", "gate"),
     (".up_proj.", ".gate_up_proj.", "up"),
 )
+# Mixtral's MoE names -> the Qwen / Llama names our modules use.
+RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 # Weights some checkpoints carry that have no parameter here.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def fused_name(hf_name: str) -> tuple[str, str]:
     """Maps an HF parameter name to ``(our parameter name, shard id or '')``."""
+    if ".block_sparse_moe." in hf_name:
+        for old, new in RENAMES:
+            hf_name = hf_name.replace(old, new)
     for hf_part, fused_part, shard_id in STACKED_PARAMS:
         if hf_part in hf_name:
             return hf_name.replace(hf_part, fused_part), shard_id

@@ -71,6 +71,10 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
         ValueError: No native kernel here, a shape the format cannot hold, or a
             GGUF tensor in an unsupported format (names it).
     """
+    if getattr(model.arch, "num_experts", 0) and method not in ("int8", "int4"):
+        raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models "
+                         f"({model.arch.family}) yet; use 'int8' or 'int4' (their experts are quantized, the "
+                         "router stays float32)")
     lib = qgemm.load()
     if lib is None:
         raise ValueError(f"quantization={method!r} needs the native quantized kernel (a C compiler and a CPU "
@@ -164,7 +168,7 @@ def _float_plan(model: Any, method: str, group_size: Optional[int]) -> list[tupl
             raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size}")
     plan = []
     for module in model.modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or getattr(module, "keep_float", False):  # a MoE router stays float
             continue
         w = module.weight.detach().float().numpy()
         if module is model.lm_head:

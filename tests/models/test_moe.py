@@ -1,0 +1,70 @@
+"""Mixture-of-experts layers (``workers/model/moe.py``) beyond the parity with
+transformers (``test_llama.py``, ``tests/engine/test_parity.py``): only the
+routed experts run, a token's output does not depend on its batch-mates, the
+router stays float32 under quantization, and what is not supported says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import make_hf_config, make_hf_model
+from tests.models.conftest import save_hf_model
+from workers.model.attention.torch_backend import TorchAttentionBackend
+from workers.model.loader import load_model
+from workers.model.moe import SparseMoE
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model(make_hf_config("mixtral")), tmp_path_factory.mktemp("mixtral"))
+
+
+def _moe(model) -> SparseMoE:
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, SparseMoE) and len(mlp.experts) == 8 and mlp.top_k == 2
+    return mlp
+
+
+def test_only_the_routed_experts_run(mixtral_dir):
+    model, _ = load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend())
+    moe = _moe(model)
+    calls: list[int] = []
+    for i, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda mod, inp, out, i=i: calls.append((i, inp[0].shape[0])))
+    x = torch.randn(3, model.arch.hidden_size)
+    _, ids = moe.route(x)
+    moe(x)
+    assert sorted(i for i, _ in calls) == sorted(set(ids.flatten().tolist()))  # each chosen expert once
+    assert sum(n for _, n in calls) == 3 * 2  # every token through exactly its two experts
+
+
+def test_a_tokens_output_does_not_depend_on_its_batch(mixtral_dir):
+    model, _ = load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend(), linear_backend="native")
+    moe = _moe(model)
+    x = torch.randn(9, model.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    together = moe(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(moe(x[i : i + 1])[0], together[i]), i  # bitwise, alone or with 8 others
+
+
+def test_int4_quantizes_the_experts_and_keeps_the_router_float(mixtral_dir):
+    model, _ = load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend(), quantization="int4")
+    moe = _moe(model)
+    assert moe.gate.quant is None  # which experts run is decided in float32
+    assert all(e.gate_up_proj.quant is not None and e.down_proj.quant is not None for e in moe.experts)
+
+
+@pytest.mark.parametrize("method", ["w8a8", "gguf"])
+def test_unsupported_quantization_says_what_works(mixtral_dir, method):
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts models .*'int8' or 'int4'"):
+        load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend(), quantization=method)
+
+
+def test_tensor_parallelism_is_refused_before_any_rank_starts(mixtral_dir):
+    from cluster.shared.config import EngineConfig
+    from workers.parallel import TensorParallelRunner
+
+    config = EngineConfig.from_kwargs(model=str(mixtral_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for mixture-of-experts"):
+        TensorParallelRunner.create(config, mixtral_dir, max_model_len=64)

@@ -1,0 +1,97 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks the
+top-k experts of each token; only those experts run, each on the tokens
+routed to it.
+
+One layer's forward over a flat token batch ``x [T, hidden]``::
+
+    router logits = gate(x)                     [T, E], float32
+    probs = softmax(logits); top-k of probs      (renormalised over the k when
+                                                 norm_topk_prob: Mixtral always)
+    for each expert e that some token chose, ascending:
+        rows = the tokens that chose e            (a gather: one GEMM per expert
+        y = down_e(silu(gate_e(x[rows])) * up_e(x[rows]))   over its tokens only)
+        out[rows] += weight(row, e) * y
+    + sigmoid(shared_gate(x)) * shared_expert(x)  (Qwen2-MoE)
+
+That is transformers' own order (softmax in float32, top-k, the experts'
+outputs added in ascending expert order), so greedy tokens match it. Each
+expert's projections are our ``Linear`` (the native packed GEMM on CPU,
+whose rows are computed independently), a token's experts are added in
+expert order whatever else is in the batch, and the router runs on the same
+kernel: a request's outputs do not depend on its batch-mates. The router stays
+in float32 under quantization (its logits decide which experts run); the
+experts are quantized like any linear layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from workers.model.layers import SiluAndMul
+from workers.model.linear import Linear
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert with fused gate/up projection (HF's ``w1`` / ``w3`` /
+    ``w2``, or ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def gate_up_shard_rows(self, shard_id: str) -> tuple[int, int]:
+        """``(first row, number of rows)`` of the gate or up part of ``gate_up_proj``."""
+        return (0 if shard_id == "gate" else self.intermediate_size), self.intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts, with Qwen2-MoE's gated shared expert when
+    ``shared_intermediate_size`` is set.
+
+    Args:
+        num_experts / top_k: Experts of the layer, and how many each token uses.
+        norm_topk_prob: Renormalise the k chosen probabilities to sum to 1.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, shared_intermediate_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate.keep_float = True  # the router decides which experts run: never quantized
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_expert: Optional[Expert] = None
+        self.shared_expert_gate: Optional[Linear] = None
+        if shared_intermediate_size:
+            self.shared_expert = Expert(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate.keep_float = True
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] in x's dtype, expert ids [T, k])`` of each token."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for expert_id in torch.unique(ids).tolist():  # ascending, as transformers adds them
+            rows, slot = torch.nonzero(ids == expert_id, as_tuple=True)
+            y = self.experts[expert_id](x.index_select(0, rows))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
