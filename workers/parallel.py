@@ -232,11 +232,9 @@ class TensorParallelRunner:
         """
         world_size = config.parallel.tensor_parallel_size
         arch = read_arch(model_dir)
-        if arch.num_experts and world_size > 1:
-            raise ValueError(f"tensor_parallel_size > 1 is not supported for mixture-of-experts models "
-                             f"({arch.family}) yet; use tensor_parallel_size 1 and more replicas")
         shards = plan_shards(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, world_size
+            arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, world_size,
+            arch.moe_intermediate_size, arch.shared_expert_intermediate_size,
         )
         init_local_ray()  # no-op when this process is already connected (a Serve replica)
         pg = ray.util.get_current_placement_group()

@@ -1,7 +1,9 @@
 """Mixture-of-experts layers (``workers/model/moe.py``) beyond the parity with
 transformers (``test_llama.py``, ``tests/engine/test_parity.py``): only the
 routed experts run, a token's output does not depend on its batch-mates, the
-router stays float32 under quantization, and what is not supported says so."""
+router stays float32 under quantization, what is not supported says so, and
+tensor parallelism splits every expert (tokens with TP=2:
+``tests/integration/test_tensor_parallel.py``)."""
 
 from __future__ import annotations
 
@@ -61,10 +63,15 @@ def test_unsupported_quantization_says_what_works(mixtral_dir, method):
         load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend(), quantization=method)
 
 
-def test_tensor_parallelism_is_refused_before_any_rank_starts(mixtral_dir):
-    from cluster.shared.config import EngineConfig
-    from workers.parallel import TensorParallelRunner
+def test_tensor_parallel_shards_split_every_experts_intermediate_rows():
+    from workers.model.tp import plan_shards, shard_checkpoint_tensor
 
-    config = EngineConfig.from_kwargs(model=str(mixtral_dir), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for mixture-of-experts"):
-        TensorParallelRunner.create(config, mixtral_dir, max_model_len=64)
+    shards = plan_shards(4, 2, 128, 512, 2, moe_intermediate_size=32, shared_intermediate_size=48)
+    assert [s.moe_intermediate for s in shards] == [(0, 16), (16, 16)]
+    assert [s.shared_intermediate for s in shards] == [(0, 24), (24, 24)]
+    w = torch.arange(32 * 8, dtype=torch.float32).reshape(32, 8)
+    expert = shard_checkpoint_tensor(shards[1], 16, "model.layers.0.mlp.experts.3.gate_up_proj.weight", "up", w)
+    assert torch.equal(expert, w[16:32])
+    down = torch.zeros(8, 48)
+    assert shard_checkpoint_tensor(shards[1], 16, "model.layers.0.mlp.shared_expert.down_proj.weight", "",
+                                   down).shape == (8, 24)

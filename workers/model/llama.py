@@ -179,9 +179,9 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.mlp: nn.Module
         if arch.is_moe_layer(layer_idx):
-            self.mlp = SparseMoE(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts,
+            self.mlp = SparseMoE(arch.hidden_size, shard.moe_intermediate[1], arch.num_experts,
                                  arch.num_experts_per_tok, arch.norm_topk_prob,
-                                 arch.shared_expert_intermediate_size or None)
+                                 shard.shared_intermediate[1] or None, tp=tp)
         else:
             self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -253,11 +253,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.tp = tp if tp is not None and tp.world_size > 1 else None
-        if self.tp is not None and arch.num_experts:
-            raise ValueError(f"tensor_parallel_size > 1 is not supported for mixture-of-experts models "
-                             f"({arch.family}) yet; use tensor_parallel_size 1 and more replicas")
         self.shard = self.tp.shard if self.tp is not None else plan_shards(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1
+            arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1,
+            arch.moe_intermediate_size, arch.shared_expert_intermediate_size,
         )[0]
         self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
         self.lm_head = Linear(arch.hidden_size, self.shard.vocab_size, bias=False)

@@ -20,7 +20,8 @@ whose rows are computed independently), a token's experts are added in
 expert order whatever else is in the batch, and the router runs on the same
 kernel: a request's outputs do not depend on its batch-mates. The router stays
 in float32 under quantization (its logits decide which experts run); the
-experts are quantized like any linear layer.
+experts are quantized like any linear layer. Tensor parallelism splits every
+expert's intermediate dimension over the ranks (``tp.py``), as the dense MLP's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from workers.model.layers import SiluAndMul
 from workers.model.linear import Linear
+from workers.model.tp import TPContext
 
 
 class Expert(nn.Module):
@@ -58,13 +60,20 @@ class SparseMoE(nn.Module):
     ``shared_intermediate_size`` is set.
 
     Args:
+        intermediate_size / shared_intermediate_size: Local sizes (the rank's
+            slice of each expert's intermediate dimension with ``tp``).
         num_experts / top_k: Experts of the layer, and how many each token uses.
         norm_topk_prob: Renormalise the k chosen probabilities to sum to 1.
+        tp: With a context, every rank holds a slice of every expert, runs the
+            same routing (the router is replicated) and sums its partial output
+            with the other ranks' once, at the end of the layer.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, shared_intermediate_size: Optional[int] = None) -> None:
+                 norm_topk_prob: bool, shared_intermediate_size: Optional[int] = None,
+                 tp: Optional[TPContext] = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.gate.keep_float = True  # the router decides which experts run: never quantized
@@ -94,4 +103,4 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -76,6 +76,8 @@ class TPShard:
         intermediate: The rank's rows of the MLP's intermediate dimension.
         vocab: The rank's rows of the embedding and the LM head.
         vocab_sizes: Vocab slice size of every rank (for the logits gather).
+        moe_intermediate / shared_intermediate: The rank's rows of each routed
+            expert's and of the shared expert's intermediate dimension (MoE).
     """
 
     rank: int
@@ -85,6 +87,8 @@ class TPShard:
     intermediate: Range
     vocab: Range
     vocab_sizes: tuple[int, ...]
+    moe_intermediate: Range = (0, 0)
+    shared_intermediate: Range = (0, 0)
 
     @property
     def num_heads(self) -> int:
@@ -116,7 +120,8 @@ def _head_ranges(num_heads: int, num_kv_heads: int, world_size: int) -> list[tup
 
 
 def plan_shards(
-    num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, world_size: int
+    num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, world_size: int,
+    moe_intermediate_size: int = 0, shared_intermediate_size: int = 0,
 ) -> list[TPShard]:
     """The shard of every rank of a ``world_size``-way tensor-parallel group.
 
@@ -135,18 +140,31 @@ def plan_shards(
             f"tensor_parallel_size {world_size} exceeds the model's {num_heads} attention heads: every rank "
             f"needs at least one query head; use tensor_parallel_size <= {num_heads}"
         )
-    if world_size > intermediate_size or world_size > vocab_size:
+    if world_size > intermediate_size or world_size > vocab_size or 0 < moe_intermediate_size < world_size \
+            or 0 < shared_intermediate_size < world_size:
         raise ValueError(
-            f"tensor_parallel_size {world_size} exceeds the model's intermediate or vocab size; lower it"
+            f"tensor_parallel_size {world_size} exceeds the model's intermediate (or expert) or vocab size; lower it"
         )
     heads = _head_ranges(num_heads, num_kv_heads, world_size)
     inter = split_evenly(intermediate_size, world_size)
     vocab = split_evenly(vocab_size, world_size)
     sizes = tuple(n for _, n in vocab)
+    moe = split_evenly(moe_intermediate_size, world_size) if moe_intermediate_size else [(0, 0)] * world_size
+    shared = split_evenly(shared_intermediate_size, world_size) if shared_intermediate_size else [(0, 0)] * world_size
     return [
-        TPShard(rank, world_size, heads[rank][0], heads[rank][1], inter[rank], vocab[rank], sizes)
+        TPShard(rank, world_size, heads[rank][0], heads[rank][1], inter[rank], vocab[rank], sizes, moe[rank],
+                shared[rank])
         for rank in range(world_size)
     ]
+
+
+def _mlp_rows(shard: TPShard, name: str) -> Range:
+    """The rank's intermediate rows of the MLP (or expert) that ``name`` belongs to."""
+    if ".shared_expert." in name:
+        return shard.shared_intermediate
+    if ".experts." in name:
+        return shard.moe_intermediate
+    return shard.intermediate
 
 
 def shard_checkpoint_tensor(
@@ -168,11 +186,11 @@ def shard_checkpoint_tensor(
     elif shard_id in ("k", "v"):
         dim_range = (0, shard.kv_heads[0] * head_dim, shard.num_kv_heads * head_dim)
     elif shard_id in ("gate", "up"):
-        dim_range = (0, *shard.intermediate)
+        dim_range = (0, *_mlp_rows(shard, name))
     elif name.endswith(".o_proj.weight"):
         dim_range = (1, shard.q_heads[0] * head_dim, shard.num_heads * head_dim)
     elif name.endswith(".down_proj.weight"):
-        dim_range = (1, *shard.intermediate)
+        dim_range = (1, *_mlp_rows(shard, name))
     elif name in ("model.embed_tokens.weight", "lm_head.weight"):
         dim_range = (0, *shard.vocab)
     if dim_range is None:
