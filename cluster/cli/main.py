@@ -7,6 +7,7 @@
     prefixserve bench offline [--num-prompts 64] ...         engine vs HF generate
     prefixserve bench latency [--batch-sizes 1 8 32] ...     decode step and prefill times (--compare llama.cpp)
     prefixserve bench parallel [--n 8 --input-len 512] ...   n samples sharing a prompt vs separate requests
+    prefixserve bench moe [--batch-sizes 1 8] ...            MoE decode: routed experts vs a dense expert loop
     prefixserve bench kernels [--m 1 8 32] ...               linear-layer backends on the model's shapes
     prefixserve bench routing [--request-rate R] ...         one workload per routing policy
     prefixserve bench router [--requests N] ...              the router's own cost (echo replicas)
@@ -81,6 +82,8 @@ COMMANDS = (
             "cluster.bench.latency", "add_latency_args", "run_latency"),
     Command(("bench", "spec"), "speculative decoding on and off, same model, one run: tokens/s, acceptance",
             "cluster.bench.spec", "add_spec_args", "run_spec"),
+    Command(("bench", "moe"), "mixture-of-experts decode: routed experts against a dense loop over every expert",
+            "cluster.bench.moe", "add_moe_args", "run_moe"),
     Command(("bench", "parallel"), "parallel sampling (n) against the same samples as separate requests",
             "cluster.bench.parallel", "add_parallel_args", "run_parallel"),
     Command(("bench", "structured"), "structured outputs: mask cost, jump-forward speedup, compile latency",

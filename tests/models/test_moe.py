@@ -75,3 +75,13 @@ def test_tensor_parallel_shards_split_every_experts_intermediate_rows():
     down = torch.zeros(8, 48)
     assert shard_checkpoint_tensor(shards[1], 16, "model.layers.0.mlp.shared_expert.down_proj.weight", "",
                                    down).shape == (8, 24)
+
+
+def test_the_benchmarks_dense_loop_computes_the_same_layer(mixtral_dir):
+    from cluster.bench.moe import dense_forward
+
+    model, _ = load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend())
+    moe = _moe(model)
+    x = torch.randn(6, model.arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    routed, dense = moe(x), dense_forward(moe, x)
+    assert torch.allclose(routed, dense, atol=1e-5, rtol=1e-5)  # every expert, weighed 0 where not chosen
