@@ -27,18 +27,19 @@ TINY = dict(
 
 def make_hf_config(family: str, **overrides):
     """A tiny transformers config of ``family`` (llama | mistral | qwen2 | qwen3 |
-    mixtral | qwen2_moe | qwen3_moe); Mistral gets a sliding window of 8 unless
+    phi3 | mixtral | qwen2_moe | qwen3_moe); Mistral gets a sliding window of 8 unless
     told otherwise, Qwen3 its head_dim from the tiny sizes (its class defaults
     to 128), the MoE families 8 experts with top-2 routing (Qwen2-MoE a shared
     expert and a dense second layer)."""
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+               "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     defaults = {"mistral": {"sliding_window": 8},
                 "qwen3": {"head_dim": head_dim},
+                "phi3": {"pad_token_id": 0},  # its class default (32000) is outside the tiny vocabulary
                 "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48},
                 "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]},

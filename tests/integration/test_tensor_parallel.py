@@ -44,6 +44,7 @@ TINY_CASES = {
                        vocab_size=511, attention_bias=True, mlp_bias=True)),
     "replicated_kv": (3, dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)),
     "qwen3_qk_norm": (2, dict(family="qwen3")),  # per-head q/k norms: replicated on every rank
+    "phi3_fused": (2, dict(family="phi3")),  # a fused qkv / gate_up checkpoint, split before it is sharded
     "mixtral_experts": (2, dict(family="mixtral")),  # every expert's intermediate rows split, the router replicated
     "qwen2_moe_shared": (2, dict(family="qwen2_moe")),  # and the shared expert's; a dense layer beside
 }

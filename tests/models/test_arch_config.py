@@ -73,6 +73,15 @@ def test_unsupported_rope_type_is_rejected(rope_type: str) -> None:
         ModelArchConfig.from_hf_config(_llama_v4_dict(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
 
 
+def test_phi3_reads_as_a_llama_layout_and_refuses_longrope() -> None:
+    arch = _parse("phi3")
+    assert arch.family == "phi3" and not arch.attention_bias and not arch.qk_norm and arch.rope_scaling is None
+    long = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256}
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+        _parse("phi3", rope_parameters=long, max_position_embeddings=512)
+
+
 def test_unsupported_architecture_names_supported_ones() -> None:
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, MistralForCausalLM, Qwen2"):
         ModelArchConfig.from_hf_config(_llama_v4_dict(architectures=["GPT2LMHeadModel"]))

@@ -3,7 +3,9 @@
 Only the Llama family is supported: Llama (GQA/MQA, tied embeddings, llama3
 rope scaling), Mistral (sliding window), Qwen2 (q/k/v bias, optional
 sliding window on the upper layers) and Qwen3 (Qwen2's layout with an
-RMSNorm over each query and key head before the rotary embedding), and their
+RMSNorm over each query and key head before the rotary embedding), Phi-3
+(checkpoints with fused ``qkv_proj`` / ``gate_up_proj``; default RoPE only, not
+its ``longrope`` long-context scaling yet), and the
 mixture-of-experts variants: Mixtral (Mistral's attention), Qwen2-MoE (with a
 gated shared expert) and Qwen3-MoE (``workers/model/moe.py``). Both config formats are read: the
 transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
@@ -21,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -32,7 +35,7 @@ SLIDING_ATTENTION = "sliding_attention"
 
 # rope_theta when a config names none (the transformers defaults of the three classes).
 _DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "mixtral": 1e-5,
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "phi3": 1e-5, "mixtral": 1e-5,
                          "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
 
 
@@ -51,7 +54,7 @@ class ModelArchConfig:
     """Shapes and constants of one decoder-only model (full, unsharded sizes).
 
     Attributes:
-        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``,
+        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral``,
             ``qwen2_moe`` or ``qwen3_moe``.
         layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
         attention_bias: Bias on the q/k/v projections (Qwen2; Llama's

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3 and their MoE variants) over a flat token batch
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3 and the MoE variants) over a flat token batch
 and a paged KV cache.
 
 One forward pass takes every scheduled token of every request at once::

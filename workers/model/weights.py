@@ -4,13 +4,14 @@ HF checkpoints store ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` /
 ``up_proj`` apart; our models fuse them (``qkv_proj``, ``gate_up_proj``: one
 matmul instead of three, or two). Each tensor is copied into its rows of the
 fused parameter; with tensor parallelism the rank's slice of the full tensor
-first (``tp.shard_checkpoint_tensor``). Every parameter must get a tensor of
+first (``tp.shard_checkpoint_tensor``). Checkpoints that store them fused
+(Phi-3) are split into the same parts first. Every parameter must get a tensor of
 its shape, else the error names what does not match.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -41,6 +42,22 @@ def fused_name(hf_name: str) -> tuple[str, str]:
     return hf_name, ""
 
 
+def _split_fused(arch: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoints that store the projections fused already (Phi-3's ``qkv_proj``
+    and ``gate_up_proj``) as their HF parts, so each is copied (and sharded) as
+    the separate checkpoints' are."""
+    for name, tensor in weights:
+        if ".self_attn.qkv_proj." in name:
+            q, k, v = torch.split(tensor, [arch.q_size, arch.kv_size, arch.kv_size], dim=0)
+            yield from ((name.replace(".qkv_proj.", f".{p}_proj."), t) for p, t in (("q", q), ("k", k), ("v", v)))
+        elif ".mlp.gate_up_proj." in name:
+            gate, up = torch.chunk(tensor, 2, dim=0)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
+        else:
+            yield name, tensor
+
+
 def load_checkpoint(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copies HF-named ``weights`` into ``model``'s parameters (mutates them).
 
@@ -51,7 +68,7 @@ def load_checkpoint(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, str]] = set()
     tied = model.arch.tie_word_embeddings
-    for name, tensor in weights:
+    for name, tensor in _split_fused(model.arch, weights):
         if name.endswith(IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and tied:
