@@ -82,6 +82,19 @@ def test_phi3_reads_as_a_llama_layout_and_refuses_longrope() -> None:
         _parse("phi3", rope_parameters=long, max_position_embeddings=512)
 
 
+def test_gemma3_local_and_global_layers_and_its_constants() -> None:
+    arch = _parse("gemma3")
+    assert arch.family == "gemma3" and arch.sandwich_norms and arch.qk_norm and arch.hidden_act == "gelu_pytorch_tanh"
+    assert arch.rope_theta == 1e6 and arch.local_rope_theta == 1e4 and arch.query_pre_attn_scalar == 24
+    assert arch.embed_scale == 64 ** 0.5 and [arch.layer_sliding_window(i) for i in range(2)] == [8, None]
+    v4 = make_hf_config("gemma3").to_dict()  # the transformers v4 layout of the same RoPE bases
+    del v4["rope_parameters"]
+    v4.update(rope_theta=1e6, rope_local_base_freq=1e4)
+    assert ModelArchConfig.from_hf_config(v4).local_rope_theta == 1e4
+    with pytest.raises(ValueError, match="soft-capping .Gemma 2. is not supported"):
+        _parse("gemma3", final_logit_softcapping=30.0)
+
+
 def test_unsupported_architecture_names_supported_ones() -> None:
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, MistralForCausalLM, Qwen2"):
         ModelArchConfig.from_hf_config(_llama_v4_dict(architectures=["GPT2LMHeadModel"]))

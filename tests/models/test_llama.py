@@ -39,6 +39,7 @@ CASES = {
     "qwen3_head_dim_bias": ("qwen3", {"head_dim": 24, "attention_bias": True}),  # head_dim != hidden / heads
     "phi3_fused_checkpoint": ("phi3", {}),
     "phi3_sliding": ("phi3", {"sliding_window": 8}),
+    "gemma3_local_global": ("gemma3", {}),
     "mixtral_8x_top2": ("mixtral", {}),
     "qwen2_moe_shared_expert": ("qwen2_moe", {}),  # a gated shared expert; layer 1 dense
     "qwen3_moe_norm_topk": ("qwen3_moe", {}),

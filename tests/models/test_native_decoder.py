@@ -55,9 +55,10 @@ def test_native_decoder_matches_the_module_path_bitwise(name, tmp_path):
     model.native_decoder = fast
 
 
-def test_qwen3s_head_norms_keep_the_module_path(tmp_path):
-    # The C step driver has no per-head q/k norm: a Qwen3 model must not get it.
-    folder = save_hf_model(make_hf_model(make_hf_config("qwen3")), tmp_path)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_head_norms_keep_the_module_path(tmp_path, family):
+    # The C step driver has no per-head q/k norm (nor Gemma's layer layout): such models must not get it.
+    folder = save_hf_model(make_hf_model(make_hf_config(family)), tmp_path)
     model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
     assert model.model.layers[0].self_attn.q_norm is not None
     assert model.native_decoder is None

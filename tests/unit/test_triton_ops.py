@@ -142,7 +142,7 @@ def test_kernels_compile_for_cuda_without_a_gpu():
 def _greedy_with(llm, fused, prompts):
     from cluster.shared.types import SamplingParams
     from workers.model.layers import RMSNorm as Norm, SiluAndMul as Silu
-    from workers.model.llama import LlamaAttention
+    from workers.model.self_attention import LlamaAttention
 
     model = llm.runner.model
     model.native_decoder = None  # it calls kernels without the modules

@@ -5,7 +5,10 @@ rope scaling), Mistral (sliding window), Qwen2 (q/k/v bias, optional
 sliding window on the upper layers) and Qwen3 (Qwen2's layout with an
 RMSNorm over each query and key head before the rotary embedding), Phi-3
 (checkpoints with fused ``qkv_proj`` / ``gate_up_proj``; default RoPE only, not
-its ``longrope`` long-context scaling yet), and the
+its ``longrope`` long-context scaling yet), Gemma 3 text models (scaled
+embeddings, (1 + w) RMSNorms before and after each sub-block, GeGLU, q/k
+norms, interleaved sliding-window layers with their own RoPE base,
+``query_pre_attn_scalar``; ``workers/model/gemma.py``), and the
 mixture-of-experts variants: Mixtral (Mistral's attention), Qwen2-MoE (with a
 gated shared expert) and Qwen3-MoE (``workers/model/moe.py``). Both config formats are read: the
 transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
@@ -24,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -35,7 +39,7 @@ SLIDING_ATTENTION = "sliding_attention"
 
 # rope_theta when a config names none (the transformers defaults of the three classes).
 _DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "phi3": 1e-5, "mixtral": 1e-5,
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "phi3": 1e-5, "gemma3": 1e-6, "mixtral": 1e-5,
                          "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
 
 
@@ -54,7 +58,7 @@ class ModelArchConfig:
     """Shapes and constants of one decoder-only model (full, unsharded sizes).
 
     Attributes:
-        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral``,
+        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma3``, ``mixtral``,
             ``qwen2_moe`` or ``qwen3_moe``.
         layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
         attention_bias: Bias on the q/k/v projections (Qwen2; Llama's
@@ -73,6 +77,14 @@ class ModelArchConfig:
             for Mixtral).
         moe_layers: Per layer, whether its MLP is the MoE (Qwen's
             ``decoder_sparse_step`` and ``mlp_only_layers``).
+        hidden_act: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU).
+        local_rope_theta: RoPE base of the sliding-window layers when it
+            differs from ``rope_theta`` (Gemma 3), else None.
+        query_pre_attn_scalar: Attention scale ``1 / sqrt(this)`` instead of
+            ``1 / sqrt(head_dim)`` (Gemma).
+        embed_scale: Multiplies the embeddings (Gemma: ``sqrt(hidden_size)``).
+        sandwich_norms: Gemma's four norms per layer (before and after the
+            attention and the MLP), with ``(1 + w)`` weights.
     """
 
     family: str
@@ -102,6 +114,11 @@ class ModelArchConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    hidden_act: str = "silu"
+    local_rope_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -149,9 +166,10 @@ class ModelArchConfig:
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         num_layers = int(config["num_hidden_layers"])
-        if config.get("hidden_act", "silu") != "silu":
+        gemma = _parse_gemma(config) if family == "gemma3" else {}
+        if family != "gemma3" and config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' is")
-        rope_theta, rope_scaling = _parse_rope(config)
+        rope_theta, rope_scaling = _parse_rope(config) if family != "gemma3" else (gemma.pop("rope_theta"), None)
         sliding_window, layer_types = _parse_sliding(config, family, num_layers)
         qkv_bias = family in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False))
         o_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(config.get("attention_bias", False))
@@ -176,8 +194,9 @@ class ModelArchConfig:
             layer_types=layer_types,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             **_parse_moe(config, family, num_layers),
+            **gemma,
         )
 
 
@@ -253,6 +272,34 @@ def _parse_sliding(
         types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
         return window, types
     return window, (SLIDING_ATTENTION,) * num_layers
+
+
+def _parse_gemma(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields (and its RoPE bases: one per layer type, default RoPE only)."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3's hidden_activation {act!r} is not supported; 'gelu_pytorch_tanh' is")
+    if config.get("attn_logit_softcapping") is not None or config.get("final_logit_softcapping") is not None:
+        raise ValueError("logit soft-capping (Gemma 2) is not supported yet")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (decoder-only, causal attention)")
+    params = config.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # transformers v5: one per layer type
+        per_type = {t: dict(v) for t, v in params.items()}
+    else:  # v4: rope_theta (+ rope_scaling) for the global layers, rope_local_base_freq for the local ones
+        per_type = {FULL_ATTENTION: {**(config.get("rope_scaling") or {}),
+                                     "rope_theta": config.get("rope_theta", 1_000_000.0)},
+                    SLIDING_ATTENTION: {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}}
+    for layer_type, p in per_type.items():
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"Gemma 3 rope type {kind!r} ({layer_type} layers) is not supported yet; "
+                             "only 'default' is")
+    full = float(per_type.get(FULL_ATTENTION, {}).get("rope_theta", 1_000_000.0))
+    local = float(per_type.get(SLIDING_ATTENTION, {}).get("rope_theta", full))
+    return dict(rope_theta=full, local_rope_theta=local if local != full else None, hidden_act="gelu_pytorch_tanh",
+                query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or config["head_dim"]),
+                embed_scale=float(config["hidden_size"]) ** 0.5, sandwich_norms=True)
 
 
 def _parse_moe(config: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:

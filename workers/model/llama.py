@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3 and the MoE variants) over a flat token batch
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, the MoE variants) over a flat token batch
 and a paged KV cache.
 
 One forward pass takes every scheduled token of every request at once::
@@ -46,83 +46,9 @@ from workers.model.tp import (
     vocab_embedding,
 )
 from workers.model.weights import load_checkpoint
+from workers.model.self_attention import LlamaAttention
 
 logger = logging.getLogger(__name__)
-
-class LlamaAttention(nn.Module):
-    """Self-attention with GQA, fused q/k/v projection and rotary embedding.
-
-    Args:
-        num_heads: Query heads held by this module (all of them without TP).
-        num_kv_heads: KV heads held by this module.
-        sliding_window: Attend only to the last ``sliding_window`` positions.
-        qk_norm_eps: With a value, an RMSNorm over each query and each key
-            head before the rotary embedding (Qwen3's ``q_norm`` / ``k_norm``).
-        tp: The tensor-parallel context; ``o_proj`` is row-parallel with one.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        attn_backend: AttentionBackend,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        sliding_window: Optional[int] = None,
-        tp: Optional[TPContext] = None,
-        layer_idx: int = 0,
-        qk_norm_eps: Optional[float] = None,
-    ) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
-        self.sliding_window = sliding_window
-        self.attn_backend = attn_backend
-        self.native: Any = None  # cpu_ops library (in-place rotary), set by finalize
-        self.fused: Any = None  # triton_ops.TritonOps (in-place rotary on a GPU), set by finalize
-        self.layer_idx = layer_idx
-        self.use_attention_op = False  # under torch.compile: attention as a custom op (compiled.py)
-        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = row_parallel_linear(self.q_size, hidden_size, o_bias, tp)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-
-    def qkv_shard_rows(self, shard_id: str) -> tuple[int, int]:
-        """``(first row, number of rows)`` of the q, k or v part of ``qkv_proj``."""
-        starts = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
-        return starts[shard_id], self.q_size if shard_id == "q" else self.kv_size
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # q and k are rotated together (one call for both), then split as views:
-        # q [T, Hq, D] and k, v [T, Hkv, D] may be non-contiguous, with stride 1 on D.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, before the rotation (Qwen3); a new tensor, rotated in place
-            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
-            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
-            qk = torch.cat([q.view(num_tokens, self.num_heads, -1), k.view(num_tokens, self.num_kv_heads, -1)], 1)
-        qk = RotaryEmbedding.apply(qk, cos, sin, self.native, self.fused)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.use_attention_op:
-            out = torch.ops.prefixserve.attention(q, k, v, kv_cache, self.layer_idx)
-        else:
-            out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -257,7 +183,12 @@ class LlamaForCausalLM(nn.Module):
             arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1,
             arch.moe_intermediate_size, arch.shared_expert_intermediate_size,
         )[0]
-        self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
+        if arch.sandwich_norms:
+            from workers.model.gemma import GemmaModel
+
+            self.model: nn.Module = GemmaModel(arch, attn_backend, self.shard, self.tp)
+        else:
+            self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
         self.lm_head = Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
         self.compiled: Any = None  # CompiledDecoder with enforce_eager False
         self.native_decoder: Any = None  # NativeDecoder when every kernel is native (native_decoder.py)
@@ -349,4 +280,8 @@ class LlamaForCausalLM(nn.Module):
         """
         load_checkpoint(self, weights)
         self.tie_weights()
-        self.model.rotary_emb.build_cache(self.model.embed_tokens.weight.device)
+        device = self.model.embed_tokens.weight.device
+        if hasattr(self.model, "build_rope_caches"):
+            self.model.build_rope_caches(device)
+        else:
+            self.model.rotary_emb.build_cache(device)

@@ -191,6 +191,8 @@ class NativeDecoder:
             return None
         if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers):  # MoE layers
             return None
+        if getattr(model.arch, "sandwich_norms", False):  # Gemma's layer layout: the torch layers run it
+            return None
         if attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > cpu_decode.MAX_GROUP \
                 or attn.head_dim > cpu_decode.MAX_DIM:
             return None

@@ -78,6 +78,8 @@ def load_checkpoint(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {model.arch.family} model")
         if model.tp is not None:
             tensor = shard_checkpoint_tensor(model.shard, model.arch.head_dim, target, shard_id, tensor)
+        if model.arch.sandwich_norms and target.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0  # Gemma's norms multiply by (1 + w): folded in once
         _copy_into(model, params[target], target, shard_id, tensor)
         loaded.add((target, shard_id))
     _check_all_loaded(model, loaded)
