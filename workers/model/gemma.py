@@ -20,40 +20,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
 from workers.model.layers import RMSNorm, RotaryEmbedding
-from workers.model.linear import Linear
+from workers.model.mlp import GatedMLP
 from workers.model.self_attention import LlamaAttention
-from workers.model.tp import TPContext, TPShard, row_parallel_linear, vocab_embedding
-
-
-class GeluAndMul(nn.Module):
-    """``gelu_tanh(x[..., :d]) * x[..., d:]`` for the fused gate/up output ``[.., 2d]``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
-
-
-class GemmaMLP(nn.Module):
-    """GeGLU MLP with fused gate/up projection (``intermediate_size`` local)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: Optional[TPContext] = None) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, False, tp)
-        self.act_fn = GeluAndMul()
-
-    def gate_up_shard_rows(self, shard_id: str) -> tuple[int, int]:
-        return (0 if shard_id == "gate" else self.intermediate_size), self.intermediate_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+from workers.model.tp import TPContext, TPShard, vocab_embedding
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -69,7 +43,7 @@ class GemmaDecoderLayer(nn.Module):
             o_bias=arch.o_proj_bias, sliding_window=arch.layer_sliding_window(layer_idx), tp=tp,
             layer_idx=layer_idx, qk_norm_eps=arch.rms_norm_eps, scale=arch.query_pre_attn_scalar ** -0.5,
         )
-        self.mlp = GemmaMLP(arch.hidden_size, shard.intermediate_size, tp)
+        self.mlp = GatedMLP(arch.hidden_size, shard.intermediate_size, tp=tp, act=arch.hidden_act)
         eps = arch.rms_norm_eps
         self.input_layernorm = RMSNorm(arch.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps)

@@ -52,6 +52,14 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
 
 
+class GeluAndMul(nn.Module):
+    """``gelu_tanh(x[..., :d]) * x[..., d:]`` for the fused gate/up output ``[.., 2d]`` (Gemma's GeGLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection output ``[.., 2d]``."""
 

@@ -37,39 +37,18 @@ from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
 from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from workers.model.linear import Linear, finalize_linears
+from workers.model.mlp import GatedMLP
 from workers.model.moe import SparseMoE
 from workers.model.tp import (
     TPContext,
     TPShard,
     plan_shards,
-    row_parallel_linear,
     vocab_embedding,
 )
 from workers.model.weights import load_checkpoint
 from workers.model.self_attention import LlamaAttention
 
 logger = logging.getLogger(__name__)
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP with fused gate/up projection; ``intermediate_size`` is the local one
-    (``down_proj`` is row-parallel with a ``tp`` context)."""
-
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Optional[TPContext] = None
-    ) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, bias, tp)
-        self.act_fn = SiluAndMul()
-
-    def gate_up_shard_rows(self, shard_id: str) -> tuple[int, int]:
-        """``(first row, number of rows)`` of the gate or up part of ``gate_up_proj``."""
-        return (0 if shard_id == "gate" else self.intermediate_size), self.intermediate_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
                                  arch.num_experts_per_tok, arch.norm_topk_prob,
                                  shard.shared_intermediate[1] or None, tp=tp)
         else:
-            self.mlp = LlamaMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
+            self.mlp = GatedMLP(arch.hidden_size, shard.intermediate_size, bias=arch.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

@@ -31,28 +31,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.model.layers import SiluAndMul
 from workers.model.linear import Linear
+from workers.model.mlp import GatedMLP
 from workers.model.tp import TPContext
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert with fused gate/up projection (HF's ``w1`` / ``w3`` /
-    ``w2``, or ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = SiluAndMul()
-
-    def gate_up_shard_rows(self, shard_id: str) -> tuple[int, int]:
-        """``(first row, number of rows)`` of the gate or up part of ``gate_up_proj``."""
-        return (0 if shard_id == "gate" else self.intermediate_size), self.intermediate_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):
@@ -77,11 +58,11 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.gate.keep_float = True  # the router decides which experts run: never quantized
-        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
-        self.shared_expert: Optional[Expert] = None
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_expert: Optional[GatedMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if shared_intermediate_size:
-            self.shared_expert = Expert(hidden_size, shared_intermediate_size)
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True
 
