@@ -25,8 +25,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cluster.client.table import format_table
 
 logger = logging.getLogger(__name__)
@@ -47,6 +45,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
 
 def mixtral_dir(args: argparse.Namespace) -> Path:
     """The random-init checkpoint of ``args``' shape (written once, then reused)."""
+    import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from cluster.shared.cache import cache_root
@@ -71,8 +70,10 @@ def mixtral_dir(args: argparse.Namespace) -> Path:
     return folder
 
 
-def dense_forward(moe: Any, x: torch.Tensor) -> torch.Tensor:
+def dense_forward(moe: Any, x: Any) -> Any:
     """The baseline: every expert on every token, weighed by the same routing."""
+    import torch
+
     weights, ids = moe.route(x)
     dense = torch.zeros(x.shape[0], moe.num_experts, dtype=x.dtype)
     dense.scatter_(1, ids, weights)

@@ -190,8 +190,9 @@ def test_token_request_and_latency_counters_match_the_traffic(cluster):
 def test_a_tiny_pool_forces_preemptions_and_they_are_counted(cluster):
     # 216 tokens = 54 blocks per request, 64 blocks per replica: any two that
     # run together on one replica cannot both grow to the end.
-    # Ten of them keep both replicas busy for seconds (several publish periods).
-    prompts = [[(100 + 37 * i + j) % 500 + 3 for j in range(16)] for i in range(10)]
+    # Twenty of them keep both replicas busy for seconds (several publish periods of 1 s: ten
+    # finished within about one on this 2-core machine, and the gauges' peaks were then missed).
+    prompts = [[(100 + 37 * i + j) % 500 + 3 for j in range(16)] for i in range(20)]
 
     async def body(client: Client) -> None:
         before = await client.scrape()

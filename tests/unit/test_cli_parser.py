@@ -49,3 +49,15 @@ def test_commands_run_without_the_packages_other_commands_need(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     assert "prefixserve redis-acl cannot run here: it needs the redis package" in result.stderr
+
+
+def test_building_the_parser_imports_no_torch():
+    # Every command's module is imported to add its flags: light commands (router-drain in a
+    # pod's preStop hook, status, redis-acl) must not pay torch's import (over a second here).
+    import subprocess
+    import sys
+
+    code = ("import sys; from cluster.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
