@@ -27,7 +27,7 @@ from tests.factories import make_tiny_model_dir
 
 APP = "router-pod-drain"
 MAX_TOKENS = 300
-NUM_STREAMS = 3
+NUM_STREAMS = 6  # max_num_seqs 1: they run one after another, seconds in all, so the drain sees them running
 
 
 def router_pod_hook() -> tuple[list[str], int]:
