@@ -76,12 +76,20 @@ def is_replica_death(exc: BaseException) -> bool:
     return False
 
 
-def _check_limit(exc: BaseException, request: GenerationRequest, migrations: int, migration_limit: int) -> None:
-    """Raises MigrationLimitError (from the replica's death ``exc``) once the limit is spent."""
+def _next_migration(exc: BaseException, request: GenerationRequest, migrations: int, migration_limit: int,
+                    what: str) -> int:
+    """The count after one more migration for the replica's death ``exc`` (logged).
+
+    Raises:
+        MigrationLimitError: From ``exc``, once the limit is spent.
+    """
     if migrations >= migration_limit:
         raise MigrationLimitError(
             f"request {request.request_id}: its replica died after {migrations} migration(s), the "
             f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
+    logger.warning("request %s: replica died %s: migrating (%d of at most %d)", request.request_id, what,
+                   migrations + 1, migration_limit)
+    return migrations + 1
 
 
 def continuation(request: GenerationRequest, generated: list[int], attempt: int) -> GenerationRequest:
@@ -184,10 +192,8 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
         except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
             if not is_replica_death(exc):
                 raise
-            _check_limit(exc, request, migrations, migration_limit)
-            migrations += 1
-            logger.warning("request %s: replica died after %d streamed token(s): migrating (%d of at most %d)",
-                           request.request_id, len(generated), migrations, migration_limit)
+            migrations = _next_migration(exc, request, migrations, migration_limit,
+                                         f"after {len(generated)} streamed token(s)")
         finally:
             await stream.aclose()
         retext = _Retext(tokenizer, request, generated, sent) if tokenizer is not None else None
@@ -243,10 +249,8 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
         except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
             if not is_replica_death(exc):
                 raise
-            _check_limit(exc, request, migrations, migration_limit)
-            migrations += 1
-            logger.warning("request %s: replica died with %d choice(s) unfinished: migrating (%d of at most %d)",
-                           request.request_id, done.count(False), migrations, migration_limit)
+            migrations = _next_migration(exc, request, migrations, migration_limit,
+                                         f"with {done.count(False)} choice(s) unfinished")
         finally:
             await stream.aclose()
         if any(generated):

@@ -102,9 +102,7 @@ def run_moe(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logger.info("loading %s twice: routed experts and the dense loop", folder.name)
     routed, dense = LLM(**kwargs), LLM(**kwargs)
     make_dense(dense)
-    params = sum(p.numel() for p in routed.runner.model.parameters()) + sum(
-        m.out_features * m.in_features for m in routed.runner.model.modules()
-        if getattr(m, "packed", None) is not None and m.weight.numel() == 0)
+    params = routed.runner.weight_bytes // 4  # float32 weights
     rows, report = [], {"model": folder.name, "parameters": params, "engine_args": engine_args, "batches": {}}
     rng = random.Random(0)
     for batch in args.batch_sizes:

@@ -35,6 +35,7 @@ from torch import nn
 from workers.model import cpu_ops
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
+from workers.model.gemma import GemmaModel
 from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from workers.model.linear import Linear, finalize_linears
 from workers.model.mlp import GatedMLP
@@ -127,6 +128,9 @@ class LlamaModel(nn.Module):
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
 
+    def build_rope_caches(self, device: torch.device) -> None:
+        self.rotary_emb.build_cache(device)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -162,12 +166,8 @@ class LlamaForCausalLM(nn.Module):
             arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, arch.vocab_size, 1,
             arch.moe_intermediate_size, arch.shared_expert_intermediate_size,
         )[0]
-        if arch.sandwich_norms:
-            from workers.model.gemma import GemmaModel
-
-            self.model: nn.Module = GemmaModel(arch, attn_backend, self.shard, self.tp)
-        else:
-            self.model = LlamaModel(arch, attn_backend, self.shard, self.tp)
+        model_cls = GemmaModel if arch.sandwich_norms else LlamaModel
+        self.model: nn.Module = model_cls(arch, attn_backend, self.shard, self.tp)
         self.lm_head = Linear(arch.hidden_size, self.shard.vocab_size, bias=False)
         self.compiled: Any = None  # CompiledDecoder with enforce_eager False
         self.native_decoder: Any = None  # NativeDecoder when every kernel is native (native_decoder.py)
@@ -259,8 +259,4 @@ class LlamaForCausalLM(nn.Module):
         """
         load_checkpoint(self, weights)
         self.tie_weights()
-        device = self.model.embed_tokens.weight.device
-        if hasattr(self.model, "build_rope_caches"):
-            self.model.build_rope_caches(device)
-        else:
-            self.model.rotary_emb.build_cache(device)
+        self.model.build_rope_caches(self.model.embed_tokens.weight.device)

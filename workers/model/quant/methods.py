@@ -71,13 +71,12 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
         ValueError: No native kernel here, a shape the format cannot hold, or a
             GGUF tensor in an unsupported format (names it).
     """
-    if getattr(model.arch, "sandwich_norms", False) and method not in ("int8", "int4"):
-        raise ValueError(f"quantization={method!r} is not supported for {model.arch.family} models yet; "
-                         "use 'int8' or 'int4'")
-    if getattr(model.arch, "num_experts", 0) and method not in ("int8", "int4"):
-        raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models "
-                         f"({model.arch.family}) yet; use 'int8' or 'int4' (their experts are quantized, the "
-                         "router stays float32)")
+    arch = model.arch
+    if (arch.num_experts or arch.sandwich_norms) and method not in ("int8", "int4"):  # layouts the plans lack
+        kind = (f"mixture-of-experts models ({arch.family}) yet; use 'int8' or 'int4' (their experts are "
+                "quantized, the router stays float32)") if arch.num_experts else f"{arch.family} models yet; use " \
+            "'int8' or 'int4'"
+        raise ValueError(f"quantization={method!r} is not supported for {kind}")
     lib = qgemm.load()
     if lib is None:
         raise ValueError(f"quantization={method!r} needs the native quantized kernel (a C compiler and a CPU "
