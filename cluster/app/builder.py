@@ -151,6 +151,9 @@ def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
 
     from workers.replica import ReplicaServer
 
+    if config.multi_model:
+        raise ValueError("models: (several models in one cluster) is not served yet; serve one model per "
+                         "cluster with the top-level engine: section")
     deployment = serve.deployment(ReplicaServer).options(**replica_options(config))
     replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace, freeze_heap=True,
                                packed_replicas=config.max_num_replicas)

@@ -8,22 +8,16 @@ know. Leaves of the program receive plain values, never this tree.
     engine.py    one replica's engine: EngineConfig with its cache, scheduler
                  and parallel sections; EngineConfig.from_kwargs reads the flat
                  keyword arguments of LLM(...) and the CLI
-    cluster.py   the cluster around the engines: ClusterConfig, RouterConfig,
-                 AutoscalingConfig
+    cluster.py   the cluster around the engines: ClusterConfig, RouterConfig
+    models.py    one served model (ModelConfig: engine, replicas, routing) and
+                 AutoscalingConfig; ClusterConfig.models lists several
     loading.py   strict reading of the whole tree from a mapping or a YAML file
                  (``prefixserve up --config``, the RayService's serveConfigV2
                  args): unknown keys are errors named by their full path
 """
 
-from cluster.shared.config.cluster import (
-    DIRECTORY_LOOKUPS,
-    REPLICA_TRANSPORTS,
-    ROUTING_POLICIES,
-    TOOL_CALL_PARSERS,
-    AutoscalingConfig,
-    ClusterConfig,
-    RouterConfig,
-)
+from cluster.shared.config.cluster import REPLICA_TRANSPORTS, TOOL_CALL_PARSERS, ClusterConfig, RouterConfig
+from cluster.shared.config.models import DIRECTORY_LOOKUPS, ROUTING_POLICIES, AutoscalingConfig, ModelConfig
 from cluster.shared.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -43,6 +37,7 @@ from cluster.shared.config.structured import STRUCTURED_BACKENDS, StructuredOutp
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
     "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS", "STRUCTURED_BACKENDS",
-    "TOOL_CALL_PARSERS", "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ParallelConfig",
+    "TOOL_CALL_PARSERS", "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ModelConfig",
+    "ParallelConfig",
     "RouterConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

@@ -9,16 +9,16 @@ strictly, through ``loading.py``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from cluster.shared.config.engine import EngineConfig
 from cluster.shared.config.loading import build_strict, read_yaml_mapping
+from cluster.shared.config.models import (SERVING_FIELDS,
+                                          AutoscalingConfig, ModelConfig, check_serving_fields, deployment_suffix)
+from cluster.shared.fingerprint import served_model_name
 
-ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin")
-DIRECTORY_LOOKUPS = ("index", "redis")
 REPLICA_TRANSPORTS = ("grpc", "actor")
 # Output formats of tool calls (router/tools: "auto" reads the chat template); vLLM's flag values.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
@@ -135,86 +135,8 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
-class AutoscalingConfig:
-    """Thresholds of the KV-aware autoscaling policy (``cluster/shared/autoscaling.py``).
-
-    Set ``autoscaling:`` in the cluster config to let Serve scale the replica
-    deployment between ``min_replicas`` and ``max_replicas``; without it the
-    deployment keeps ``replicas`` replicas. The algorithm and why each
-    default is what it is are in ``cluster/shared/autoscaling.py``'s header.
-
-    Attributes:
-        min_replicas: Fewest replicas (>= 1: a scale-to-zero replica would
-            lose its prefix cache and make the first request wait for a
-            model load).
-        max_replicas: Most replicas.
-        target_kv_cache_usage: Mean fraction of device KV blocks in use per
-            replica that the policy steers to (cached-but-free blocks count
-            as free).
-        target_num_waiting: Mean requests waiting for admission per replica
-            that the policy steers to.
-        target_ttft_s: Mean time to first token (seconds) the policy steers
-            to; ``None`` ignores TTFT.
-        downscale_headroom: Scale down only when, with one replica fewer,
-            every signal would still be at most this fraction of its target
-            (the hysteresis band between scaling up at 1.0 and down here).
-        upscale_delay_s: Pressure must stay above target this long before
-            replicas are added.
-        downscale_delay_s: Load must stay below the headroom this long before
-            one replica is removed.
-        max_upscale_step: Most replicas added by one decision.
-        look_back_period_s: Window over which Serve averages each replica's
-            reported metrics.
-        metrics_interval_s: How often replicas push their metrics to Serve's
-            controller (Serve marks this knob deprecated in favour of an
-            environment variable but still reads it in 2.60).
-    """
-
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_kv_cache_usage: float = 0.75
-    target_num_waiting: float = 2.0
-    target_ttft_s: Optional[float] = 2.0
-    downscale_headroom: float = 0.6
-    upscale_delay_s: float = 10.0
-    downscale_delay_s: float = 60.0
-    max_upscale_step: int = 2
-    look_back_period_s: float = 10.0
-    metrics_interval_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1 (scale to zero is not supported), got {self.min_replicas}")
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
-        if not 0.0 < self.target_kv_cache_usage <= 1.0:
-            raise ValueError(f"target_kv_cache_usage must be in (0, 1], got {self.target_kv_cache_usage}")
-        if self.target_num_waiting <= 0:
-            raise ValueError(f"target_num_waiting must be > 0, got {self.target_num_waiting}")
-        if self.target_ttft_s is not None and self.target_ttft_s <= 0:
-            raise ValueError(f"target_ttft_s must be > 0 seconds or null (ignore TTFT), got {self.target_ttft_s}")
-        if not 0.0 < self.downscale_headroom < 1.0:
-            raise ValueError(
-                f"downscale_headroom must be in (0, 1) so scale-up and scale-down thresholds differ, "
-                f"got {self.downscale_headroom}"
-            )
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
-        if self.max_upscale_step < 1:
-            raise ValueError(f"max_upscale_step must be >= 1, got {self.max_upscale_step}")
-        if self.metrics_interval_s <= 0:
-            raise ValueError(f"metrics_interval_s must be > 0 seconds, got {self.metrics_interval_s}")
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError(
-                f"look_back_period_s ({self.look_back_period_s}) must be > metrics_interval_s "
-                f"({self.metrics_interval_s}): the window must hold more than one report"
-            )
-
-
-@dataclass(frozen=True)
 class ClusterConfig:
-    """A local or KubeRay cluster: replicas of one engine, and the directory.
+    """A local or KubeRay cluster: replicas of one model (or of each of ``models``), and the directory.
 
     Attributes:
         replicas: Serve replicas (each owns one engine and its TP group).
@@ -240,6 +162,12 @@ class ClusterConfig:
         autoscaling: ``None`` keeps ``replicas`` replicas; set, Serve scales
             between its ``min_replicas`` and ``max_replicas`` with the
             KV-aware policy, starting from ``replicas``.
+        models: Several models in one cluster (``ModelConfig``, in
+            ``models.py``): each entry has its own engine, replicas,
+            autoscaling, routing policy and directory namespace, and the
+            routers route by the request's ``model``; the first is the
+            default for requests that name none. Set, the per-model fields
+            above stay unset (an error says which to move).
 
     ``from_dict`` / ``from_yaml`` read the same tree from a mapping or a YAML
     file (``prefixserve up --config``, the RayService's ``serveConfigV2``);
@@ -258,32 +186,71 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     autoscaling: Optional[AutoscalingConfig] = None
+    models: list[ModelConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.routing_policy not in ROUTING_POLICIES:
-            close = difflib.get_close_matches(self.routing_policy, ROUTING_POLICIES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}{hint}")
-        if self.directory_lookup not in DIRECTORY_LOOKUPS:
-            raise ValueError(f"directory_lookup must be one of {DIRECTORY_LOOKUPS}, got {self.directory_lookup!r}")
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.replica_num_cpus <= 0 or self.rank_num_cpus <= 0:
-            raise ValueError("replica_num_cpus and rank_num_cpus must be > 0 (fractions are fine)")
-        if self.max_ongoing_requests < 1:
-            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
-        scaling = self.autoscaling
-        if scaling is not None and not scaling.min_replicas <= self.replicas <= scaling.max_replicas:
-            raise ValueError(
-                f"with autoscaling, replicas ({self.replicas}) is the initial replica count and must lie in "
-                f"[min_replicas, max_replicas] = [{scaling.min_replicas}, {scaling.max_replicas}]; "
-                f"set replicas: {min(max(self.replicas, scaling.min_replicas), scaling.max_replicas)}"
-            )
+        check_serving_fields(self)
+        models = [build_strict(ModelConfig, m, f"models[{i}]") if isinstance(m, Mapping) else m
+                  for i, m in enumerate(self.models)]
+        object.__setattr__(self, "models", models)
+        if not models:
+            return
+        defaults = ClusterConfig()
+        for name in SERVING_FIELDS:
+            if getattr(self, name) != getattr(defaults, name):
+                raise ValueError(f"{name} is set at the top level but models: is set too: with a list of "
+                                 f"models, set {name} in each entry (models[i].{name})")
+        for i, model in enumerate(models):
+            if not isinstance(model, ModelConfig):
+                raise ValueError(f"models[{i}] must be a mapping of a model's fields, got {type(model).__name__}")
+        names = [m.served_name for m in models]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"two models are named {name!r}: give each entry of models: its own name "
+                                 "(what clients pass as model)")
+        suffixes = [deployment_suffix(n) for n in names]
+        for name, suffix in zip(names, suffixes):
+            if suffixes.count(suffix) > 1:
+                raise ValueError(f"model names {sorted(n for n, s in zip(names, suffixes) if s == suffix)} map "
+                                 f"to one deployment name ({suffix!r}): rename one")
+        spaces = [m.namespace or f"{self.namespace}.{n}" for m, n in zip(models, names)]
+        for space in spaces:
+            if spaces.count(space) > 1:
+                raise ValueError(f"two models share the directory namespace {space!r}: each model needs its "
+                                 "own (leave namespace out for <cluster namespace>.<name>)")
 
     @property
     def max_num_replicas(self) -> int:
-        """Most replicas the deployment can have (for sizing local Ray)."""
+        """Most replicas of every model together (for sizing local Ray)."""
+        return sum(c.max_model_replicas for c in self.models_by_name().values())
+
+    @property
+    def max_model_replicas(self) -> int:
+        """Most replicas this (single-model) config's deployment can have."""
         return self.autoscaling.max_replicas if self.autoscaling is not None else self.replicas
+
+    @property
+    def multi_model(self) -> bool:
+        """Whether ``models:`` lists the served models (each its own deployment)."""
+        return bool(self.models)
+
+    def models_by_name(self) -> dict[str, "ClusterConfig"]:
+        """``{served name: single-model ClusterConfig}`` in the order given.
+
+        Without ``models:`` it is this config under its engine's name; with
+        it, each entry becomes a config of its own (its per-model fields, its
+        namespace, the shared ``redis_url`` and ``router``), which the
+        builders of one model's deployment take.
+        """
+        if not self.models:
+            return {served_model_name(self.engine.model): self}
+        out: dict[str, ClusterConfig] = {}
+        for model in self.models:
+            name = model.served_name
+            fields = {f: getattr(model, f) for f in SERVING_FIELDS}
+            out[name] = ClusterConfig(redis_url=self.redis_url, router=self.router,
+                                      namespace=model.namespace or f"{self.namespace}.{name}", **fields)
+        return out
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> "ClusterConfig":

@@ -106,6 +106,11 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
         if value is None:
             return None
         hint = options[0]
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{path} must be a list, got {value!r} ({type(value).__name__})")
+        item = (typing.get_args(hint) or (Any,))[0]
+        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     if hint is bool:
