@@ -13,6 +13,7 @@ server reflection.
 Errors map as the backend documents them (``router/backend.py``):
 
     ValueError          INVALID_ARGUMENT    the message names the field (and the limit)
+    ModelNotFoundError  NOT_FOUND           the request's model is not served (router/models.py)
     OverloadedError     RESOURCE_EXHAUSTED  trailing metadata retry-after-ms: when to retry
     NoReplicaError      UNAVAILABLE
     deadline passed     DEADLINE_EXCEEDED
@@ -66,6 +67,7 @@ from router.backend import Backend
 from router.convert_tools import ToolCallStream
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import OFFLOAD_BYTES, Limits
+from router.models import ModelBackends, ModelNotFoundError
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 
@@ -84,6 +86,8 @@ def status_for(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCod
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, OverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, NoReplicaError):
@@ -98,7 +102,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """Implements ``prefixserve.v1.Generation`` over a ``Backend``.
 
     Args:
-        backend: Streams requests to the replicas (``RouterBackend`` or a fake).
+        backend: Streams requests to the replicas (``RouterBackend`` or a
+            fake), or ``router.models.ModelBackends``: the request's ``model`` picks one.
         directory: The prefix directory (``cluster.shared.directory.Directory``) whose
             replica stats answer ``ListReplicas``; None answers UNAVAILABLE.
         limits: Input limits (default ``Limits()``).
@@ -106,9 +111,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             as its key's tenant (``router.tenants``); None runs requests as sent.
     """
 
-    def __init__(self, backend: Backend, directory: Any = None, limits: Optional[Limits] = None,
+    def __init__(self, backend: Backend | ModelBackends, directory: Any = None, limits: Optional[Limits] = None,
                  security: Any = None) -> None:
-        self.backend = backend
+        self.backends = ModelBackends.of(backend)
         self.directory = directory
         self.limits = limits or Limits()
         self.security = security
@@ -121,9 +126,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None))
 
     def _convert(self, request: pb.GenerateRequest, limits: Limits) -> Any:
-        """``(engine request, tool plan)``."""
-        return convert.request_and_tools_from_proto(request, self.backend.tokenizer,
-                                                    self.backend.model.max_model_len, limits)
+        """``(engine request, tool plan, the model's backend)``."""
+        backend = self.backends.pick(request.model)
+        engine_request, tools = convert.request_and_tools_from_proto(request, backend.tokenizer,
+                                                                     backend.model.max_model_len, limits)
+        return engine_request, tools, backend
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -137,16 +144,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tenant, admission = self._admit(context)  # limits before any parsing or tokenizing
             limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
             if request.ByteSize() >= OFFLOAD_BYTES:
-                engine_request, tools = await asyncio.to_thread(self._convert, request, limits)
+                engine_request, tools, backend = await asyncio.to_thread(self._convert, request, limits)
             else:
-                engine_request, tools = self._convert(request, limits)
+                engine_request, tools, backend = self._convert(request, limits)
             tool_streams: dict[int, Any] = {}  # one tool-call parser per choice
             if not request.request_id:
                 engine_request = dataclasses.replace(engine_request, request_id=request_id)
             if tenant is not None:
                 engine_request = tenant.apply(engine_request)
             request_id = engine_request.request_id
-            stream = self.backend.stream(engine_request)
+            stream = backend.stream(engine_request)
             if admission is not None:
                 stream = admission.meter(stream)
             try:
@@ -221,7 +228,7 @@ class RouterServer:
     """A ``grpc.aio`` server with Generation, Health and reflection.
 
     Args:
-        backend: What serves the requests (``RouterBackend``).
+        backend: What serves the requests (``RouterBackend``, or ``ModelBackends`` of several models).
         directory: Prefix directory for ``ListReplicas`` (optional).
         host: Interface to bind (loopback by default).
         port: Port to bind; 0 picks a free one (see ``port`` after ``start``).
@@ -233,7 +240,7 @@ class RouterServer:
             speak no TLS); it reports what the main port reports. None: none.
     """
 
-    def __init__(self, backend: Backend, directory: Any = None, host: str = DEFAULT_HOST,
+    def __init__(self, backend: Backend | ModelBackends, directory: Any = None, host: str = DEFAULT_HOST,
                  port: int = DEFAULT_PORT, limits: Optional[Limits] = None, security: Any = None,
                  health_port: Optional[int] = None) -> None:
         self.backend = backend

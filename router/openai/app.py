@@ -6,7 +6,8 @@ Routes::
     POST /v1/chat/completions   messages (rendered with the chat template) → message
     POST /tokenize              vLLM's: prompt (or chat messages) → token ids, count
     POST /detokenize            vLLM's: token ids → text
-    GET  /v1/models             the one served model
+    GET  /v1/models             the served models (several with ``models:``; a request's
+                                ``model`` picks one, none names the first: router/models.py)
     GET  /health                200 while the server runs, 503 while it drains
     GET  /metrics               Prometheus text: the router's and every live replica's
                                 series (with ``metrics``; see ``router/metrics.py``)
@@ -46,6 +47,7 @@ from starlette.routing import Route
 from router.backend import Backend
 from router.errors import OverloadedError
 from router.limits import OFFLOAD_BYTES, Limits
+from router.models import ModelBackends, ModelNotFoundError
 from router.openai.protocol import (APIError, ParsedRequest, backend_error, bad_request, error_response,
                                     internal_error, parse_request, tokenize_chat)
 from router.openai.responses import EventStream, close_stream, event_stream, whole_response
@@ -58,27 +60,28 @@ class OpenAIServer:
     """The request handlers (one instance per app).
 
     Args:
-        backend: Where requests go.
+        backend: Where requests go: one model's ``Backend``, or a
+            ``router.models.ModelBackends`` whose request's ``model`` picks it.
         limits: Input limits (default ``Limits()``).
         security: ``router.security.Security``: with API keys, each request
             runs as its key's tenant (``router.tenants``); None runs requests as sent.
     """
 
-    def __init__(self, backend: Backend, limits: Optional[Limits] = None, security: Any = None) -> None:
-        self.backend = backend
+    def __init__(self, backend: Backend | ModelBackends, limits: Optional[Limits] = None,
+                 security: Any = None) -> None:
+        self.backends = ModelBackends.of(backend)
         self.limits = limits or Limits()
         self.security = security
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``."""
-        model = self.backend.model
-        card = {"id": model.name, "object": "model", "created": 0, "owned_by": "prefixserve",
-                "max_model_len": model.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": b.model.name, "object": "model", "created": 0, "owned_by": "prefixserve",
+                  "max_model_len": b.model.max_model_len} for b in self.backends]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(self, request: Request) -> Response:
         """``GET /health``: 200, or 503 while the router drains (``router/drain.py``)."""
-        if getattr(self.backend, "draining", False):
+        if self.backends.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -96,7 +99,8 @@ class OpenAIServer:
         adds each token's text."""
         try:
             body = await self._json(request)
-            tokenizer = self.backend.tokenizer
+            backend = self._pick(body)
+            tokenizer = backend.tokenizer
             if body.get("messages") is not None:
                 if body.get("prompt") is not None:
                     raise bad_request("send prompt or messages, not both", "prompt")
@@ -109,7 +113,7 @@ class OpenAIServer:
                 if not isinstance(special, bool):
                     raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
                 ids = tokenizer.encode(prompt, add_special_tokens=special) if prompt else []
-            out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.backend.model.max_model_len}
+            out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": backend.model.max_model_len}
             if body.get("return_token_strs"):
                 out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
             return JSONResponse(out)
@@ -120,14 +124,15 @@ class OpenAIServer:
         """``POST /detokenize`` (vLLM's): ``{"tokens": [ids]}`` → ``{"prompt": text}``."""
         try:
             body = await self._json(request)
+            tokenizer = self._pick(body).tokenizer
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise bad_request("tokens must be a list of integer token ids", "tokens")
             try:
-                self.backend.tokenizer.check_token_ids(tokens, "tokens")
+                tokenizer.check_token_ids(tokens, "tokens")
             except ValueError as exc:
                 raise bad_request(str(exc), "tokens") from None
-            return JSONResponse({"prompt": self.backend.tokenizer.decode(tokens, skip_special_tokens=False)})
+            return JSONResponse({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
         except APIError as err:
             return error_response(err)
 
@@ -143,8 +148,20 @@ class OpenAIServer:
             return None, None
         return self.security.admit(request.headers.get("authorization"))
 
-    def _parse(self, raw: bytes, chat: bool, limits: Limits) -> ParsedRequest:
-        return parse_request(_decode(raw), chat, self.backend.tokenizer, self.backend.model, limits)
+    def _pick(self, body: Any) -> Backend:
+        """The backend of the body's ``model`` (400 not a string, 404 not served)."""
+        name = body.get("model") if isinstance(body, dict) else None
+        try:
+            return self.backends.pick(name)
+        except ModelNotFoundError as exc:
+            raise APIError(404, str(exc), "model", code="model_not_found") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), "model") from None
+
+    def _parse(self, raw: bytes, chat: bool, limits: Limits) -> tuple[ParsedRequest, Backend]:
+        body = _decode(raw)
+        backend = self._pick(body)
+        return parse_request(body, chat, backend.tokenizer, backend.model, limits), backend
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         admission = None
@@ -153,9 +170,9 @@ class OpenAIServer:
             limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
             raw = await self._read_body(request)
             if len(raw) >= OFFLOAD_BYTES:  # parse and tokenize big bodies off the event loop
-                parsed = await asyncio.to_thread(self._parse, raw, chat, limits)
+                parsed, backend = await asyncio.to_thread(self._parse, raw, chat, limits)
             else:
-                parsed = self._parse(raw, chat, limits)
+                parsed, backend = self._parse(raw, chat, limits)
             if tenant is not None:
                 parsed = dataclasses.replace(parsed, request=tenant.apply(parsed.request))
         except (APIError, OverloadedError, PermissionError) as err:
@@ -168,7 +185,7 @@ class OpenAIServer:
             if admission is not None:
                 admission.release()
             raise
-        stream = self._open(parsed)
+        stream = self._open(backend, parsed)
         if admission is not None:
             stream = admission.meter(stream)  # releases the admission when the stream ends
         stream = stream.__aiter__()
@@ -191,17 +208,17 @@ class OpenAIServer:
         ident = prefix + parsed.request.request_id
         created = int(time.time())
         if parsed.stream:
-            events = event_stream(self.backend.tokenizer, parsed, stream, first, ident, created)
+            events = event_stream(backend.tokenizer, parsed, stream, first, ident, created)
             return EventStream(events, headers={"Cache-Control": "no-cache"})
-        return await whole_response(request, self.backend.tokenizer, parsed, stream, first, ident, created)
+        return await whole_response(request, backend.tokenizer, parsed, stream, first, ident, created)
 
-    def _open(self, parsed: ParsedRequest) -> Any:
+    def _open(self, backend: Backend, parsed: ParsedRequest) -> Any:
         """The request's stream: one backend stream, or with several prompts theirs
         merged, choice ``i`` of prompt ``p`` at index ``p * num_generated + i``."""
         if len(parsed.requests) == 1:
-            return self.backend.stream(parsed.request)
+            return backend.stream(parsed.request)
         width = parsed.num_generated
-        return merge_indexed([self.backend.stream(r) for r in parsed.requests],
+        return merge_indexed([backend.stream(r) for r in parsed.requests],
                              [p * width for p in range(len(parsed.requests))], [width] * len(parsed.requests))
 
     async def _read_body(self, request: Request) -> bytes:

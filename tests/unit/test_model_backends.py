@@ -1,0 +1,136 @@
+"""Several models behind one router: the request's `model` picks the backend, over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import requests
+import openai
+import pytest
+
+from router.backend import ModelInfo
+from router.models import ModelBackends, ModelNotFoundError
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from router.server import RouterServer
+from tests.factories import make_router_tokenizer
+from tests.unit.http_api.openai_server import TEMPLATE, FakeBackend, serving
+
+
+def _backend(tok, name: str, max_len: int) -> FakeBackend:
+    backend = FakeBackend(tok)
+    backend.model = ModelInfo(name, max_len)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    tok = make_router_tokenizer(tmp_path_factory.mktemp("tok"), TEMPLATE)
+    return _backend(tok, "alpha", 256), _backend(tok, "beta", 64)
+
+
+@pytest.fixture(scope="module")
+def http(two):
+    with serving(ModelBackends({"alpha": two[0], "beta": two[1]})) as handle:
+        with openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=20) as client:
+            yield client, handle.url
+
+
+@pytest.fixture(autouse=True)
+def _clear(two):
+    for backend in two:
+        backend.requests.clear()
+
+
+def test_pick_by_name_and_the_first_is_the_default(two):
+    backends = ModelBackends({"alpha": two[0], "beta": two[1]})
+    assert backends.pick("beta") is two[1] and backends.pick(None) is two[0] and backends.pick("") is two[0]
+    assert backends.names == ["alpha", "beta"]
+    with pytest.raises(ModelNotFoundError, match="'gpt-4' does not exist: this server serves 'alpha', 'beta'"):
+        backends.pick("gpt-4")
+    with pytest.raises(ValueError, match="model must be a string"):
+        backends.pick(3)
+    assert ModelBackends.of(two[1]).names == ["beta"]
+
+
+def test_models_lists_every_served_model(http):
+    client, _ = http
+    cards = client.models.list().data
+    assert [(m.id, m.max_model_len) for m in cards] == [("alpha", 256), ("beta", 64)]
+
+
+def test_each_request_goes_to_its_models_backend(http, two):
+    client, _ = http
+    out = client.completions.create(model="beta", prompt="hello", max_tokens=3)
+    assert out.model == "beta" and out.choices[0].text == " w0 w1 w2"
+    chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == " w0 w1"
+    assert [len(b.requests) for b in two] == [1, 1]
+
+
+def test_a_request_without_model_goes_to_the_first(http, two):
+    _, url = http
+    reply = requests.post(f"{url}/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=20)
+    assert reply.status_code == 200 and reply.json()["model"] == "alpha"
+    assert [len(b.requests) for b in two] == [1, 0]
+
+
+def test_each_models_limits_apply(http):
+    client, _ = http
+    with pytest.raises(openai.BadRequestError, match="64"):  # beta's max_model_len, not alpha's
+        client.completions.create(model="beta", prompt="hello", max_tokens=100)
+
+
+def test_an_unknown_model_is_404_naming_the_served_ones(http, two):
+    client, url = http
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hello", max_tokens=1)
+    body = err.value.response.json()["error"]
+    assert body["code"] == "model_not_found" and body["param"] == "model"
+    assert "'alpha', 'beta'" in body["message"]
+    reply = requests.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": "nope", "prompt": "hi"}, timeout=20)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+    assert [len(b.requests) for b in two] == [0, 0]
+
+
+def test_tokenize_reports_the_named_models_limit(http):
+    _, url = http
+    reply = requests.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": "beta", "prompt": "hi"}, timeout=20)
+    assert reply.status_code == 200 and reply.json()["max_model_len"] == 64
+
+
+@pytest.fixture(scope="module")
+def grpc_address(two):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = RouterServer(ModelBackends({"alpha": two[0], "beta": two[1]}), port=0)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    yield server.address
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def _generate(address: str, **fields) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=2), **fields)
+    with grpc.insecure_channel(address) as channel:
+        return list(pb_grpc.GenerationStub(channel).Generate(request, timeout=20))
+
+
+def test_grpc_routes_by_the_model_field(grpc_address, two):
+    assert "".join(r.text for r in _generate(grpc_address, model="beta")) == " w0 w1"
+    assert "".join(r.text for r in _generate(grpc_address)) == " w0 w1"  # empty: the first model
+    assert [len(b.requests) for b in two] == [1, 1]
+
+
+def test_grpc_unknown_model_is_not_found(grpc_address, two):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(grpc_address, model="gpt-4")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "this server serves 'alpha', 'beta'" in err.value.details()
+    assert [len(b.requests) for b in two] == [0, 0]
