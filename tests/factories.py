@@ -27,15 +27,16 @@ TINY = dict(
 
 def make_hf_config(family: str, **overrides):
     """A tiny transformers config of ``family`` (llama | mistral | qwen2 | qwen3 |
-    phi3 | gemma3 | mixtral | qwen2_moe | qwen3_moe); Mistral gets a sliding window of 8 unless
+    phi3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe); Mistral gets a sliding window of 8 unless
     told otherwise, Qwen3 its head_dim from the tiny sizes (its class defaults
     to 128), the MoE families 8 experts with top-2 routing (Qwen2-MoE a shared
     expert and a dense second layer)."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "phi3": Phi3Config, "gemma3": Gemma3TextConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+               "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "mixtral": MixtralConfig,
+               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     defaults = {"mistral": {"sliding_window": 8},
                 "qwen3": {"head_dim": head_dim},
@@ -47,6 +48,11 @@ def make_hf_config(family: str, **overrides):
                            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                "full_attention": {"rope_type": "default",
                                                                   "rope_theta": 1000000.0}}},
+                # Alternating local / global layers (transformers' default), one RoPE base; caps small enough
+                # to bend the scores and logits of these peaked weights.
+                "gemma2": {"head_dim": head_dim, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                           "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "pad_token_id": 0,
+                           "architectures": ["Gemma2ForCausalLM"]},
                 "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48},
                 "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]},
@@ -67,7 +73,7 @@ def make_hf_model(config, seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if config.model_type == "gemma3_text":  # its (1 + w) norms start at w = 0
+    if config.model_type in ("gemma2", "gemma3_text"):  # their (1 + w) norms start at w = 0
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

@@ -18,7 +18,7 @@ from cluster.shared.sizes import GiB, cdiv
 from workers.model.attention import get_attention_backend
 from workers.model.config import ModelArchConfig
 from workers.model.llama import LlamaForCausalLM
-from workers.model.loader import load_model, resolve_dtype
+from workers.model.loader import load_model, read_arch, resolve_dtype
 from workers.model.tp import TPContext
 
 logger = logging.getLogger(__name__)
@@ -205,8 +205,9 @@ def load_model_for(
     dtype = resolve_dtype(config.dtype, device)
     if config.batch_invariant and config.linear_backend not in ("auto", "native"):
         raise ValueError(f"batch_invariant needs linear_backend native (or auto), got {config.linear_backend!r}")
+    softcap = read_arch(model_dir).attn_logit_softcapping is not None
     backend = get_attention_backend(config.attention_backend, device, dtype=dtype, block_size=config.cache.block_size,
-                                    batch_invariant=config.batch_invariant)
+                                    batch_invariant=config.batch_invariant, attn_softcap=softcap)
     if config.cache.kv_cache_dtype == "int8" and (device.type != "cpu" or backend.name != "torch"):
         raise ValueError(f"kv_cache_dtype='int8' runs on CPU with the torch attention backend; got the "
                          f"{backend.name!r} backend on {device.type}: use kv_cache_dtype='auto' there")

@@ -46,6 +46,7 @@ TINY_CASES = {
     "qwen3_qk_norm": (2, dict(family="qwen3")),  # per-head q/k norms: replicated on every rank
     "phi3_fused": (2, dict(family="phi3")),  # a fused qkv / gate_up checkpoint, split before it is sharded
     "gemma3_sandwich": (2, dict(family="gemma3")),  # four norms, q/k norms, two RoPE bases: replicated
+    "gemma2_softcaps": (2, dict(family="gemma2")),  # capped scores per head; each rank caps its logits slice
     "mixtral_experts": (2, dict(family="mixtral")),  # every expert's intermediate rows split, the router replicated
     "qwen2_moe_shared": (2, dict(family="qwen2_moe")),  # and the shared expert's; a dense layer beside
 }

@@ -91,8 +91,28 @@ def test_gemma3_local_and_global_layers_and_its_constants() -> None:
     del v4["rope_parameters"]
     v4.update(rope_theta=1e6, rope_local_base_freq=1e4)
     assert ModelArchConfig.from_hf_config(v4).local_rope_theta == 1e4
-    with pytest.raises(ValueError, match="soft-capping .Gemma 2. is not supported"):
+    assert arch.attn_logit_softcapping is None and arch.final_logit_softcapping is None
+    with pytest.raises(ValueError, match="soft-capping is supported for Gemma 2 only, not in a Gemma 3 config"):
         _parse("gemma3", final_logit_softcapping=30.0)
+
+
+def test_gemma2_soft_caps_one_rope_base_and_alternating_layers() -> None:
+    arch = _parse("gemma2")
+    assert arch.family == "gemma2" and arch.sandwich_norms and not arch.qk_norm
+    assert arch.attn_logit_softcapping == 5.0 and arch.final_logit_softcapping == 3.0
+    assert arch.rope_theta == 1e4 and arch.local_rope_theta is None and arch.query_pre_attn_scalar == 24
+    assert arch.embed_scale == 64 ** 0.5 and arch.hidden_act == "gelu_pytorch_tanh"
+    # A Gemma 2 config.json of transformers v4 (the released checkpoints): no layer_types, even layers local.
+    v4 = {k: v for k, v in make_hf_config("gemma2", num_hidden_layers=4).to_dict().items()
+          if k not in ("layer_types", "rope_parameters")}
+    v4.update(rope_theta=10000.0, attention_bias=True)
+    old = ModelArchConfig.from_hf_config(v4)
+    assert [old.layer_sliding_window(i) for i in range(4)] == [8, None, 8, None]
+    assert old.attention_bias and old.o_proj_bias  # transformers' Gemma 2 biases o_proj too
+    with pytest.raises(ValueError, match="attn_logit_softcapping must be > 0"):
+        _parse("gemma2", attn_logit_softcapping=0.0)
+    with pytest.raises(ValueError, match="use_bidirectional_attention is not supported"):
+        _parse("gemma2", use_bidirectional_attention=True)
 
 
 def test_unsupported_architecture_names_supported_ones() -> None:

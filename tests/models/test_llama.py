@@ -40,6 +40,7 @@ CASES = {
     "phi3_fused_checkpoint": ("phi3", {}),
     "phi3_sliding": ("phi3", {"sliding_window": 8}),
     "gemma3_local_global": ("gemma3", {}),
+    "gemma2_softcaps": ("gemma2", {"num_hidden_layers": 3}),  # local, global, local; capped scores and logits
     "mixtral_8x_top2": ("mixtral", {}),
     "qwen2_moe_shared_expert": ("qwen2_moe", {}),  # a gated shared expert; layer 1 dense
     "qwen3_moe_norm_topk": ("qwen3_moe", {}),

@@ -62,3 +62,10 @@ def test_head_norms_keep_the_module_path(tmp_path, family):
     model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
     assert model.model.layers[0].self_attn.q_norm is not None
     assert model.native_decoder is None
+
+
+def test_soft_capped_attention_keeps_the_module_path(tmp_path):
+    # The C step driver's attention cannot cap scores (Gemma 2): the torch layers run such a model.
+    folder = save_hf_model(make_hf_model(make_hf_config("gemma2")), tmp_path)
+    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
+    assert model.model.layers[0].self_attn.softcap == 5.0 and model.native_decoder is None

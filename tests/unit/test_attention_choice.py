@@ -37,3 +37,18 @@ def test_auto_logs_its_choice(caplog):
         backend = get_attention_backend("auto", "cpu", dtype=torch.float32, block_size=16)
     assert backend.name == "torch"
     assert any("attention backend auto: torch" in r.getMessage() for r in caplog.records)
+
+
+def test_soft_capped_models_run_on_the_torch_backend(caplog):
+    # Gemma 2 caps its attention scores; only the torch backend can (attention/softcap.py).
+    with caplog.at_level(logging.INFO, logger="workers.model.attention"):
+        assert get_attention_backend("auto", "cuda", dtype=torch.bfloat16, block_size=256,
+                                     attn_softcap=True).name == "torch"
+    assert any("soft-caps attention scores" in r.getMessage() for r in caplog.records)
+    assert get_attention_backend("torch", "cpu", attn_softcap=True).name == "torch"
+    for name in ("triton", "flash_attn"):
+        with pytest.raises(ValueError, match=f"attention_backend '{name}' cannot soft-cap attention scores.*"
+                                             "use attention_backend 'torch'"):
+            get_attention_backend(name, "cuda", dtype=torch.bfloat16, block_size=256, attn_softcap=True)
+    with pytest.raises(ValueError, match="batch_invariant is not supported for a model with attention soft-capping"):
+        get_attention_backend("torch", "cpu", batch_invariant=True, attn_softcap=True)

@@ -80,7 +80,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     """Layer ``layer``'s attention over the paged cache with the step's metadata
     (from the forward context); writes the new K/V into ``kv_cache``."""
     attn = _context.layers[layer]
-    return attn.attn_backend.forward(q, k, v, kv_cache, _context.meta, attn.scale, attn.sliding_window).contiguous()
+    return attn.attn_backend.forward(q, k, v, kv_cache, _context.meta, attn.scale, attn.sliding_window,
+                                     **attn.backend_kwargs).contiguous()
 
 
 @attention_op.register_fake

@@ -8,7 +8,9 @@ RMSNorm over each query and key head before the rotary embedding), Phi-3
 its ``longrope`` long-context scaling yet), Gemma 3 text models (scaled
 embeddings, (1 + w) RMSNorms before and after each sub-block, GeGLU, q/k
 norms, interleaved sliding-window layers with their own RoPE base,
-``query_pre_attn_scalar``; ``workers/model/gemma.py``), and the
+``query_pre_attn_scalar``; ``workers/model/gemma.py``), Gemma 2 (Gemma 3's
+layer without q/k norms, one RoPE base, and tanh soft-capping of the
+attention scores and of the final logits), and the
 mixture-of-experts variants: Mixtral (Mistral's attention), Qwen2-MoE (with a
 gated shared expert) and Qwen3-MoE (``workers/model/moe.py``). Both config formats are read: the
 transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
@@ -27,20 +29,22 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 # rope_theta when a config names none (the transformers defaults of the three classes).
 _DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "phi3": 1e-5, "gemma3": 1e-6, "mixtral": 1e-5,
-                         "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "phi3": 1e-5, "gemma2": 1e-6,
+                         "gemma3": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,8 @@ class ModelArchConfig:
     """Shapes and constants of one decoder-only model (full, unsharded sizes).
 
     Attributes:
-        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma3``, ``mixtral``,
-            ``qwen2_moe`` or ``qwen3_moe``.
+        family: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3``,
+            ``mixtral``, ``qwen2_moe`` or ``qwen3_moe``.
         layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
         attention_bias: Bias on the q/k/v projections (Qwen2; Llama's
             ``attention_bias``).
@@ -85,6 +89,9 @@ class ModelArchConfig:
         embed_scale: Multiplies the embeddings (Gemma: ``sqrt(hidden_size)``).
         sandwich_norms: Gemma's four norms per layer (before and after the
             attention and the MLP), with ``(1 + w)`` weights.
+        attn_logit_softcapping: Attention scores become ``tanh(s / c) * c``
+            before the mask and softmax (Gemma 2), else None.
+        final_logit_softcapping: The same cap on the LM head's logits (Gemma 2).
     """
 
     family: str
@@ -119,6 +126,8 @@ class ModelArchConfig:
     query_pre_attn_scalar: Optional[float] = None
     embed_scale: float = 1.0
     sandwich_norms: bool = False
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -166,13 +175,13 @@ class ModelArchConfig:
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         num_layers = int(config["num_hidden_layers"])
-        gemma = _parse_gemma(config) if family == "gemma3" else {}
-        if family != "gemma3" and config.get("hidden_act", "silu") != "silu":
+        gemma = _parse_gemma(config, family) if family in GEMMA_FAMILIES else {}
+        if not gemma and config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' is")
-        rope_theta, rope_scaling = _parse_rope(config) if family != "gemma3" else (gemma.pop("rope_theta"), None)
+        rope_theta, rope_scaling = (gemma.pop("rope_theta"), None) if family == "gemma3" else _parse_rope(config)
         sliding_window, layer_types = _parse_sliding(config, family, num_layers)
         qkv_bias = family in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False))
-        o_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(config.get("attention_bias", False))
+        o_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma2") and bool(config.get("attention_bias", False))
         return cls(
             family=family,
             vocab_size=int(config["vocab_size"]),
@@ -267,6 +276,8 @@ def _parse_sliding(
         if bad:
             raise ValueError(f"unsupported layer_types {sorted(bad)}; use {FULL_ATTENTION} or {SLIDING_ATTENTION}")
         return window, tuple(layer_types)
+    if family == "gemma2":  # transformers' default: even layers local, odd layers global
+        return window, tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers))
     if qwen:
         first_sliding = int(config.get("max_window_layers", num_layers))
         types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
@@ -274,15 +285,29 @@ def _parse_sliding(
     return window, (SLIDING_ATTENTION,) * num_layers
 
 
-def _parse_gemma(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Gemma 3's fields (and its RoPE bases: one per layer type, default RoPE only)."""
+def _parse_gemma(config: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's fields (Gemma 3 with its RoPE bases: one per layer type)."""
+    name = "Gemma 2" if family == "gemma2" else "Gemma 3"
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"Gemma 3's hidden_activation {act!r} is not supported; 'gelu_pytorch_tanh' is")
-    if config.get("attn_logit_softcapping") is not None or config.get("final_logit_softcapping") is not None:
-        raise ValueError("logit soft-capping (Gemma 2) is not supported yet")
+        raise ValueError(f"{name}'s hidden_activation {act!r} is not supported; 'gelu_pytorch_tanh' is")
+    caps = {key: config.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    if family == "gemma3" and any(cap is not None for cap in caps.values()):
+        raise ValueError("logit soft-capping is supported for Gemma 2 only, not in a Gemma 3 config; "
+                         "remove attn_logit_softcapping / final_logit_softcapping (null)")
+    for key, cap in caps.items():
+        if cap is not None and not float(cap) > 0:
+            raise ValueError(f"{key} must be > 0 or null, got {cap}")
     if config.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention is not supported (decoder-only, causal attention)")
+    fields = dict(hidden_act="gelu_pytorch_tanh", embed_scale=float(config["hidden_size"]) ** 0.5,
+                  query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or config["head_dim"]),
+                  sandwich_norms=True, **{k: None if v is None else float(v) for k, v in caps.items()})
+    return {**fields, **_parse_gemma3_rope(config)} if family == "gemma3" else fields
+
+
+def _parse_gemma3_rope(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's RoPE bases, global and local (default RoPE only)."""
     params = config.get("rope_parameters") or {}
     if params and all(isinstance(v, dict) for v in params.values()):  # transformers v5: one per layer type
         per_type = {t: dict(v) for t, v in params.items()}
@@ -297,9 +322,7 @@ def _parse_gemma(config: Mapping[str, Any]) -> dict[str, Any]:
                              "only 'default' is")
     full = float(per_type.get(FULL_ATTENTION, {}).get("rope_theta", 1_000_000.0))
     local = float(per_type.get(SLIDING_ATTENTION, {}).get("rope_theta", full))
-    return dict(rope_theta=full, local_rope_theta=local if local != full else None, hidden_act="gelu_pytorch_tanh",
-                query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or config["head_dim"]),
-                embed_scale=float(config["hidden_size"]) ** 0.5, sandwich_norms=True)
+    return dict(rope_theta=full, local_rope_theta=local if local != full else None)
 
 
 def _parse_moe(config: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:

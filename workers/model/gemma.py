@@ -1,4 +1,4 @@
-"""Gemma 3 text models on the Llama family's attention and paged KV cache.
+"""Gemma 3 text models and Gemma 2 on the Llama family's attention and paged KV cache.
 
 What differs from Llama (transformers' ``Gemma3ForCausalLM``)::
 
@@ -10,6 +10,16 @@ What differs from Llama (transformers' ``Gemma3ForCausalLM``)::
                  ``layer_types``) rotate with their own RoPE base
     mlp:         gelu_tanh(gate) * up  (GeGLU)
     norms:       x * rsqrt(mean(x^2) + eps) * (1 + w)
+
+Gemma 2 (``Gemma2ForCausalLM``) has the same layer without the q/k norms,
+one RoPE base for every layer (even layers local, odd ones global by
+default), and tanh soft-capping (``config.py``)::
+
+    scores = tanh(q.k * scale / c_attn) * c_attn     before the mask and softmax
+    logits = tanh(lm_head(x) / c_final) * c_final    (``compute_logits``)
+
+Only the torch attention backend caps scores (``attention/softcap.py``); the
+others are refused for such a model (``attention/__init__.py``).
 
 The ``(1 + w)`` is folded into the weights at load (``weights.py``), so every
 norm is our ``RMSNorm``; in float32 the product is the same as transformers'.
@@ -41,7 +51,8 @@ class GemmaDecoderLayer(nn.Module):
             hidden_size=arch.hidden_size, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
             head_dim=arch.head_dim, attn_backend=attn_backend, qkv_bias=arch.attention_bias,
             o_bias=arch.o_proj_bias, sliding_window=arch.layer_sliding_window(layer_idx), tp=tp,
-            layer_idx=layer_idx, qk_norm_eps=arch.rms_norm_eps, scale=arch.query_pre_attn_scalar ** -0.5,
+            layer_idx=layer_idx, qk_norm_eps=arch.rms_norm_eps if arch.qk_norm else None,
+            scale=arch.query_pre_attn_scalar ** -0.5, softcap=arch.attn_logit_softcapping,
         )
         self.mlp = GatedMLP(arch.hidden_size, shard.intermediate_size, tp=tp, act=arch.hidden_act)
         eps = arch.rms_norm_eps

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, the MoE variants) over a flat token batch
-and a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, the MoE variants) over a flat
+token batch and a paged KV cache.
 
 One forward pass takes every scheduled token of every request at once::
 
@@ -209,9 +209,14 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits ``[N, vocab_size]`` of hidden states ``[N, hidden_size]``.
 
         With tensor parallelism every rank must call it (it gathers the vocab
-        slices); rank 0 gets the full logits, the other ranks None.
+        slices); rank 0 gets the full logits, the other ranks None. A model
+        with ``final_logit_softcapping`` (Gemma 2) gets capped logits, so the
+        sampler, logprobs and speculative verification all see them.
         """
         logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:  # Gemma 2, as transformers; elementwise, so each TP rank caps its vocab slice
+            logits = torch.tanh(logits / cap) * cap
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def finalize(self, linear_backend: str, compile: bool = False) -> int:

@@ -193,6 +193,8 @@ class NativeDecoder:
             return None
         if getattr(model.arch, "sandwich_norms", False):  # Gemma's layer layout: the torch layers run it
             return None
+        if getattr(model.arch, "attn_logit_softcapping", None) is not None:  # the C attention cannot cap scores
+            return None
         if attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > cpu_decode.MAX_GROUP \
                 or attn.head_dim > cpu_decode.MAX_DIM:
             return None

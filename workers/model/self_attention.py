@@ -1,6 +1,6 @@
 """Self-attention of the Llama family: GQA with a fused q/k/v projection, the
 rotary embedding, optional per-head q/k norms (Qwen3, Gemma 3), a sliding
-window and a scale of the model's; the paged attention itself is the injected
+window, a scale of the model's and optional soft-capping of the scores (Gemma 2); the paged attention itself is the injected
 backend's (``attention/base.py``). ``o_proj`` is row-parallel under TP."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class LlamaAttention(nn.Module):
         qk_norm_eps: With a value, an RMSNorm over each query and each key
             head before the rotary embedding (Qwen3's ``q_norm`` / ``k_norm``).
         scale: The attention scale; None is ``1 / sqrt(head_dim)``.
+        softcap: With a value ``c``, scores become ``tanh(s / c) * c`` before
+            the softmax (Gemma 2); the backend must support it (torch).
         tp: The tensor-parallel context; ``o_proj`` is row-parallel with one.
     """
 
@@ -43,6 +45,7 @@ class LlamaAttention(nn.Module):
         layer_idx: int = 0,
         qk_norm_eps: Optional[float] = None,
         scale: Optional[float] = None,
+        softcap: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -52,6 +55,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window
+        self.softcap = softcap
+        # Passed only when set, so backends (and test fakes) without the argument serve every other model.
+        self.backend_kwargs = {"softcap": softcap} if softcap is not None else {}
         self.attn_backend = attn_backend
         self.native: Any = None  # cpu_ops library (in-place rotary), set by finalize
         self.fused: Any = None  # triton_ops.TritonOps (in-place rotary on a GPU), set by finalize
@@ -90,5 +96,6 @@ class LlamaAttention(nn.Module):
         if self.use_attention_op:
             out = torch.ops.prefixserve.attention(q, k, v, kv_cache, self.layer_idx)
         else:
-            out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                                            **self.backend_kwargs)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -8,6 +8,9 @@
                 size, else triton when installed, else torch; on CPU: torch
                 (``auto_choice``; the choice and its reason are logged)
 
+A model with soft-capped attention scores (Gemma 2) runs on ``torch`` only:
+``auto`` picks it, ``triton`` / ``flash_attn`` are refused with a message.
+
 Backends import their heavy dependencies (triton, flash_attn) only when built,
 so this package imports anywhere.
 """
@@ -35,6 +38,7 @@ def get_attention_backend(
     dtype: Optional[torch.dtype] = None,
     block_size: Optional[int] = None,
     batch_invariant: bool = False,
+    attn_softcap: bool = False,
 ) -> AttentionBackend:
     """Builds the attention backend called ``name`` for ``device``.
 
@@ -47,6 +51,8 @@ def get_attention_backend(
             multiple of 256, checked here rather than at the first forward.
         batch_invariant: Every query through one per-query kernel, prefill
             included (``torch`` backend on CPU, float32, native kernel built).
+        attn_softcap: The model soft-caps its attention scores (Gemma 2):
+            only the torch backend can.
 
     Returns:
         A backend implementing ``AttentionBackend``.
@@ -59,6 +65,8 @@ def get_attention_backend(
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     device = torch.device(device)
+    if attn_softcap:
+        return _softcap_backend(name, batch_invariant)
     if batch_invariant:
         return _batch_invariant_backend(name, device, dtype)
     if name == "auto":
@@ -70,6 +78,20 @@ def get_attention_backend(
     if name == "triton":
         return _triton_backend(device)
     return _flash_attn_backend(device, dtype, block_size)
+
+
+def _softcap_backend(name: str, batch_invariant: bool) -> AttentionBackend:
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    if batch_invariant:
+        raise ValueError("batch_invariant is not supported for a model with attention soft-capping (Gemma 2): "
+                         "its per-query native kernel cannot cap scores; drop batch_invariant")
+    if name not in ("auto", "torch"):
+        raise ValueError(f"attention_backend {name!r} cannot soft-cap attention scores, which this model "
+                         "(Gemma 2: attn_logit_softcapping) needs; use attention_backend 'torch' or 'auto'")
+    if name == "auto":
+        logger.info("attention backend auto: torch (the model soft-caps attention scores; only torch can)")
+    return TorchAttentionBackend()
 
 
 def _batch_invariant_backend(name: str, device: torch.device, dtype: Optional[torch.dtype]) -> AttentionBackend:

@@ -108,8 +108,12 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Writes k/v into the cache at ``meta.slot_mapping``, then attends."""
+        """Writes k/v into the cache at ``meta.slot_mapping``, then attends;
+        with ``softcap`` (Gemma 2) the scores are ``tanh(s / softcap) * softcap``
+        before the mask and softmax (the torch backend only; callers pass it
+        only when set)."""
         ...
 
 

@@ -18,6 +18,9 @@ cache, 3-4x faster than torch's SDPA there). Otherwise prefill chunks run one
 request at a time: a first chunk without cached context attends to its own
 keys with ``is_causal`` (no gather); a chunk with context gathers its blocks
 and uses an explicit causal mask offset by the context length.
+
+Layers with soft-capped scores (Gemma 2) take ``softcap.py`` instead: plain
+torch, one request at a time (neither SDPA nor the native kernels cap scores).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from cluster.shared.sizes import cdiv
 from workers.model.attention import cpu_decode, cpu_prefill, kv_int8
 from workers.model.attention.base import AttentionMetadata, write_kv
+from workers.model.attention.softcap import softcap_attention
 
 # Gathered K/V bytes per decode group (one SDPA call each); fits in L2/L3.
 DECODE_GROUP_BYTES = 4 << 20
@@ -68,8 +72,11 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         nd = meta.num_decodes
+        if softcap is not None:
+            return softcap_attention(q, k, v, kv_cache, meta, scale, sliding_window, softcap)
         if self.batch_invariant:
             return self._per_query(q, k, v, kv_cache, meta, scale, sliding_window)
         if nd == meta.num_requests and self._native_decode and self._native_ready(q, k, v, kv_cache):

@@ -58,11 +58,14 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """Writes k/v into the cache at ``meta.slot_mapping``, then attends.
 
         Args and return as in ``AttentionBackend.forward``.
         """
+        if softcap is not None:
+            raise ValueError("attention soft-capping (Gemma 2) needs attention_backend 'torch', not 'triton'")
         if meta.tree_tails is not None:
             raise NotImplementedError("tree verification (speculative_config num_candidates > 1) runs on the "
                                       "torch attention backend")
