@@ -26,8 +26,24 @@ produces:
   whitespace runs before a digit tokenize differently: a blank line before
   ``1.`` gives tokens ``Ċ Ċ 1`` here and ``ĊĊ 1`` in the original.
 
-Only ``general.architecture == "llama"`` files are supported (Llama, Mistral
-and SmolLM GGUFs use it).
+Gemma 3 (``general.architecture == "gemma3"``, text models) differs in three
+ways, each as transformers' GGUF loader has it:
+
+- llama.cpp stores every Gemma RMSNorm weight as ``1 + w`` (Gemma's norm
+  multiplies by ``1 + w``; llama.cpp's by the weight), so ``w`` is the stored
+  value minus 1, in float32, for every ``*norm.weight`` (q/k norms included);
+- Q and K are not permuted (Gemma rotates halves, like llama.cpp's NEOX rope);
+- the GGUF records neither ``query_pre_attn_scalar``, the local RoPE base nor
+  the layer pattern: they take ``Gemma3TextConfig``'s defaults (256, 10000,
+  five sliding-window layers then one global). These are the values of every
+  Gemma 3 text model but the 27B (scalar 168, head_dim 128), so a GGUF whose
+  head_dim is not 256 is refused rather than converted wrong. Rope scaling
+  (the 4B and larger models) is refused as for Llama.
+
+Base Gemma 3 GGUFs carry no chat template; the folder then has none either.
+
+Supported architectures: ``llama`` (Llama, Mistral and SmolLM GGUFs use it)
+and ``gemma3``.
 """
 
 from __future__ import annotations
@@ -45,12 +61,10 @@ logger = logging.getLogger(__name__)
 
 # Bump when the output of the conversion changes: cached folders are keyed on it.
 CONVERTER_VERSION = 1
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
-# GGUF tensor name (after ``blk.N.``) -> HF name (after ``model.layers.N.``).
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+# GGUF tensor name (after ``blk.N.``) -> HF name (after ``model.layers.N.``), per architecture.
+_PROJECTIONS = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -59,6 +73,31 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_LAYER_TENSORS = {
+    "llama": {
+        **_PROJECTIONS,
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    },
+    "gemma3": {
+        **_PROJECTIONS,
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    },
+}
+# Gemma 3 fields the GGUF does not record: Gemma3TextConfig's defaults (see the module docstring).
+_GEMMA3_HEAD_DIM = 256
+_GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer is global
+_KEY_ORDER = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "hidden_activation",
+              "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_parameters", "tie_word_embeddings",
+              "attention_bias", "mlp_bias")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -106,11 +145,12 @@ def _read_metadata(reader: Any) -> dict[str, Any]:
 
 
 def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
-    """HF ``LlamaConfig`` fields from GGUF metadata.
+    """HF config fields (``LlamaConfig`` or ``Gemma3TextConfig``) from GGUF metadata.
 
     Raises:
-        ValueError: For an architecture other than llama, or rope scaling we
-            cannot reproduce.
+        ValueError: For an unsupported architecture, rope scaling we cannot
+            reproduce, or a Gemma 3 head size whose attention scale the GGUF
+            does not record.
     """
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -126,29 +166,22 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict
         )
     heads = int(metadata[f"{arch}.attention.head_count"])
     hidden = int(metadata[f"{arch}.embedding_length"])
-    head_dim = int(metadata.get(f"{arch}.rope.dimension_count") or hidden // heads)
-    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
-    vocab = int(metadata.get(f"{arch}.vocab_size") or metadata["tokenizer.ggml.tokens.count"])
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
+        "vocab_size": int(metadata.get(f"{arch}.vocab_size") or metadata["tokenizer.ggml.tokens.count"]),
         "hidden_size": hidden,
         "intermediate_size": int(metadata[f"{arch}.feed_forward_length"]),
         "num_hidden_layers": int(metadata[f"{arch}.block_count"]),
         "num_attention_heads": heads,
         "num_key_value_heads": int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
         "rms_norm_eps": float(metadata[f"{arch}.attention.layer_norm_rms_epsilon"]),
         "max_position_embeddings": int(metadata[f"{arch}.context_length"]),
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
     }
+    config.update(_gemma3_fields(metadata, config) if arch == "gemma3" else _llama_fields(metadata, hidden // heads))
+    # The order config.json has always had for llama (the rest keeps its place after these).
+    config = {k: config[k] for k in sorted(config, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else 99)}
+    config["torch_dtype"] = "float32"
     for name in ("bos", "eos", "padding"):
         token_id = metadata.get(f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:
@@ -156,13 +189,60 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict
     return config
 
 
-def _hf_tensor_name(gguf_name: str) -> str:
+def _llama_fields(metadata: dict[str, Any], default_head_dim: int) -> dict[str, Any]:
+    theta = float(metadata.get("llama.rope.freq_base", 10000.0))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "head_dim": int(metadata.get("llama.rope.dimension_count") or default_head_dim),
+        "hidden_act": "silu",
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "mlp_bias": False,
+    }
+
+
+def _gemma3_fields(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own fields; what the GGUF lacks is Gemma3TextConfig's default (module docstring)."""
+    head_dim = int(metadata.get("gemma3.attention.key_length", _GEMMA3_HEAD_DIM))
+    if head_dim != _GEMMA3_HEAD_DIM:
+        raise ValueError(
+            f"this Gemma 3 GGUF has head_dim {head_dim}; the GGUF does not record query_pre_attn_scalar, which "
+            f"is {_GEMMA3_QUERY_PRE_ATTN_SCALAR} only for head_dim {_GEMMA3_HEAD_DIM} (the 27B model uses 168): "
+            "pass the HF checkpoint folder instead"
+        )
+    local_theta = float(metadata.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
+    if local_theta != _GEMMA3_LOCAL_ROPE_THETA:
+        raise ValueError(f"this Gemma 3 GGUF sets the local RoPE base to {local_theta}; transformers' GGUF loader "
+                         f"assumes {_GEMMA3_LOCAL_ROPE_THETA}: pass the HF checkpoint folder instead")
+    pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        "sliding_window": int(metadata.get("gemma3.attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                        for i in range(config["num_hidden_layers"])],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default",
+                               "rope_theta": float(metadata.get("gemma3.rope.freq_base", 1_000_000.0))},
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+        },
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    }
+
+
+def _hf_tensor_name(gguf_name: str, arch: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a Llama model; is this a Llama GGUF?")
+    layer_tensors = _LAYER_TENSORS[arch]
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in a {arch} model; is the file complete?")
 
 
 def _reverse_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -177,11 +257,15 @@ def _convert_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Ten
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
+    arch = "gemma3" if config["model_type"] == "gemma3_text" else "llama"
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", mininterval=1.0):
-        name = _hf_tensor_name(tensor.name)
+        name = _hf_tensor_name(tensor.name, arch)
         weights = dequantize(tensor.data, tensor.tensor_type)
-        if name.endswith("self_attn.q_proj.weight"):
+        if arch == "gemma3":
+            if tensor.name.endswith("norm.weight"):
+                weights = weights - 1  # stored as 1 + w (module docstring); float32 like transformers
+        elif name.endswith("self_attn.q_proj.weight"):
             weights = _reverse_permute(weights, config["num_attention_heads"])
         elif name.endswith("self_attn.k_proj.weight"):
             weights = _reverse_permute(weights, config["num_key_value_heads"])
