@@ -3,8 +3,8 @@
 Neither ``scaled_dot_product_attention`` nor our native kernels (``cpu_decode``,
 ``cpu_prefill``) can cap scores between the product and the softmax, so
 soft-capped layers take this path of the torch backend: one request at a
-time, its context gathered by slot, then transformers' eager order of
-operations::
+time (plain decodes a group at a time, padded and masked), its context
+gathered by slot, then transformers' eager order of operations::
 
     s = (q @ k^T) * scale                       [Hq, q rows, L]
     s = tanh(s / cap) * cap                      before the mask, as transformers
@@ -28,6 +28,8 @@ from workers.model.attention.base import AttentionMetadata, write_kv
 
 # Scores of one chunk of query rows ([Hq, rows, L] float32) stay below this.
 SCORE_BYTES = 64 << 20
+# Gathered K/V bytes of one group of decodes (as the torch backend's groups: they stay in the CPU cache).
+DECODE_GROUP_BYTES = 4 << 20
 
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -40,7 +42,10 @@ def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, hd]
     out = torch.empty_like(q)
     start = 0
-    for i in range(meta.num_requests):
+    if meta.tree_tails is None and meta.num_decodes:  # plain decodes, in groups (the torch backend's layout)
+        start = meta.num_decodes
+        out[:start] = _decodes(q[:start], kv_cache, meta, scale, sliding_window, softcap)
+    for i in range(start, meta.num_requests):
         qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
         pos = torch.arange(seq_len, device=q.device)
         slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
@@ -57,26 +62,61 @@ def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     return out
 
 
+def _decodes(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+             sliding_window: Optional[int], softcap: float) -> torch.Tensor:
+    """Decode rows ``q [nd, Hq, hd]`` (one per request, longest context first), a group of requests per
+    call: their blocks gathered and padded to the group's longest context, masked past each one's length."""
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    while start < nd:
+        per_seq = 2 * 4 * meta.seq_lens_list[start] * num_kv_heads * head_dim
+        end = min(nd, start + max(1, DECODE_GROUP_BYTES // per_seq))
+        n, num_blocks = end - start, -(-max(meta.seq_lens_list[start:end]) // block_size)
+        kv = kv_cache.index_select(1, meta.block_tables[start:end, :num_blocks].flatten())
+        if kv.dtype == torch.int8:
+            kv = kv_int8.dequantize(kv)
+        kv = kv.to(q.dtype).view(2, n, num_blocks * block_size, num_kv_heads, head_dim).transpose(2, 3)
+        qg = q[start:end].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query heads by KV head
+        scores = torch.matmul(qg, kv[0].transpose(2, 3)) * scale  # [n, Hkv, group, L]
+        scores = torch.tanh(scores / softcap) * softcap
+        pos = torch.arange(num_blocks * block_size, device=q.device).unsqueeze(0)
+        lens = meta.seq_lens[start:end].to(pos.dtype).unsqueeze(1)
+        mask = pos < lens
+        if sliding_window is not None:
+            mask &= pos >= lens - sliding_window
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[start:end] = torch.matmul(probs, kv[1]).view(n, num_heads, head_dim)
+        start = end
+    return out
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int, scale: float,
             sliding_window: Optional[int], softcap: float) -> torch.Tensor:
     """Rows ``q [n, Hq, hd]`` at positions ``seq_len - n ..`` over ``keys, values [L, Hkv, hd]``."""
-    qlen, num_heads = q.shape[0], q.shape[1]
-    group = num_heads // keys.shape[1]
-    kh = keys.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, hd]
-    vh = values.transpose(0, 1).repeat_interleave(group, 0)
-    qh = q.transpose(0, 1)  # [Hq, n, hd]
+    qlen, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    kh, vh = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, L, hd]
     rows = max(1, SCORE_BYTES // (4 * num_heads * seq_len))
     k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-    out = torch.empty_like(qh)
+    out = torch.empty_like(q)
     for r0 in range(0, qlen, rows):
         r1 = min(qlen, r0 + rows)
-        scores = torch.matmul(qh[:, r0:r1], kh.transpose(1, 2)) * scale
+        # [n, Hq, hd] -> [Hkv, group * n, hd]: each KV head's query heads, no copy of the keys per query head
+        qg = q[r0:r1].reshape(r1 - r0, num_kv_heads, group * head_dim).transpose(0, 1)
+        qg = qg.reshape(num_kv_heads, r1 - r0, group, head_dim).transpose(1, 2).reshape(num_kv_heads, -1, head_dim)
+        scores = torch.matmul(qg, kh.transpose(1, 2)) * scale  # [Hkv, group * n, L]
         scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - qlen + r0, seq_len - qlen + r1, device=q.device).unsqueeze(1)
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.view(num_kv_heads, group, r1 - r0, seq_len).masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:, r0:r1] = torch.matmul(probs, vh)
-    return out.transpose(0, 1)
+        res = torch.matmul(probs.view(num_kv_heads, -1, seq_len), vh)  # [Hkv, group * n, hd]
+        out[r0:r1] = res.view(num_kv_heads, group, r1 - r0, head_dim).permute(2, 0, 1, 3).reshape(
+            r1 - r0, num_heads, head_dim)
+    return out
