@@ -7,6 +7,11 @@
     router = serve.deployment(RouterDeployment).options(
         num_replicas=2, max_replicas_per_node=1).bind(replicas, front)
 
+With several models (``models:`` in the cluster config) the router gets a
+handle per model's replica deployment (``{served name: handle}``) and serves
+them all on the same ports; the request's ``model`` picks one
+(``router/models.py``).
+
 The fixed ports are why a node runs at most one router replica
 (``max_replicas_per_node=1``): a second one could not bind them. Each router
 holds a Serve handle of the replica deployment, so routing (the prefix-aware
@@ -31,9 +36,30 @@ from typing import Any, Optional
 
 from cluster.shared.config import RouterConfig
 from router.backend import ModelInfo, RouterBackend
+from router.models import ModelBackends
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model a router serves (plain values, picklable).
+
+    Attributes:
+        model_dir: Folder with the model's tokenizer (and chat template).
+        model_name: The name clients pass as ``model``.
+        max_model_len: Longest prompt + output the replicas accept.
+        namespace: The model's directory namespace.
+        routing_policy: Its replicas' routing policy (the ``policy`` label
+            of the router's metrics, served with the replicas' at ``/metrics``).
+    """
+
+    model_dir: str
+    model_name: str
+    max_model_len: int
+    namespace: str
+    routing_policy: str = "prefix_cost"
 
 
 @dataclass(frozen=True)
@@ -41,7 +67,7 @@ class FrontEndOptions:
     """Where and how a router replica serves (plain values, picklable).
 
     Attributes:
-        model_dir: Folder with the model's tokenizer (and chat template).
+        model_dir: Folder with the (first) model's tokenizer (and chat template).
         model_name: The name clients pass as ``model``.
         max_model_len: Longest prompt + output the replicas accept.
         redis_url: The prefix directory (``ListReplicas``, ``/metrics``);
@@ -52,6 +78,8 @@ class FrontEndOptions:
         router: Ports, drain, migration limit, tool-call parser, input
             limits, TLS and API-key files (``cluster.shared.config.RouterConfig``); files are read in the
             router replica, where they are mounted.
+        more_models: The other models of a several-model cluster, after
+            the first (which the fields above describe).
     """
 
     model_dir: str
@@ -61,22 +89,26 @@ class FrontEndOptions:
     namespace: str
     routing_policy: str = "prefix_cost"
     router: RouterConfig = field(default_factory=RouterConfig)
+    more_models: tuple[ServedModel, ...] = ()
+
+    @property
+    def models(self) -> list[ServedModel]:
+        """Every served model, the first (the default) first."""
+        first = ServedModel(self.model_dir, self.model_name, self.max_model_len, self.namespace, self.routing_policy)
+        return [first, *self.more_models]
 
 
 class RouterDeployment:
     """One router replica: gRPC + HTTP front ends over the replica deployment.
 
     Args:
-        replicas: ``DeploymentHandle`` of the replica deployment.
-        options: Ports, model and directory (``FrontEndOptions``).
+        replicas: ``DeploymentHandle`` of the replica deployment, or
+            ``{model name: handle}`` of each model's (``options.models``).
+        options: Ports, models and directory (``FrontEndOptions``).
     """
 
     async def __init__(self, replicas: Any, options: FrontEndOptions) -> None:
-        from pathlib import Path
-
-        from cluster.shared.directory import Directory
         from router.limits import Limits
-        from router.metrics import ClusterMetrics, get_router_metrics
         from router.security import Security
         from router.server import RouterServer
 
@@ -87,16 +119,12 @@ class RouterDeployment:
             tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
             api_key_file=cfg.api_key_file, tenants_file=cfg.tenants_file, auth_health=cfg.auth_health,
             auth_metrics=cfg.auth_metrics)
-        tokenizer = RouterTokenizer.from_model_dir(Path(options.model_dir), tool_call_parser=cfg.tool_call_parser)
-        router_metrics = get_router_metrics(options.namespace, options.routing_policy)
+        handles = replicas if isinstance(replicas, dict) else {options.model_name: replicas}
+        # Wrong credentials / ACL: this replica fails to start, saying so.
+        backend, directory, metrics = await open_models(handles, options.models, options.redis_url, cfg, limits,
+                                                        check_access=True)
         if security is not None:
-            security.tenant_gate.metrics = router_metrics
-        backend = RouterBackend(replicas, tokenizer, ModelInfo(options.model_name, options.max_model_len),
-                                max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
-                                migration_limit=cfg.migration_limit, replica_transport=cfg.replica_transport)
-        directory = Directory.from_url(options.redis_url, options.namespace) if options.redis_url else None
-        if directory is not None:
-            await directory.check_read_access()  # wrong credentials / ACL: this replica fails to start, saying so
+            security.tenant_gate.metrics = metrics.router
         self._backend = backend
         self._grpc: Any = RouterServer(backend, directory, host=cfg.host, port=cfg.grpc_port,
                                        limits=limits, security=security, health_port=cfg.health_port)
@@ -108,7 +136,7 @@ class RouterDeployment:
 
             try:
                 self._http = await serve_openai(backend, host=cfg.host, port=cfg.http_port,
-                                                metrics=ClusterMetrics(router_metrics, directory),
+                                                metrics=metrics,
                                                 limits=limits, security=security)
             except BaseException:
                 await self._grpc.stop(0)
@@ -155,3 +183,44 @@ class RouterDeployment:
         grace = self.options.router.drain_timeout_s
         await asyncio.gather(*(front.stop(grace) for front in (http, grpc_server) if front is not None),
                              return_exceptions=True)
+
+
+async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_url: Optional[str],
+                      router: RouterConfig, limits: Any, check_access: bool = False) -> tuple[Any, Any, Any]:
+    """The front ends' view of the served models: ``(ModelBackends, directory,
+    /metrics renderer)``, one ``RouterBackend``, directory namespace and
+    ``ClusterMetrics`` per model (merged, labelled by model, when several).
+    Call it on the loop that serves the front ends (the async Redis clients
+    belong to it).
+
+    Args:
+        handles: ``{model name: DeploymentHandle}`` of each model's replicas.
+        models: What each model is (tokenizer folder, limits, namespace, policy).
+        redis_url: The prefix directory; None: no ``ListReplicas`` and
+            ``/metrics`` of the router's own series only.
+        router: The router's settings (tool-call parser, migration, transport).
+        limits: ``router.limits.Limits`` (the in-flight bound).
+        check_access: Fail now when the directory refuses reads (credentials, ACL).
+    """
+    from pathlib import Path
+
+    from cluster.shared.directory import Directory
+    from router.metrics import ClusterMetrics, get_router_metrics
+    from router.models import ModelDirectories, ModelMetrics
+
+    backends, directories, metrics = {}, [], {}
+    for model in models:
+        tokenizer = RouterTokenizer.from_model_dir(Path(model.model_dir), tool_call_parser=router.tool_call_parser)
+        router_metrics = get_router_metrics(model.namespace, model.routing_policy)
+        backends[model.model_name] = RouterBackend(
+            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len),
+            max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
+            migration_limit=router.migration_limit, replica_transport=router.replica_transport)
+        directory = Directory.from_url(redis_url, model.namespace) if redis_url else None
+        if directory is not None and check_access:
+            await directory.check_read_access()
+        directories.append(directory)
+        metrics[model.model_name] = ClusterMetrics(router_metrics, directory)
+    if len(models) == 1:
+        return ModelBackends(backends), directories[0], metrics[models[0].model_name]
+    return ModelBackends(backends), ModelDirectories(directories), ModelMetrics(metrics)

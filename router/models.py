@@ -36,17 +36,16 @@ class ModelBackends:
     """
 
     def __init__(self, backends: Mapping[str, Any]) -> None:
-        if not backends:
-            raise ValueError("ModelBackends needs at least one model")
         self._backends = dict(backends)
-        self.default_name = next(iter(self._backends))
+        self.default_name = next(iter(self._backends), None)
 
     @classmethod
     def of(cls, backend: Any) -> "ModelBackends":
-        """``backend`` as it is when already a ``ModelBackends``, else the only model of one."""
+        """``backend`` as it is when already a ``ModelBackends``, else the only
+        model of one (None: no model, e.g. a server of ``/metrics`` only)."""
         if isinstance(backend, ModelBackends):
             return backend
-        return cls({backend.model.name: backend})
+        return cls({backend.model.name: backend} if backend is not None else {})
 
     @property
     def names(self) -> list[str]:
@@ -66,6 +65,8 @@ class ModelBackends:
             ValueError: ``name`` is not a string.
             ModelNotFoundError: No served model has that name; the message lists them.
         """
+        if self.default_name is None:
+            raise ModelNotFoundError("this server serves no model")
         if name is None or name == "":
             return self._backends[self.default_name]
         if not isinstance(name, str):
@@ -91,3 +92,64 @@ class ModelBackends:
         """Drains every backend at once; returns the streams still running."""
         left = await asyncio.gather(*(b.drain(timeout_s) for b in self if hasattr(b, "drain")))
         return sum(left)
+
+
+class ModelDirectories:
+    """The prefix directories of several models (one namespace each), as
+    ``ListReplicas`` and the router's shutdown use one.
+
+    Args:
+        directories: One ``Directory`` per model (None entries are skipped).
+    """
+
+    def __init__(self, directories: list[Any]) -> None:
+        self.directories = [d for d in directories if d is not None]
+
+    async def replica_stats(self) -> dict[str, dict]:
+        """Every model's live replicas (Serve's replica ids name the deployment, so they never collide)."""
+        merged: dict[str, dict] = {}
+        for stats in await asyncio.gather(*(d.replica_stats() for d in self.directories)):
+            merged.update(stats)
+        return merged
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(d.aclose() for d in self.directories), return_exceptions=True)
+
+
+class ModelMetrics:
+    """``GET /metrics`` of several models: each model's ``ClusterMetrics``
+    (its router series and its replicas'), merged family by family, every
+    series labelled with its ``model`` (the replicas' carry it already).
+
+    Args:
+        metrics: ``{model name: router.metrics.ClusterMetrics}``.
+    """
+
+    def __init__(self, metrics: Mapping[str, Any]) -> None:
+        self.metrics = dict(metrics)
+
+    @property
+    def router(self) -> Any:
+        """The first model's router metrics (where the per-tenant series are counted)."""
+        return next(iter(self.metrics.values())).router
+
+    async def render(self) -> bytes:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from cluster.shared.metrics_format import render_families
+
+        texts = await asyncio.gather(*(m.render() for m in self.metrics.values()))
+        families: dict[str, Any] = {}
+        for name, text in zip(self.metrics, texts):
+            for family in text_string_to_metric_families(text.decode()):
+                family.samples = [s if "model" in s.labels else s._replace(labels={**s.labels, "model": name})
+                                  for s in family.samples]
+                merged = families.get(family.name)
+                if merged is None:
+                    families[family.name] = family
+                elif merged.type == family.type:
+                    merged.samples.extend(family.samples)
+        return render_families(families.values())
+
+    async def release(self) -> None:
+        await asyncio.gather(*(m.release() for m in self.metrics.values() if hasattr(m, "release")))

@@ -11,6 +11,7 @@ from cluster.app.builder import (
     REPLICA_DEPLOYMENT,
     ROUTER_DEPLOYMENT,
     app_builder,
+    app_names,
     build_app,
     model_info,
     replica_options,
@@ -19,6 +20,6 @@ from cluster.app.builder import (
 )
 
 __all__ = [
-    "APP_NAME", "DEFAULT_MODEL_NAME", "REPLICA_DEPLOYMENT", "ROUTER_DEPLOYMENT", "app_builder", "build_app",
+    "APP_NAME", "DEFAULT_MODEL_NAME", "REPLICA_DEPLOYMENT", "ROUTER_DEPLOYMENT", "app_builder", "app_names", "build_app",
     "model_info", "replica_options", "request_router_config", "router_options",
 ]

@@ -16,6 +16,12 @@ For a RayService's ``serveConfigV2``, ``app_builder`` is the import path
           config: {replicas: 2, redis_url: "redis://redis:6379", router: {host: 0.0.0.0}}
         # or: args: {config_path: /etc/prefixserve/cluster.yaml}
 
+With several models (``models:``) each model gets a replica deployment of
+its own (``replica-<name>``), with its replica count, autoscaling, routing
+policy and directory namespace; the router deployment holds a handle of each
+and routes by the request's ``model``. The local launcher runs each model's
+replicas as an application of its own (``app_names``).
+
 The router deployment runs at most one replica per node
 (``max_replicas_per_node=1``) because it binds the node's fixed gRPC and HTTP
 ports; ``router.num_routers`` says how many nodes get one.
@@ -28,9 +34,10 @@ creates inside that group.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from cluster.shared.config import ClusterConfig
+from cluster.shared.config.models import deployment_suffix
 
 REPLICA_DEPLOYMENT = "replica"
 ROUTER_DEPLOYMENT = "router"
@@ -38,11 +45,20 @@ APP_NAME = "prefixserve"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def replica_options(config: ClusterConfig) -> dict[str, Any]:
-    """Serve deployment options of the replica deployment."""
+def app_names(config: ClusterConfig) -> dict[str, str]:
+    """``{served model name: Serve application name}`` of the local launcher:
+    ``prefixserve`` for one model, ``prefixserve-<name>`` for each of several."""
+    models = config.models_by_name()
+    if not config.multi_model:
+        return {name: APP_NAME for name in models}
+    return {name: f"{APP_NAME}-{deployment_suffix(name)}" for name in models}
+
+
+def replica_options(config: ClusterConfig, name: str = REPLICA_DEPLOYMENT) -> dict[str, Any]:
+    """Serve deployment options of the replica deployment (of one model)."""
     tp = config.engine.parallel.tensor_parallel_size
     options: dict[str, Any] = {
-        "name": REPLICA_DEPLOYMENT,
+        "name": name,
         "num_replicas": config.replicas,
         "max_ongoing_requests": config.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": config.replica_num_cpus},
@@ -122,7 +138,8 @@ def router_options(config: ClusterConfig) -> dict[str, Any]:
 
 
 def model_info(config: ClusterConfig) -> tuple[str, str, int]:
-    """``(model folder, name clients pass as model, max_model_len)`` of the served model."""
+    """``(model folder, name clients pass as model, max_model_len)`` of the
+    served model (of a single-model config: one of ``models_by_name()``)."""
     import json
     from pathlib import Path
 
@@ -139,35 +156,54 @@ def model_info(config: ClusterConfig) -> tuple[str, str, int]:
     return str(model_dir), name, max_len
 
 
-def build_app(config: ClusterConfig, with_router: bool = False) -> Any:
+def build_app(config: ClusterConfig, with_router: bool = False, model_name: Optional[str] = None,
+              packed_replicas: Optional[int] = None) -> Any:
     """The bound Serve application (``serve.run`` it).
 
     Args:
         config: The cluster.
         with_router: Put the router deployment (gRPC + HTTP front ends on
-            ``config.router``'s ports) in front of the replicas as ingress.
+            ``config.router``'s ports) in front of the replicas as ingress;
+            required with several models (without it, build one app per
+            model from ``config.models_by_name()``).
+        model_name: The ``model`` label of the replicas' metrics (default:
+            the model's served name).
+        packed_replicas: Most replicas of every model on one machine
+            (default: this config's).
     """
     from ray import serve
 
     from workers.replica import ReplicaServer
 
-    if config.multi_model:
-        raise ValueError("models: (several models in one cluster) is not served yet; serve one model per "
-                         "cluster with the top-level engine: section")
-    deployment = serve.deployment(ReplicaServer).options(**replica_options(config))
-    replicas = deployment.bind(config.engine.flat(), config.redis_url, config.namespace, freeze_heap=True,
-                               packed_replicas=config.max_num_replicas)
+    if config.multi_model and not with_router:
+        raise ValueError("a config with models: builds one application per model without the router: "
+                         "build_app(c) for c in config.models_by_name().values()")
+    packed = packed_replicas or config.max_num_replicas
+    models = config.models_by_name()
+    replicas: dict[str, Any] = {}
+    for name, model in models.items():
+        deployment_name = f"{REPLICA_DEPLOYMENT}-{deployment_suffix(name)}" if config.multi_model \
+            else REPLICA_DEPLOYMENT
+        deployment = serve.deployment(ReplicaServer).options(**replica_options(model, deployment_name))
+        replicas[name] = deployment.bind(model.engine.flat(), model.redis_url, model.namespace, freeze_heap=True,
+                                         packed_replicas=packed, model_name=model_name or name)
     if not with_router:
-        return replicas
-    from router.deployment import FrontEndOptions, RouterDeployment
+        return next(iter(replicas.values()))
+    from router.deployment import FrontEndOptions, RouterDeployment, ServedModel
     from router.limits import Limits
 
     Limits.from_kwargs(**config.router.limits)  # a misspelled limit fails here, not in each router replica
-    model_dir, name, max_len = model_info(config)
-    front = FrontEndOptions(model_dir=model_dir, model_name=name, max_model_len=max_len,
-                            redis_url=config.router_redis_url,
-                            namespace=config.namespace, routing_policy=config.routing_policy, router=config.router)
-    return serve.deployment(RouterDeployment).options(**router_options(config)).bind(replicas, front)
+    served = []
+    for name, model in models.items():
+        model_dir, _, max_len = model_info(model)
+        served.append(ServedModel(model_dir, name, max_len, model.namespace, model.routing_policy))
+    first = served[0]
+    front = FrontEndOptions(model_dir=first.model_dir, model_name=first.model_name,
+                            max_model_len=first.max_model_len, redis_url=config.router_redis_url,
+                            namespace=first.namespace, routing_policy=first.routing_policy, router=config.router,
+                            more_models=tuple(served[1:]))
+    handles = replicas if config.multi_model else replicas[first.model_name]
+    return serve.deployment(RouterDeployment).options(**router_options(config)).bind(handles, front)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

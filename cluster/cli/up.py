@@ -58,7 +58,11 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-tokens", type=int, default=64, help="for --prompt")
     up.add_argument("--exit-after-prompt", action="store_true", help="stop after --prompt instead of serving")
     add_router_args(up)
-    add_engine_args(up)
+    up.add_argument("--model", action="append", default=None, metavar="MODEL",
+                    help="model folder or .gguf file (default: the packaged model); repeat it to serve several "
+                         "models in one cluster, each named by its folder or file name, with the engine and "
+                         "replica flags applied to each (or list them under models: in --config)")
+    add_engine_args(up, exclude=("model",))
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -120,10 +124,41 @@ def up_config(args: argparse.Namespace) -> Any:
     for name in ("migration_limit", "drain_timeout_s", "replica_transport", "tool_call_parser"):
         if getattr(args, name) is not None:
             router[name] = getattr(args, name)
+    router_config = dataclasses.replace(base.router, **router)
+    flags = {k: v for k, v in engine_kwargs(args).items() if k != "model"}
+    models = args.model or []
+    if len(models) > 1 or base.multi_model:
+        return _models_config(base, models, top, flags, router_config)
+    if models:
+        flags["model"] = models[0]
     engine = base.engine
-    if engine_kwargs(args):
-        engine = EngineConfig.from_kwargs(**{**base.engine.flat(), **engine_kwargs(args)})
-    return dataclasses.replace(base, **top, engine=engine, router=dataclasses.replace(base.router, **router))
+    if flags:
+        engine = EngineConfig.from_kwargs(**{**base.engine.flat(), **flags})
+    return dataclasses.replace(base, **top, engine=engine, router=router_config)
+
+
+def _models_config(base: Any, models: list[str], top: dict[str, Any], flags: dict[str, Any], router: Any) -> Any:
+    """A several-model config: ``--model`` given more than once (each an entry with
+    the top-level and engine flags), or the ``--config`` file's ``models:`` with the
+    flags applied to every entry."""
+    from cluster.shared.config import ClusterConfig, EngineConfig, ModelConfig
+
+    shared = {k: v for k, v in top.items() if k in ("redis_url", "namespace")}
+    per_model = {k: v for k, v in top.items() if k not in shared}
+    if base.multi_model and models:
+        raise ValueError("the --config file lists models: already; add the models there, not with --model")
+    if base.multi_model:
+        entries = [dataclasses.replace(m, **per_model, engine=EngineConfig.from_kwargs(**{**m.engine.flat(), **flags}))
+                   for m in base.models]
+    else:
+        entries = [ModelConfig(**{**{f: getattr(base, f) for f in ("replicas", "replica_num_cpus", "rank_num_cpus",
+                                                                     "max_ongoing_requests", "routing_policy",
+                                                                     "routing_policy_params", "directory_lookup",
+                                                                     "autoscaling")}, **per_model},
+                               engine=EngineConfig.from_kwargs(**{**base.engine.flat(), **flags, "model": m}))
+                   for m in models]
+    return ClusterConfig(**{**{f: getattr(base, f) for f in ("redis_url", "namespace")}, **shared},
+                         router=router, models=entries)
 
 
 async def _stream_prompt(cluster: Any, prompt: str, max_tokens: int) -> None:
@@ -132,7 +167,8 @@ async def _stream_prompt(cluster: Any, prompt: str, max_tokens: int) -> None:
     from cluster.shared.types import GenerationRequest, SamplingParams
     from workers.model.loader import resolve_model
 
-    model_dir = resolve_model(cluster.config.engine.model)
+    first = next(iter(cluster.config.models_by_name().values()))  # the default model
+    model_dir = resolve_model(first.engine.model)
     if not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"{model_dir} has no tokenizer.json: --prompt needs one")
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(prompt).ids

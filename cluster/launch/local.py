@@ -4,7 +4,9 @@
 Everything listens on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 keeps Ray's own traffic there). With ``grpc_port`` set, the gRPC router
 (``router.server.RouterServer``) runs in this process on its own thread and
-event loop once Serve is up. ``stop()`` shuts the router, Serve, Ray and Redis
+event loop once Serve is up. With several models (``models:``) each model's
+replicas run as a Serve application of their own (``app_names``) and the
+routers route by the request's ``model``. ``stop()`` shuts the router, Serve, Ray and Redis
 down in that order, so no process outlives the launcher.
 """
 
@@ -15,10 +17,9 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
-from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, build_app, model_info
+from cluster.app import APP_NAME, REPLICA_DEPLOYMENT, app_names, build_app, model_info
 from cluster.shared.config import ClusterConfig
 from cluster.shared.types import GenerationRequest, StreamChunk
 
@@ -62,7 +63,8 @@ class LocalCluster:
         self.num_cpus = num_cpus
         self.redis = None
         self.redis_url = config.redis_url
-        self.handle: Any = None
+        self.handle: Any = None  # the first (default) model's replicas
+        self.handles: dict[str, Any] = {}  # {served model name: its replica deployment's handle}
         self.started_ray = False
         self.startup_seconds = 0.0
         self.grpc_port = grpc_port
@@ -93,26 +95,36 @@ class LocalCluster:
         init_local_ray(num_cpus=self.num_cpus or self._cpus_needed())
         serve.start(proxy_location="Disabled")
         config = self.config if self.config.redis_url == self.redis_url else _with_redis(self.config, self.redis_url)
-        self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
-        self._wait_ready()
+        names = app_names(config)
+        for model_name, model in config.models_by_name().items():
+            app = build_app(model, model_name=model_name, packed_replicas=config.max_num_replicas)
+            self.handles[model_name] = serve.run(app, name=names[model_name], route_prefix=None, blocking=False)
+        self.handle = next(iter(self.handles.values()))
+        for app_name in names.values():
+            self._wait_ready(app_name)
         if self.grpc_port is not None or self.http_port is not None:
             self._start_router()
         self.startup_seconds = time.monotonic() - began
-        logger.info("cluster ready in %.1fs: %d replica(s), tensor_parallel_size %d",
-                    self.startup_seconds, self.config.replicas, self.config.engine.parallel.tensor_parallel_size)
+        for model_name, model in self.config.models_by_name().items():
+            logger.info("cluster ready in %.1fs: model %s, %d replica(s), tensor_parallel_size %d",
+                        self.startup_seconds, model_name, model.replicas,
+                        model.engine.parallel.tensor_parallel_size)
         return self
 
     def _cpus_needed(self) -> float:
-        tp = self.config.engine.parallel.tensor_parallel_size
-        per_replica = self.config.replica_num_cpus + (self.config.rank_num_cpus * tp if tp > 1 else 0)
-        return max(float(os.cpu_count() or 1), per_replica * self.config.max_num_replicas)
+        needed = 0.0
+        for model in self.config.models_by_name().values():
+            tp = model.engine.parallel.tensor_parallel_size
+            per_replica = model.replica_num_cpus + (model.rank_num_cpus * tp if tp > 1 else 0)
+            needed += per_replica * model.max_model_replicas
+        return max(float(os.cpu_count() or 1), needed)
 
-    def _wait_ready(self, timeout: float = 600.0) -> None:
+    def _wait_ready(self, app_name: str = APP_NAME, timeout: float = 600.0) -> None:
         from ray import serve
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            status = serve.status().applications.get(APP_NAME)
+            status = serve.status().applications.get(app_name)
             if status is not None and status.status == "RUNNING":
                 return
             if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
@@ -122,25 +134,15 @@ class LocalCluster:
 
     def _start_router(self) -> None:
         """Starts the gRPC router on a daemon thread with its own event loop."""
-        from cluster.shared.directory import Directory
-        from router.backend import ModelInfo, RouterBackend
-        from router.metrics import ClusterMetrics, get_router_metrics
-        from router.server import RouterServer
-        from router.tokenizer import RouterTokenizer
-        # The name clients pass as `model`: the folder or file name, or the default model's own name.
-        model_dir, name, max_len = model_info(self.config)
-        tokenizer = RouterTokenizer.from_model_dir(Path(model_dir),
-                                                   tool_call_parser=self.config.router.tool_call_parser)
-        model = ModelInfo(name, max_len)
-        router_metrics = get_router_metrics(self.config.namespace, self.config.routing_policy)
-        if self.security is not None:
-            self.security.tenant_gate.metrics = router_metrics
+        from router.deployment import ServedModel, open_models
         from router.limits import Limits
+        from router.server import RouterServer
 
+        served = []
+        for model_name, model in self.config.models_by_name().items():
+            model_dir, _, max_len = model_info(model)
+            served.append(ServedModel(model_dir, model_name, max_len, model.namespace, model.routing_policy))
         limits = self.limits or Limits()
-        backend = RouterBackend(self.handle, tokenizer, model, max_inflight_requests=limits.max_inflight_requests,
-                                metrics=router_metrics, migration_limit=self.config.router.migration_limit,
-                                replica_transport=self.config.router.replica_transport)
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="grpc-router", daemon=True)
         thread.start()
@@ -148,9 +150,12 @@ class LocalCluster:
 
         async def start() -> tuple[Any, Any]:
             server = http = None
-            # On this loop: the async Redis client belongs to it (the gRPC server closes it).
-            directory_url = self.config.router.redis_url or self.redis_url
-            directory = Directory.from_url(directory_url, self.config.namespace) if directory_url else None
+            # On this loop: the async Redis clients belong to it (the gRPC server closes them).
+            backend, directory, metrics = await open_models(self.handles, served,
+                                                            self.config.router.redis_url or self.redis_url,
+                                                            self.config.router, limits)
+            if self.security is not None:
+                self.security.tenant_gate.metrics = metrics.router
             if self.grpc_port is not None:
                 server = RouterServer(backend, directory, host=self.grpc_host, port=self.grpc_port,
                                       limits=limits, security=self.security)
@@ -158,8 +163,7 @@ class LocalCluster:
             if self.http_port is not None:
                 from router.openai import serve_openai
 
-                http = await serve_openai(backend, host=self.grpc_host, port=self.http_port,
-                                          metrics=ClusterMetrics(router_metrics, directory),
+                http = await serve_openai(backend, host=self.grpc_host, port=self.http_port, metrics=metrics,
                                           limits=limits, security=self.security)
             return server, http
 

@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 import grpc
-import requests
+import httpx2 as httpx
 import openai
 import pytest
 
@@ -73,7 +73,7 @@ def test_each_request_goes_to_its_models_backend(http, two):
 
 def test_a_request_without_model_goes_to_the_first(http, two):
     _, url = http
-    reply = requests.post(f"{url}/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=20)
+    reply = httpx.post(f"{url}/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=20)
     assert reply.status_code == 200 and reply.json()["model"] == "alpha"
     assert [len(b.requests) for b in two] == [1, 0]
 
@@ -91,14 +91,14 @@ def test_an_unknown_model_is_404_naming_the_served_ones(http, two):
     body = err.value.response.json()["error"]
     assert body["code"] == "model_not_found" and body["param"] == "model"
     assert "'alpha', 'beta'" in body["message"]
-    reply = requests.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": "nope", "prompt": "hi"}, timeout=20)
+    reply = httpx.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": "nope", "prompt": "hi"}, timeout=20)
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
     assert [len(b.requests) for b in two] == [0, 0]
 
 
 def test_tokenize_reports_the_named_models_limit(http):
     _, url = http
-    reply = requests.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": "beta", "prompt": "hi"}, timeout=20)
+    reply = httpx.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": "beta", "prompt": "hi"}, timeout=20)
     assert reply.status_code == 200 and reply.json()["max_model_len"] == 64
 
 
