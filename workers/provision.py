@@ -187,13 +187,10 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
 
 
 def gguf_source(config: EngineConfig) -> Optional[Path]:
-    """The .gguf file the model comes from (the default model's when ``model`` is None), else None."""
-    if config.model is None:
-        from workers.model.loader import default_gguf_path
+    """The .gguf file the model comes from (the default or a packaged model's included), else None."""
+    from workers.model.loader import model_gguf_path
 
-        return default_gguf_path()
-    path = Path(config.model)
-    return path if path.suffix == ".gguf" and path.is_file() else None
+    return model_gguf_path(config.model)
 
 
 def load_model_for(

