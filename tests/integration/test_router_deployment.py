@@ -140,3 +140,37 @@ def test_routing_policy_params_reach_the_policy_and_typos_are_named():
     kwargs = request_router_config(cache_aware).request_router_kwargs
     assert kwargs["policy_params"] == {"balance_abs_threshold": 2} and kwargs["directory_lookup"] == "redis"
     assert request_router_config(config).request_router_kwargs["directory_lookup"] == "index"
+
+
+def test_two_models_behind_one_router_deployment(ray_local, redis_server, tmp_path_factory):
+    """The RayService shape with models: one app, a replica deployment per model,
+    the router routing by model (what app_builder builds from serveConfigV2)."""
+    from ray import serve
+
+    folders = {name: make_tiny_model_dir("llama", tmp_path_factory.mktemp(f"rd-{name}"), seed=seed)
+               for name, seed in (("alpha", 3), ("beta", 4))}
+    app = app_builder({"config": {
+        "redis_url": redis_server.url, "namespace": f"rd2-{uuid.uuid4().hex[:6]}",
+        "router": {"grpc_port": 0, "http_port": 0, "router_num_cpus": 0.25},
+        "models": [{"name": name, "replica_num_cpus": 0.25,
+                    "engine": {"model": str(folder), "block_size": 4, "num_kv_blocks": 64}}
+                   for name, folder in folders.items()],
+    }})
+    serve.start(proxy_location="Disabled")
+    serve.run(app, name=f"{APP}-two", route_prefix=None)
+    try:
+        status = serve.status().applications[f"{APP}-two"].deployments
+        assert {"replica-alpha", "replica-beta", ROUTER_DEPLOYMENT} <= set(status)
+        addresses = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=f"{APP}-two").addresses.remote().result(
+            timeout_s=30)
+        with urllib.request.urlopen(f"{addresses['http']}/models", timeout=60) as response:
+            assert [m["id"] for m in json.load(response)["data"]] == ["alpha", "beta"]
+        texts = {}
+        for name in folders:
+            request = _ids(PREFIX[:8], max_tokens=6)
+            request.model = name
+            chunks = asyncio.run(_generate(addresses["grpc"], request))
+            texts[name] = [t for c in chunks for t in c.token_ids]
+        assert texts["alpha"] != texts["beta"]  # different weights: each model answered its own requests
+    finally:
+        serve.delete(f"{APP}-two")
