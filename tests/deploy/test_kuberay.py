@@ -34,7 +34,7 @@ from tests.deploy.kustomize import render
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "deploy" / "kuberay"
 CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
-TARGETS = ["base", "overlays/cpu", "overlays/gpu"]
+TARGETS = ["base", "overlays/cpu", "overlays/gpu", "overlays/two-models"]
 ROUTER_RESOURCE = "prefixserve_router"
 
 
@@ -215,14 +215,17 @@ def test_the_config_builds_serve_options_serve_accepts(rendered, monkeypatch):
     assert config.router_redis_url == "env:PREFIXSERVE_ROUTER_REDIS_URL"
     # The request router needs the model's fingerprint (a model conversion): not what is tested here.
     monkeypatch.setattr(app, "request_router_config", lambda cfg: None)
-    replica = app.replica_options(config)
     router = app.router_options(config)
-    assert config.autoscaling is not None, f"{name}: the RayService should autoscale"
-    scaling = ServeAutoscalingConfig(**replica["autoscaling_config"])
-    assert scaling.policy.policy_function == "cluster.shared.autoscaling:KVAwareAutoscalingPolicy"
+    names = {router["name"]}
+    for model_name, model in config.models_by_name().items():
+        deployment = f"replica-{model_name}" if config.multi_model else "replica"
+        replica = app.replica_options(model, deployment)
+        assert model.autoscaling is not None, f"{name}: the RayService should autoscale ({model_name})"
+        scaling = ServeAutoscalingConfig(**replica["autoscaling_config"])
+        assert scaling.policy.policy_function == "cluster.shared.autoscaling:KVAwareAutoscalingPolicy"
+        names.add(replica["name"])
     # Overrides in serveConfigV2 name deployments that exist.
     (serve_app,) = serve_config(rayservice)["applications"]
-    names = {replica["name"], router["name"]}
     assert {d["name"] for d in serve_app.get("deployments", [])} <= names
 
 
@@ -269,12 +272,17 @@ def test_routers_and_replicas_land_on_their_own_pods(rendered):
     assert routers["replicas"] >= config.router.num_routers
     assert head["rayStartParams"]["num-cpus"] == "0", "the head runs no replicas"
 
+    models = list(config.models_by_name().values())
+    for model in models:
+        tp = model.engine.parallel.tensor_parallel_size
+        replica_cpus = model.replica_num_cpus + (model.rank_num_cpus * tp if tp > 1 else 0)
+        assert replica_cpus <= float(replicas["rayStartParams"]["num-cpus"]), f"{name}: a replica must fit its pod"
+        left_on_router_pod = float(routers["rayStartParams"]["num-cpus"]) - config.router.router_num_cpus
+        assert replica_cpus > left_on_router_pod, f"{name}: a replica would fit on a router pod"
+    assert replicas["maxReplicas"] >= sum(m.autoscaling.max_replicas for m in models), \
+        f"{name}: every model at its most replicas must fit the replica pods"
+    config = models[0]  # device, TP and attention: the first model's (the overlays serve one kind)
     tp = config.engine.parallel.tensor_parallel_size
-    replica_cpus = config.replica_num_cpus + (config.rank_num_cpus * tp if tp > 1 else 0)
-    assert replica_cpus <= float(replicas["rayStartParams"]["num-cpus"]), f"{name}: a replica must fit its pod"
-    left_on_router_pod = float(routers["rayStartParams"]["num-cpus"]) - config.router.router_num_cpus
-    assert replica_cpus > left_on_router_pod, f"{name}: a replica would fit on a router pod"
-    assert replicas["maxReplicas"] >= config.autoscaling.max_replicas
     (container,) = replicas["template"]["spec"]["containers"]
     gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
     if config.engine.device == "cuda":
