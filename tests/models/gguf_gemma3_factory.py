@@ -49,10 +49,17 @@ def vocabulary() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_tiny_gemma3_gguf(path: Path, seed: int = 0) -> Path:
-    """Writes the synthetic GGUF to ``path`` and returns it."""
+def write_tiny_gemma3_gguf(path: Path, seed: int = 0, native_types_only: bool = False) -> Path:
+    """Writes the synthetic GGUF to ``path`` and returns it.
+
+    Args:
+        native_types_only: Q8_0 instead of Q5_0 and F16, so that every linear
+            layer has a native kernel (``quantization="gguf"``).
+    """
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
+
+    q5_0, f16 = (Q.Q8_0, Q.Q8_0) if native_types_only else (Q.Q5_0, Q.F16)
 
     rng = np.random.default_rng(seed)
     tokens, types = vocabulary()
@@ -87,11 +94,11 @@ def write_tiny_gemma3_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_tensor("output_norm.weight", _norm(rng, HIDDEN))
     for i in range(NUM_LAYERS):
         p = f"blk.{i}."
-        add(p + "attn_q.weight", (NUM_HEADS * HEAD_DIM, HIDDEN), Q.Q5_0)
-        add(p + "attn_k.weight", (NUM_KV_HEADS * HEAD_DIM, HIDDEN), Q.F16)
+        add(p + "attn_q.weight", (NUM_HEADS * HEAD_DIM, HIDDEN), q5_0)
+        add(p + "attn_k.weight", (NUM_KV_HEADS * HEAD_DIM, HIDDEN), f16)
         add(p + "attn_v.weight", (NUM_KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0)
         add(p + "attn_output.weight", (HIDDEN, NUM_HEADS * HEAD_DIM), Q.Q4_K)
-        add(p + "ffn_gate.weight", (INTERMEDIATE, HIDDEN), Q.Q5_0)
+        add(p + "ffn_gate.weight", (INTERMEDIATE, HIDDEN), q5_0)
         add(p + "ffn_up.weight", (INTERMEDIATE, HIDDEN), Q.Q4_K)
         add(p + "ffn_down.weight", (HIDDEN, INTERMEDIATE), Q.Q6_K)
         for norm, size in (("attn_norm", HIDDEN), ("post_attention_norm", HIDDEN), ("ffn_norm", HIDDEN),

@@ -127,3 +127,25 @@ def test_config_of_gemma3_metadata_and_what_is_refused() -> None:
         gguf_to_hf_config(_metadata(**{"gemma3.rope.scaling.type": "linear"}), [])
     with pytest.raises(ValueError, match="local RoPE base"):
         gguf_to_hf_config(_metadata(**{"gemma3.rope.freq_base_swa": 20_000.0}), [])
+
+
+def test_gguf_quantization_runs_the_files_blocks_without_the_llama_permutation(tmp_path) -> None:
+    """``quantization="gguf"`` reads the linear layers' blocks from the file: Q / K rows as stored
+    (llama.cpp permutes them for llama files only), every layer equal to the converted float one."""
+    from workers.model import qgemm
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+    from workers.model.linear import Linear
+
+    if qgemm.load() is None:
+        pytest.skip("no native quantized kernel here")
+    path = write_tiny_gemma3_gguf(tmp_path / "native.gguf", seed=1, native_types_only=True)
+    folder = convert_gguf_cached(path, tmp_path / "cache")
+    float_model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
+    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend(), quantization="gguf", gguf_path=path)
+    floats = {n: m for n, m in float_model.named_modules() if isinstance(m, Linear)}
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    assert {m.quant.name for m in quantized.values()} == {"q8_0", "q4_k", "q6_k", "q4_k+q8_0"}  # gate+up fused
+    for name, layer in quantized.items():
+        ids = torch.arange(layer.out_features)
+        reference = floats[name].packed.rows(ids) if floats[name].packed is not None else floats[name].weight
+        assert torch.equal(layer.quant.dequantized_rows(ids), reference.detach()), name

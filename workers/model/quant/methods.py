@@ -72,10 +72,13 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
             GGUF tensor in an unsupported format (names it).
     """
     arch = model.arch
-    if (arch.num_experts or arch.sandwich_norms) and method not in ("int8", "int4"):  # layouts the plans lack
+    # Layouts the plans lack: experts (int8 / int4 only), Gemma's sandwich norms (and gguf: its plan reads the
+    # linear layers' blocks and leaves the norms alone).
+    if (arch.num_experts and method not in ("int8", "int4")) or \
+            (arch.sandwich_norms and method not in ("int8", "int4", "gguf")):
         kind = (f"mixture-of-experts models ({arch.family}) yet; use 'int8' or 'int4' (their experts are "
                 "quantized, the router stays float32)") if arch.num_experts else f"{arch.family} models yet; use " \
-            "'int8' or 'int4'"
+            "'int8', 'int4' or 'gguf'"
         raise ValueError(f"quantization={method!r} is not supported for {kind}")
     lib = qgemm.load()
     if lib is None:
@@ -307,8 +310,9 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
             raise ValueError(f"{gguf_path.name}: tensor {name!r}: {e}") from None
 
     def permuted(decoded: Optional[DecodedWeight], heads: int) -> Optional[DecodedWeight]:
-        if decoded is None:
-            return None
+        # llama.cpp permutes the Q / K rows of llama-architecture files only (gguf.py); Gemma 3's are as HF's.
+        if decoded is None or arch.family != "llama":
+            return decoded
         rows = _reverse_permute(np.arange(decoded.q.shape[0]), heads)
         return decoded.take_rows(rows)
 
