@@ -12,6 +12,8 @@ map errors to their status codes:
                                                 (+ retry-after-ms / Retry-After)
     NoReplicaError         no live replica,     UNAVAILABLE / HTTP 503
                            or this router drains
+                           (with ``presence``: at once when the directory
+                           saw none, router/presence.py)
 
 Overload has three sources: this router already streams
 ``max_inflight_requests``; Serve cannot queue the request (its
@@ -81,12 +83,15 @@ class RouterBackend:
             saves two cross-thread hand-offs (~10% of the router's CPU per
             request, ``prefixserve bench router``); the decision's CPU is
             the same either way, since both threads share the GIL.
+        presence: ``router.presence.ReplicaPresence`` of the model: new
+            requests fail fast with ``NoReplicaError`` while the directory
+            sees no live replica, instead of waiting in Serve's queue.
     """
 
     def __init__(self, handle: Any, tokenizer: RouterTokenizer, model: ModelInfo,
                  max_inflight_requests: Optional[int] = None, metrics: Optional[Any] = None,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, replica_transport: str = "grpc",
-                 same_loop: bool = True) -> None:
+                 same_loop: bool = True, presence: Optional[Any] = None) -> None:
         if replica_transport not in REPLICA_TRANSPORTS:
             raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
                              f"got {replica_transport!r}")
@@ -104,6 +109,7 @@ class RouterBackend:
         self.metrics = metrics
         self.migration_limit = migration_limit
         self.draining = False  # set by a drain (router/drain.py): new requests are refused
+        self.presence = presence
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuses new requests and waits up to ``timeout_s`` for the running
@@ -135,6 +141,9 @@ class RouterBackend:
         """
         if self.draining:
             raise NoReplicaError(DRAINING_MESSAGE)
+        if self.presence is not None and self.presence.known_empty():
+            raise NoReplicaError(f"the model {self.model.name!r} has no live replica (its replicas are down or "
+                                 "restarting): retry later")
         cap = self.max_inflight_requests
         if cap is not None and self.num_inflight >= cap:
             raise OverloadedError(f"this router is streaming {self.num_inflight} requests, its "

@@ -207,18 +207,20 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
     from cluster.shared.directory import Directory
     from router.metrics import ClusterMetrics, get_router_metrics
     from router.models import ModelDirectories, ModelMetrics
+    from router.presence import ReplicaPresence
 
     backends, directories, metrics = {}, [], {}
     for model in models:
         tokenizer = RouterTokenizer.from_model_dir(Path(model.model_dir), tool_call_parser=router.tool_call_parser)
         router_metrics = get_router_metrics(model.namespace, model.routing_policy)
-        backends[model.model_name] = RouterBackend(
-            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len),
-            max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
-            migration_limit=router.migration_limit, replica_transport=router.replica_transport)
         directory = Directory.from_url(redis_url, model.namespace) if redis_url else None
         if directory is not None and check_access:
             await directory.check_read_access()
+        backends[model.model_name] = RouterBackend(
+            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len),
+            max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
+            migration_limit=router.migration_limit, replica_transport=router.replica_transport,
+            presence=ReplicaPresence(directory) if directory is not None else None)
         directories.append(directory)
         metrics[model.model_name] = ClusterMetrics(router_metrics, directory)
     if len(models) == 1:

@@ -131,6 +131,46 @@ def test_metrics_carry_both_models(served):
         assert re.search(r'prefixserve:router_requests_total\{[^}]*model="%s"' % name, text), text[:4000]
 
 
+def test_a_model_without_a_live_replica_fails_fast_and_comes_back(served, models):
+    """Alpha's only replica stalls (SIGSTOP): once its registration expires, alpha's
+    requests get 503 / UNAVAILABLE at once instead of queueing; beta serves throughout."""
+    proc, base, address = served
+    (pid,) = _replica_pids(proc.pid, "prefixserve-alpha")
+    expected_beta = _complete(base, "beta")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline, refused = time.monotonic() + 60, None
+        while refused is None and time.monotonic() < deadline:
+            started = time.monotonic()
+            try:
+                request = urllib.request.Request(
+                    base + "/completions", json.dumps({"model": "alpha", "prompt": PROMPT, "max_tokens": 2}).encode(),
+                    {"Content-Type": "application/json"})
+                urllib.request.urlopen(request, timeout=2)
+            except urllib.error.HTTPError as err:
+                refused = (err.code, json.loads(err.read())["error"]["message"], time.monotonic() - started)
+            except (TimeoutError, urllib.error.URLError):
+                pass  # queued behind the stalled replica: not yet known to be gone
+            assert _complete(base, "beta") == expected_beta
+        assert refused is not None, "alpha's requests never failed fast"
+        assert refused[0] == 503 and "'alpha' has no live replica" in refused[1] and refused[2] < 1.0, refused
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as rpc:
+            list(pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(prompt=PROMPT, model="alpha", sampling=pb.SamplingParams(max_tokens=2)),
+                timeout=10))
+        assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while True:  # it registers again with its next heartbeat and answers
+        try:
+            assert _complete(base, "alpha") == _offline_text(models["alpha"])
+            break
+        except urllib.error.HTTPError:
+            assert time.monotonic() < deadline
+            time.sleep(1)
+
+
 def test_killing_one_models_replica_leaves_the_other_serving(served, models):
     proc, base, _ = served
     alpha_pids = _replica_pids(proc.pid, "prefixserve-alpha")
