@@ -68,6 +68,8 @@ def replica_options(config: ClusterConfig, name: str = REPLICA_DEPLOYMENT) -> di
         "graceful_shutdown_timeout_s": 30,
     }
     options["request_router_config"] = request_router_config(config)
+    if config.max_replicas_per_node is not None:  # else Serve's SPREAD: other nodes first, best effort
+        options["max_replicas_per_node"] = config.max_replicas_per_node
     if config.autoscaling is not None:
         from cluster.shared.autoscaling import serve_autoscaling_config
 

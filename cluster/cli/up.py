@@ -1,6 +1,7 @@
 """``prefixserve up``: a local cluster (Ray on loopback, redis-server,
 replicas, gRPC and OpenAI front ends) from flags and an optional config file,
-serving until Ctrl-C or SIGTERM.
+serving until Ctrl-C or SIGTERM. With ``--address`` (or ``RAY_ADDRESS``) it
+deploys onto a Ray cluster that is already running instead (docs/MULTINODE.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ logger = logging.getLogger("prefixserve")
 
 # `up` flags that override a top-level field of the cluster config.
 _UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url", "namespace",
-                     "max_ongoing_requests", "routing_policy", "directory_lookup")
+                     "max_ongoing_requests", "routing_policy", "directory_lookup", "max_replicas_per_node")
 
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
@@ -26,6 +27,13 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
 
     up.add_argument("--config", default=None, metavar="CLUSTER_YAML",
                     help="cluster config file (the RayService's schema); flags override its values")
+    up.add_argument("--address", default=None, metavar="HOST:PORT|auto",
+                    help="deploy onto this running Ray cluster (its head's GCS address, or auto) instead of "
+                         "starting one; default: $RAY_ADDRESS if set. Stopping deletes only our Serve "
+                         "applications; Ray keeps running")
+    up.add_argument("--max-replicas-per-node", type=int, default=None,
+                    help="most replicas of a model on one Ray node (default: no cap; Serve spreads replicas "
+                         "over the nodes with room, best effort)")
     # Defaults None: unset flags keep the --config file's value (or the config default).
     up.add_argument("--replicas", type=int, default=None, help="default: 1")
     up.add_argument("--replica-num-cpus", type=float, default=None,
@@ -68,6 +76,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
 def run_up(args: argparse.Namespace) -> int:
     """Starts the cluster, optionally streams ``--prompt``, serves until a signal, stops everything."""
     import asyncio
+    import os
     import signal
     import threading
 
@@ -84,7 +93,8 @@ def run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(config, grpc_port=config.router.grpc_port, grpc_host=config.router.host,
                            http_port=config.router.http_port,
                            limits=limits_from_args(args, config.router.limits),
-                           security=security_from_args(args, config.router))
+                           security=security_from_args(args, config.router),
+                           ray_address=args.address or os.environ.get("RAY_ADDRESS") or None)
     try:
         cluster.start()
         # ray.init installs its own SIGTERM handler (it aborts): take it back.
@@ -142,6 +152,7 @@ def _models_config(base: Any, models: list[str], top: dict[str, Any], flags: dic
     the top-level and engine flags), or the ``--config`` file's ``models:`` with the
     flags applied to every entry."""
     from cluster.shared.config import ClusterConfig, EngineConfig, ModelConfig
+    from cluster.shared.config.models import SERVING_FIELDS
 
     shared = {k: v for k, v in top.items() if k in ("redis_url", "namespace")}
     per_model = {k: v for k, v in top.items() if k not in shared}
@@ -151,10 +162,7 @@ def _models_config(base: Any, models: list[str], top: dict[str, Any], flags: dic
         entries = [dataclasses.replace(m, **per_model, engine=EngineConfig.from_kwargs(**{**m.engine.flat(), **flags}))
                    for m in base.models]
     else:
-        entries = [ModelConfig(**{**{f: getattr(base, f) for f in ("replicas", "replica_num_cpus", "rank_num_cpus",
-                                                                     "max_ongoing_requests", "routing_policy",
-                                                                     "routing_policy_params", "directory_lookup",
-                                                                     "autoscaling")}, **per_model},
+        entries = [ModelConfig(**{**{f: getattr(base, f) for f in SERVING_FIELDS if f != "engine"}, **per_model},
                                engine=EngineConfig.from_kwargs(**{**base.engine.flat(), **flags, "model": m}))
                    for m in models]
     return ClusterConfig(**{**{f: getattr(base, f) for f in ("redis_url", "namespace")}, **shared},

@@ -8,6 +8,14 @@ event loop once Serve is up. With several models (``models:``) each model's
 replicas run as a Serve application of their own (``app_names``) and the
 routers route by the request's ``model``. ``stop()`` shuts the router, Serve, Ray and Redis
 down in that order, so no process outlives the launcher.
+
+With ``ray_address`` it joins a Ray cluster that is already running (one
+node or several, ``ray start`` or any managed Ray) instead of starting one:
+the replicas go wherever Serve places them, a ``redis-server`` (unless
+``redis_url`` is given) binds this node's address with a password so every
+node reaches it, and ``stop()`` deletes only the Serve applications it
+deployed and disconnects: that Ray, its Serve controller and other
+applications keep running (``serve.delete`` of ours, never ``serve.shutdown``).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ class LocalCluster:
             (``router.limits.Limits``; default ``Limits()``).
         security: TLS and API keys of both front ends
             (``router.security.Security``); None: plaintext, no keys.
+        ray_address: Join this running Ray cluster (``HOST:PORT`` of its
+            GCS, ``auto``, ``ray://...``) instead of starting one.
     """
 
     def __init__(
@@ -56,8 +66,11 @@ class LocalCluster:
         http_port: Optional[int] = None,
         limits: Any = None,
         security: Any = None,
+        ray_address: Optional[str] = None,
     ) -> None:
         self.config = config
+        self.ray_address = ray_address
+        self.node_ip: Optional[str] = None  # this node's address, once Ray is up
         self.limits = limits
         self.security = security
         self.num_cpus = num_cpus
@@ -82,17 +95,17 @@ class LocalCluster:
         import ray
         from ray import serve
 
-        from cluster.shared.ray_local import init_local_ray
+        from cluster.shared.ray_local import LOOPBACK, connect_ray, init_local_ray
 
         began = time.monotonic()
+        self.started_ray = not ray.is_initialized() and self.ray_address is None
+        if self.ray_address is not None:
+            self.node_ip = connect_ray(self.ray_address)
         if self.redis_url is None:
-            from cluster.launch.redis_server import RedisServer
-
-            self.redis = RedisServer().start()
-            self.redis_url = self.redis.url
-            logger.info("redis-server on %s", self.redis_url)
-        self.started_ray = not ray.is_initialized()
-        init_local_ray(num_cpus=self.num_cpus or self._cpus_needed())
+            self._start_redis(self.node_ip or LOOPBACK)
+        if self.ray_address is None:
+            init_local_ray(num_cpus=self.num_cpus or self._cpus_needed())
+            self.node_ip = LOOPBACK
         serve.start(proxy_location="Disabled")
         config = self.config if self.config.redis_url == self.redis_url else _with_redis(self.config, self.redis_url)
         names = app_names(config)
@@ -110,6 +123,18 @@ class LocalCluster:
                         self.startup_seconds, model_name, model.replicas,
                         model.engine.parallel.tensor_parallel_size)
         return self
+
+    def _start_redis(self, host: str) -> None:
+        """A ``redis-server`` on ``host``; one every node can reach (not
+        loopback) gets a random password, carried in its URL."""
+        import secrets
+
+        from cluster.launch.redis_server import RedisServer
+
+        password = secrets.token_urlsafe(24) if self.ray_address is not None else None
+        self.redis = RedisServer(host=host, password=password).start()
+        self.redis_url = self.redis.url
+        logger.info("redis-server on %s:%d%s", host, self.redis.port, " (password in its URL)" if password else "")
 
     def _cpus_needed(self) -> float:
         needed = 0.0
@@ -212,11 +237,23 @@ class LocalCluster:
             stream.cancel()  # a consumer that stops early aborts the request
 
     def stop(self) -> None:
-        """Shuts down the gRPC router, Serve, Ray (if started here) and Redis (if started here)."""
+        """Shuts down the gRPC router, Serve, Ray (if started here) and Redis (if started here).
+
+        On a cluster it joined (``ray_address``) it deletes only its own
+        applications and disconnects; Serve and Ray keep running.
+        """
         import ray
 
         self._stop_router()
-        if ray.is_initialized():
+        if ray.is_initialized() and self.ray_address is not None:
+            done = threading.Thread(target=_serve_delete, args=(list(app_names(self.config).values()),),
+                                    name="serve-delete", daemon=True)
+            done.start()
+            done.join(SERVE_SHUTDOWN_TIMEOUT_S)
+            if done.is_alive():
+                logger.warning("deleting the Serve applications did not finish in %.0fs", SERVE_SHUTDOWN_TIMEOUT_S)
+            ray.shutdown()  # the driver's connection only: the cluster stays
+        elif ray.is_initialized():
             # Bounded: if Ray's own processes were signalled too (a terminal's
             # process group, `timeout`), the controller may never answer; then
             # ray.shutdown() below ends every Ray process anyway.
@@ -247,6 +284,17 @@ def _serve_shutdown() -> None:
         serve.shutdown()
     except Exception:  # noqa: BLE001 - keep tearing down
         logger.exception("serve.shutdown failed")
+
+
+def _serve_delete(names: list[str]) -> None:
+    from ray import serve
+
+    for name in names:
+        try:
+            serve.delete(name)  # waits until its replicas are gone
+            logger.info("deleted Serve application %s", name)
+        except Exception:  # noqa: BLE001 - keep tearing down
+            logger.exception("deleting Serve application %s failed", name)
 
 
 def _with_redis(config: ClusterConfig, redis_url: Optional[str]) -> ClusterConfig:

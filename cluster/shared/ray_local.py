@@ -9,6 +9,12 @@ imported, so a process that imported ``ray`` before calling
 
 Shared by the offline ``LLM`` (tensor-parallel ranks), the local launcher
 and the integration tests.
+
+``connect_ray`` is the other way: join a Ray cluster that is already running
+(``prefixserve up --address``), on one node or several. There the flag must
+stay unset: it makes Ray take 127.0.0.1 as this node's address, which a
+joining node or driver on another machine cannot reach (and ``ray start``
+of a worker refuses to run with it).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+ENABLE_CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def init_local_ray(num_cpus: Optional[float] = None, object_store_mb: int = 256) -> None:
@@ -56,3 +63,38 @@ def init_local_ray(num_cpus: Optional[float] = None, object_store_mb: int = 256)
         _node_ip_address=LOOPBACK,
     )
     logger.info("started local Ray on %s with %d CPUs, %d MiB object store", LOOPBACK, cpus, object_store_mb)
+
+
+def connect_ray(address: str) -> str:
+    """Joins a running Ray cluster as a driver; starts no Ray process.
+
+    Token authentication works as Ray documents it: with ``RAY_AUTH_MODE=token``
+    the token comes from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``.
+
+    Args:
+        address: The cluster's GCS ``HOST:PORT``, ``auto`` (the cluster
+            ``ray start`` started on this machine) or a ``ray://`` client URL.
+
+    Returns:
+        This node's IP address as Ray sees it (what other nodes reach it at).
+
+    Raises:
+        ValueError: If ``address`` is empty.
+        ConnectionError: Ray found no cluster there (Ray's message kept).
+    """
+    if not address:
+        raise ValueError("the Ray address is empty: give HOST:PORT of the head's GCS, or auto")
+    # Set for the single-node path (or by a test harness), it would make this
+    # driver advertise 127.0.0.1 to the other nodes.
+    os.environ.pop(ENABLE_CLUSTER_VAR, None)
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = True
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING)
+    node_ip = ray.util.get_node_ip_address()
+    logger.info("joined the Ray cluster at %s as node %s (%d nodes alive)", address, node_ip,
+                sum(1 for node in ray.nodes() if node.get("Alive")))
+    return node_ip

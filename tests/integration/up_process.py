@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import IO, Optional
 
 
-def start_up(log_path: Path, *args: str, stdout: Optional[int] = subprocess.DEVNULL) -> tuple[subprocess.Popen, IO]:
+def start_up(log_path: Path, *args: str, stdout: Optional[int] = subprocess.DEVNULL,
+             env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, IO]:
     """Starts ``python -m cluster.cli up *args`` logging to ``log_path``; returns the process and its log."""
     log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", *args], stdout=stdout, stderr=log, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", *args], stdout=stdout, stderr=log, text=True,
+                            env=env)
     return proc, log
 
 

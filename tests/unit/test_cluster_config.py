@@ -88,6 +88,9 @@ def test_unknown_keys_are_named_with_their_path_and_closest_key(mapping, message
         ({"router": {"replica_transport": "http"}}, "replica_transport must be one of grpc, actor, got 'http'"),
         ({"router": {"tool_call_parser": "mistral"}},
          "tool_call_parser must be one of auto, hermes, llama3_json, got 'mistral'"),
+        ({"max_replicas_per_node": 0}, r"max_replicas_per_node must be >= 1 \(or unset for no cap\), got 0"),
+        ({"max_replicas_per_node": 1, "engine": {"tensor_parallel_size": 2}},
+         "max_replicas_per_node applies to replicas without tensor parallelism"),
     ],
 )
 def test_bad_values_name_the_key_and_what_to_change(mapping, message):
@@ -186,3 +189,18 @@ def test_tool_call_parser_from_the_file_and_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--tool-call-parser", "mistral"])
     assert "invalid choice: 'mistral' (choose from" in capsys.readouterr().err
+
+
+def test_max_replicas_per_node_reaches_each_models_deployment(monkeypatch):
+    from cluster.app import builder
+    from cluster.cli import build_parser, up_config
+
+    monkeypatch.setattr(builder, "request_router_config", lambda config: None)
+    parser = build_parser()
+    # Unset: no cap, Serve's own SPREAD scheduling places the replicas.
+    assert "max_replicas_per_node" not in builder.replica_options(up_config(parser.parse_args(["up"])))
+    one = up_config(parser.parse_args(["up", "--max-replicas-per-node", "1", "--replicas", "2"]))
+    assert builder.replica_options(one)["max_replicas_per_node"] == 1
+    two = up_config(parser.parse_args(["up", "--model", "a", "--model", "b", "--max-replicas-per-node", "2"]))
+    assert [m.max_replicas_per_node for m in two.models] == [2, 2]
+    assert [c.max_replicas_per_node for c in two.models_by_name().values()] == [2, 2]

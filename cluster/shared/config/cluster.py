@@ -168,6 +168,11 @@ class ClusterConfig:
             routers route by the request's ``model``; the first is the
             default for requests that name none. Set, the per-model fields
             above stay unset (an error says which to move).
+        max_replicas_per_node: Most replicas on one Ray node (Serve's
+            ``max_replicas_per_node``; a hard cap, so a cluster needs that
+            many nodes with room). ``None`` (default): no cap; Serve
+            schedules replicas with Ray's SPREAD strategy, so they land on
+            different nodes where there is room (best effort).
 
     ``from_dict`` / ``from_yaml`` read the same tree from a mapping or a YAML
     file (``prefixserve up --config``, the RayService's ``serveConfigV2``);
@@ -187,6 +192,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     autoscaling: Optional[AutoscalingConfig] = None
     models: list[ModelConfig] = field(default_factory=list)
+    max_replicas_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_serving_fields(self)

@@ -33,7 +33,7 @@ ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", 
 DIRECTORY_LOOKUPS = ("index", "redis")
 # The per-model fields, shared by ModelConfig and ClusterConfig's top level.
 SERVING_FIELDS = ("replicas", "replica_num_cpus", "rank_num_cpus", "max_ongoing_requests", "routing_policy",
-                  "routing_policy_params", "directory_lookup", "engine", "autoscaling")
+                  "routing_policy_params", "directory_lookup", "engine", "autoscaling", "max_replicas_per_node")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
@@ -133,6 +133,12 @@ def check_serving_fields(config: Any) -> None:
         raise ValueError("replica_num_cpus and rank_num_cpus must be > 0 (fractions are fine)")
     if config.max_ongoing_requests < 1:
         raise ValueError(f"max_ongoing_requests must be >= 1, got {config.max_ongoing_requests}")
+    per_node = config.max_replicas_per_node
+    if per_node is not None and per_node < 1:
+        raise ValueError(f"max_replicas_per_node must be >= 1 (or unset for no cap), got {per_node}")
+    if per_node is not None and config.engine.parallel.tensor_parallel_size > 1:
+        raise ValueError("max_replicas_per_node applies to replicas without tensor parallelism (Serve refuses it "
+                         "with placement groups); unset it with tensor_parallel_size > 1")
     scaling = config.autoscaling
     if scaling is not None and not scaling.min_replicas <= config.replicas <= scaling.max_replicas:
         raise ValueError(
@@ -163,6 +169,9 @@ class ModelConfig:
         engine: The engine of this model's replicas.
         autoscaling: ``None`` keeps ``replicas``; set, Serve scales this
             model's deployment with the KV-aware policy.
+        max_replicas_per_node: Most of this model's replicas on one Ray node
+            (Serve's ``max_replicas_per_node``); ``None``: no cap, Serve
+            spreads replicas over the nodes with room (best effort).
     """
 
     name: Optional[str] = None
@@ -176,6 +185,7 @@ class ModelConfig:
     directory_lookup: str = "index"
     engine: EngineConfig = field(default_factory=EngineConfig)
     autoscaling: Optional[AutoscalingConfig] = None
+    max_replicas_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.name is not None and not _NAME.match(self.name):
