@@ -209,7 +209,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
     from router.models import ModelDirectories, ModelMetrics
     from router.presence import ReplicaPresence
 
-    backends, directories, metrics = {}, [], {}
+    backends, directories, metrics = {}, {}, {}
     for model in models:
         tokenizer = RouterTokenizer.from_model_dir(Path(model.model_dir), tool_call_parser=router.tool_call_parser)
         router_metrics = get_router_metrics(model.namespace, model.routing_policy)
@@ -221,8 +221,8 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
             max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
             migration_limit=router.migration_limit, replica_transport=router.replica_transport,
             presence=ReplicaPresence(directory) if directory is not None else None)
-        directories.append(directory)
+        directories[model.model_name] = directory
         metrics[model.model_name] = ClusterMetrics(router_metrics, directory)
     if len(models) == 1:
-        return ModelBackends(backends), directories[0], metrics[models[0].model_name]
+        return ModelBackends(backends), directories[models[0].model_name], metrics[models[0].model_name]
     return ModelBackends(backends), ModelDirectories(directories), ModelMetrics(metrics)

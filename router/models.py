@@ -99,21 +99,22 @@ class ModelDirectories:
     ``ListReplicas`` and the router's shutdown use one.
 
     Args:
-        directories: One ``Directory`` per model (None entries are skipped).
+        directories: ``{model name: Directory}`` (None entries are skipped).
     """
 
-    def __init__(self, directories: list[Any]) -> None:
-        self.directories = [d for d in directories if d is not None]
+    def __init__(self, directories: Mapping[str, Any]) -> None:
+        self.directories = {name: d for name, d in directories.items() if d is not None}
 
     async def replica_stats(self) -> dict[str, dict]:
-        """Every model's live replicas (Serve's replica ids name the deployment, so they never collide)."""
+        """Every model's live replicas, each with its ``model`` name among its stats."""
         merged: dict[str, dict] = {}
-        for stats in await asyncio.gather(*(d.replica_stats() for d in self.directories)):
-            merged.update(stats)
+        names = list(self.directories)
+        for name, stats in zip(names, await asyncio.gather(*(self.directories[n].replica_stats() for n in names))):
+            merged.update({rid: {**figures, "model": name} for rid, figures in stats.items()})
         return merged
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(d.aclose() for d in self.directories), return_exceptions=True)
+        await asyncio.gather(*(d.aclose() for d in self.directories.values()), return_exceptions=True)
 
 
 class ModelMetrics:

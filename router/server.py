@@ -221,6 +221,7 @@ def _replica_info(replica_id: str, stats: dict) -> pb.ReplicaInfo:
         num_cached_blocks=number("num_cached_blocks", int),
         num_swapped=number("num_swapped", int),
         prefix_cache_hit_rate=min(number("prefix_cache_hit_rate", float), 1.0),
+        model=str(stats.get("model", "")),
     )
 
 

@@ -51,6 +51,7 @@ class ReplicaRow:
     """What is known of one replica (None: not given by any source)."""
 
     replica_id: str
+    model: str = ""
     kv_use: Optional[float] = None
     running: Optional[float] = None
     waiting: Optional[float] = None
@@ -122,7 +123,7 @@ async def fetch_rows(url: str, timeout: float, api_key: Optional[str] = None) ->
         except grpc.aio.AioRpcError as exc:
             raise ValueError(f"ListReplicas on {url} failed: {exc.code().name}: {exc.details()}") from None
     return {
-        r.replica_id: ReplicaRow(r.replica_id, kv_use=r.kv_cache_usage, running=r.num_running,
+        r.replica_id: ReplicaRow(r.replica_id, model=r.model, kv_use=r.kv_cache_usage, running=r.num_running,
                                  waiting=r.num_waiting, cached_blocks=r.num_cached_blocks, swapped=r.num_swapped,
                                  hit_rate=r.prefix_cache_hit_rate)
         for r in reply.replicas
@@ -207,16 +208,17 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
     """The table (one line per replica, then a total line)."""
     if not rows:
         return ["no live replicas"]
-    header = ["replica", "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
+    by_model = len({r.model for r in rows.values()}) > 1  # several models: a column names each one's
+    header = ["replica", *(["model"] if by_model else []), "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
     speculating = show_metrics and any(r.metrics.get("spec_draft_tokens") for r in rows.values())
     if show_metrics:
         header += ["prompt tok/s", "gen tok/s", "quantization", "weights"]
     if speculating:
         header += ["spec accept"]  # accepted / proposed tokens since the replica started
     table: list[tuple[str, ...]] = [tuple(header)]
-    for replica_id in sorted(rows):
+    for replica_id in sorted(rows, key=lambda rid: (rows[rid].model, rid)):
         row = rows[replica_id]
-        line = [replica_id, _pct(row.kv_use), _int(row.running), _int(row.waiting), _int(row.swapped),
+        line = [replica_id, *([row.model] if by_model else []), _pct(row.kv_use), _int(row.running), _int(row.waiting), _int(row.swapped),
                 _int(row.cached_blocks)]
         queries, hits = row.metrics.get("queries"), row.metrics.get("hits")
         line.append(_pct(hits / queries) if queries else _pct(row.hit_rate))

@@ -214,7 +214,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "num_running", "num_waiting", "kv_cache_usage", "num_cached_blocks", "num_swapped", "prefix_cache_hit_rate")
+    __slots__ = ("replica_id", "num_running", "num_waiting", "kv_cache_usage", "num_cached_blocks", "num_swapped", "prefix_cache_hit_rate", "model")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class ReplicaInfo(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     num_running: int
     num_waiting: int
@@ -229,7 +230,8 @@ class ReplicaInfo(_message.Message):
     num_cached_blocks: int
     num_swapped: int
     prefix_cache_hit_rate: float
-    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    model: str
+    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)

@@ -113,6 +113,13 @@ def test_an_unknown_model_is_refused_naming_the_served_ones(served):
     assert rpc.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_list_replicas_names_each_replicas_model(served):
+    _, _, address = served
+    with grpc.insecure_channel(address) as channel:
+        replicas = pb_grpc.GenerationStub(channel).ListReplicas(pb.ListReplicasRequest(), timeout=30).replicas
+    assert sorted(r.model for r in replicas) == ["alpha", "beta"]
+
+
 def test_metrics_carry_both_models(served):
     _, base, _ = served
     for name in ("alpha", "beta"):

@@ -134,3 +134,27 @@ def test_grpc_unknown_model_is_not_found(grpc_address, two):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "this server serves 'alpha', 'beta'" in err.value.details()
     assert [len(b.requests) for b in two] == [0, 0]
+
+
+def test_list_replicas_names_each_replicas_model_and_status_shows_it():
+    from cluster.client.status import ReplicaRow, format_status
+    from router.models import ModelDirectories
+    from router.server import _replica_info
+
+    class Directory:
+        def __init__(self, stats):
+            self.stats = stats
+
+        async def replica_stats(self):
+            return self.stats
+
+    both = ModelDirectories({"alpha": Directory({"r1": {"num_running": 2}}), "beta": Directory({"r2": {}}),
+                             "gamma": None})
+    stats = asyncio.run(both.replica_stats())
+    infos = [_replica_info(rid, s) for rid, s in sorted(stats.items())]
+    assert [(i.replica_id, i.model, i.num_running) for i in infos] == [("r1", "alpha", 2), ("r2", "beta", 0)]
+    rows = {i.replica_id: ReplicaRow(i.replica_id, model=i.model, running=i.num_running) for i in infos}
+    lines = format_status(rows, {}, show_metrics=False)
+    assert lines[0].split()[:2] == ["replica", "model"] and "alpha" in lines[1] and "beta" in lines[2]
+    one = format_status({"r1": ReplicaRow("r1", model="alpha")}, {}, show_metrics=False)
+    assert "model" not in one[0]  # one model: no column
