@@ -12,9 +12,12 @@ prompt is fresh random tokens, so nothing is served from the prefix cache.
 
 llama.cpp (``cluster/bench/llama_cpp_peer.py``; not a dependency: install
 the wheel from ``../shared/peers``) runs the same token ids on a GGUF written
-from the default model's file (F32 by default: the same float32 weights
-our engine computes with), with as many threads as ours, and its greedy
-output is checked against ours.
+from the benchmarked model's own file (``--model``: the default model, a
+packaged one such as ``gemma3-270m``, or a ``.gguf``; F32 by default: the
+same float32 weights our engine computes with; ``--peer-weights file`` runs
+the file itself, e.g. gemma3-270m's Q4_K_M), with as many threads as ours,
+and its greedy output is checked against ours: llama.cpp reads the
+vocabulary of that same file, so the token ids are ours.
 
 With ``--compare``, decode steps of the two engines alternate, 8 of ours
 then 8 of llama.cpp's (``--interleave-steps``), both batches alive all the
@@ -52,7 +55,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--compare", choices=["none", "llama.cpp"], default="none",
                         help="also run llama.cpp on the same weights and print the ratios")
-    parser.add_argument("--peer-weights", choices=["f32", "q8_0", "q4_1"], default="f32",
+    parser.add_argument("--peer-weights", choices=["f32", "q8_0", "file", "q4_1"], default="f32",
                         help="llama.cpp's GGUF: f32 (our weights), or a quantized one")
     parser.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's)")
     parser.add_argument("--interleave-steps", type=int, default=8,
@@ -183,7 +186,7 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if args.roofline_tbps:
         report["roofline"] = roofline(report["prefixserve"]["decode"], llm.runner.weight_bytes, args.roofline_tbps)
     if peer_rounds:
-        report["llama.cpp"] = {**median_of_rounds(peer_rounds), "weights": args.peer_weights,
+        report["llama.cpp"] = {**median_of_rounds(peer_rounds), "weights": peer_rounds[0]["weights"],
                                "gguf": peer_rounds[0]["gguf"], "greedy_agreement": peer_rounds[0]["greedy_agreement"]}
     if args.profile:
         from cluster.bench.step_profile import profile_decode_step
@@ -245,13 +248,10 @@ def _measure_interleaved(llm: Any, workload: dict[int, list[list[int]]], prefill
                          args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One round with llama.cpp, the decode steps of both engines interleaved
     (``interleaved_decode``); prefill as in ``_measure_ours`` / llama.cpp's own."""
-    from cluster.bench import llama_cpp_peer, peer_weights
-    from cluster.shared.cache import cache_root
+    from cluster.bench import llama_cpp_peer
 
-    if llm.config.model is not None:
-        raise ValueError("--compare llama.cpp runs on the default model (its GGUF file): drop --model")
+    gguf = peer_file(llm.config.model, args.peer_weights)
     ours = _measure_ours(llm, {}, prefill_prompts, args)
-    gguf = peer_weights.peer_gguf(args.peer_weights, cache_root())
     longest = max([len(p) for p in prefill_prompts]
                   + [len(p) + args.output_len for ps in workload.values() for p in ps])
     # One llama.cpp context for the round: prefill, the greedy check and every batch size.
@@ -278,11 +278,8 @@ def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_p
     on ``peer`` when given (else on contexts opened here)."""
     from cluster.bench import llama_cpp_peer, peer_weights
     from cluster.shared.types import SamplingParams
-    from cluster.shared.cache import cache_root
 
-    if llm.config.model is not None:
-        raise ValueError("--compare llama.cpp runs on the default model (its GGUF file): drop --model")
-    gguf = peer_weights.peer_gguf(args.peer_weights, cache_root())
+    gguf = peer_file(llm.config.model, args.peer_weights)
     first = check_prompt if check_prompt is not None else next(iter(workload.values()))[0]
     ours = llm.generate([first], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
     prefill = prefill_prompts[0] if prefill_prompts else first
@@ -294,7 +291,7 @@ def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_p
             theirs = opened.greedy(first, 32)
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     result: dict[str, Any] = {
-        "weights": args.peer_weights, "gguf": raw["gguf"], "greedy_agreement": f"{agree}/32",
+        "weights": peer_weights.gguf_file_type(gguf), "gguf": raw["gguf"], "greedy_agreement": f"{agree}/32",
         "decode": {str(d["batch_size"]): {"step_ms": round(d["median_step_s"] * 1e3, 2),
                                           "tokens_per_s": round(d["decode_tokens_per_s"], 2)} for d in raw["decode"]},
     }
@@ -302,6 +299,24 @@ def _measure_llama_cpp(llm: Any, workload: dict[int, list[list[int]]], prefill_p
         result["prefill"] = {"tokens": raw["prefill"]["tokens"], "seconds": round(raw["prefill"]["seconds"], 4),
                              "tokens_per_s": round(raw["prefill"]["tokens_per_s"], 1)}
     return result
+
+
+def peer_file(model: Any, kind: str) -> Path:
+    """llama.cpp's GGUF of ``kind`` (``--peer-weights``) for our ``--model``
+    (None: the default model): the model's own GGUF file, or a file made from it.
+
+    Raises:
+        ValueError: If the model is a checkpoint folder: llama.cpp needs its GGUF.
+    """
+    from cluster.bench import peer_weights
+    from cluster.shared.cache import cache_root
+    from workers.model.loader import model_gguf_path
+
+    src = model_gguf_path(model)
+    if src is None:
+        raise ValueError(f"--compare llama.cpp runs llama.cpp on the model's GGUF file, and {model} is not one: "
+                         "pass a .gguf file, a packaged model (e.g. --model gemma3-270m) or no --model")
+    return peer_weights.peer_gguf(kind, cache_root(), src=src)
 
 
 def format_report(report: dict[str, Any]) -> list[str]:

@@ -1,7 +1,10 @@
 """Weights for the llama.cpp peer (``llama_cpp_peer.py``): GGUF files of the
-default model that llama.cpp runs beside our engine.
+benchmarked model (the default one, a packaged one such as ``gemma3-270m``,
+or a ``.gguf`` file) that llama.cpp runs beside our engine.
 
-    q4_1   the default model's own file
+    file   the model's own file as is (Q4_1 for the default model, Q4_K_M for
+           gemma3-270m)
+    q4_1   the same, for a file whose type is Q4_1 (the default model's name)
     f32    every tensor dequantized with ``gguf.quants.dequantize``, metadata
            kept: the float32 weights our engine computes with
     q8_0   quantized from the F32 file by llama.cpp
@@ -36,7 +39,7 @@ logger = logging.getLogger(__name__)
 WHEEL = "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
 # The prebuilt wheel next to the checkout (../shared/peers/ from the repository root).
 WHEEL_PATH = Path(__file__).resolve().parents[3] / "shared" / "peers" / WHEEL
-PEER_KINDS = ("q4_1", "f32", "q8_0")
+PEER_KINDS = ("file", "q4_1", "f32", "q8_0")
 OUT_TYPES = ("f32", "q8_0")
 # Part of the cached files' names: bump it when write_gguf's output changes.
 WRITER_VERSION = 1
@@ -87,6 +90,18 @@ def default_gguf() -> Path:
 def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
     field = reader.get_field(key)
     return field.contents() if field is not None else None
+
+
+def gguf_file_type(path: Path) -> str:
+    """The tensor type a GGUF file declares (``general.file_type``), e.g. ``"Q4_K_M"``, ``"F32"``."""
+    value = _field_value(gguf.GGUFReader(path, "r"), gguf.Keys.General.FILE_TYPE)
+    if value is None:
+        return "unknown"
+    try:
+        name = gguf.LlamaFileType(int(value)).name
+    except ValueError:
+        return f"type {value}"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
 def write_gguf(src: Path, dst: Path, out_type: str = "f32") -> Path:
@@ -200,15 +215,22 @@ def quantize_gguf(src: Path, dst: Path, out_type: str = "q8_0", n_threads: int =
 def peer_gguf(kind: str, cache_dir: Path, src: Optional[Path] = None) -> Path:
     """The GGUF file of ``kind`` for the peer, written once into ``cache_dir/"peers"``.
 
-    ``kind`` is ``"q4_1"`` (the default model's own file, returned as is),
-    ``"f32"`` or ``"q8_0"`` (made from it; Q8_0 from the cached F32 file).
-    ``src`` replaces the default model's file. Cached names carry a digest
+    ``kind`` is ``"file"`` (the source file, returned as is), ``"q4_1"``
+    (the same, for a Q4_1 source: the default model's own file), ``"f32"`` or
+    ``"q8_0"`` (made from it; Q8_0 from the cached F32 file). ``src`` is the
+    model's GGUF (default: the default model's). Cached names carry a digest
     of the source bytes, so another source never reads a stale file.
+
+    Raises:
+        ValueError: For an unknown kind, or ``"q4_1"`` on a file of another type.
     """
     if kind not in PEER_KINDS:
         raise ValueError(f"kind must be one of {PEER_KINDS}, not {kind!r}")
     src = Path(src) if src is not None else default_gguf()
-    if kind == "q4_1":
+    if kind == "q4_1" and gguf_file_type(src) != "Q4_1":
+        raise ValueError(f"{src.name} is {gguf_file_type(src)}, not Q4_1: use the peer weights 'file' "
+                         "(the model's own file) instead of 'q4_1'")
+    if kind in ("file", "q4_1"):
         return src
     folder = Path(cache_dir) / "peers"
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""bench latency's report: the weight-read roofline line."""
+"""bench latency: the weight-read roofline line, interleaving, and llama.cpp's file for --model."""
 
 
 def test_bench_latency_roofline_line():
@@ -28,3 +28,40 @@ def test_interleaved_decode_alternates_in_chunks_to_the_end_of_both():
     ours, theirs = interleaved_decode(steps("a", 5), steps("b", 9), chunk=2)
     assert ours == [0.0, 1.0, 2.0, 3.0, 4.0] and theirs == [float(i) for i in range(9)]
     assert "".join(order) == "aabbaabbabbbbb"
+
+
+def test_peer_file_is_the_models_own_gguf_or_made_from_it(tmp_path, monkeypatch):
+    """--compare llama.cpp on any GGUF model (a packaged one such as gemma3-270m,
+    a .gguf path, the default): llama.cpp's file comes from that model's file."""
+    import pytest
+
+    from cluster.bench import peer_weights
+    from cluster.bench.latency import peer_file
+    from workers.model import loader
+    from workers.model.packaged import PACKAGED_MODELS
+
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "model.Q4_K_M.gguf"
+    src.write_bytes(b"GGUF")
+    seen = []
+
+    def fake_peer_gguf(kind, cache_dir, src=None):
+        seen.append((kind, cache_dir, src))
+        return src if kind == "file" else cache_dir / "peers" / f"made.{kind.upper()}.gguf"
+
+    monkeypatch.setattr(peer_weights, "peer_gguf", fake_peer_gguf)
+    assert peer_file(str(src), "file") == src
+    assert peer_file(str(src), "f32") == tmp_path / "cache" / "peers" / "made.F32.gguf"
+    assert seen[-1] == ("f32", tmp_path / "cache", src)
+
+    name = next(n for n in PACKAGED_MODELS if n != "smollm2-135m")  # gemma3-270m
+    monkeypatch.setattr(loader, "packaged_gguf_path", lambda n: src if n == name else None)
+    assert peer_file(name, "q8_0").name == "made.Q8_0.gguf" and seen[-1][2] == src
+    monkeypatch.setattr(loader, "default_gguf_path", lambda: tmp_path / "default.gguf")
+    assert peer_file(None, "file") == tmp_path / "default.gguf"
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not one: pass a .gguf file, a packaged model"):
+        peer_file(str(folder), "f32")

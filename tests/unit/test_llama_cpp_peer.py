@@ -87,6 +87,13 @@ def test_write_gguf_dequantizes_every_tensor_and_keeps_the_metadata(tmp_path):
     assert all(t.data_offset % 64 == 0 for t in after.tensors)
 
 
+def test_gguf_file_type_names_the_declared_type(tmp_path):
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    assert peer_weights.gguf_file_type(src) == "Q8_0"
+    assert peer_weights.gguf_file_type(write_gguf(src, tmp_path / "tiny.F32.gguf")) == "F32"
+
+
 def test_write_gguf_rejects_other_types(tmp_path):
     src = tmp_path / "tiny.gguf"
     _tiny_gguf(src)
@@ -97,7 +104,9 @@ def test_write_gguf_rejects_other_types(tmp_path):
 def test_peer_gguf_caches_under_peers(tmp_path):
     src = tmp_path / "tiny.Q4_1.gguf"
     _tiny_gguf(src)
-    assert peer_gguf("q4_1", tmp_path / "cache", src=src) == src
+    assert peer_gguf("file", tmp_path / "cache", src=src) == src
+    with pytest.raises(ValueError, match="is Q8_0, not Q4_1"):
+        peer_gguf("q4_1", tmp_path / "cache", src=src)  # the name of a type this file is not
     f32 = peer_gguf("f32", tmp_path / "cache", src=src)
     assert f32.parent == tmp_path / "cache" / "peers" and f32.name.endswith(".F32.gguf")
     stamp = f32.stat().st_mtime_ns
