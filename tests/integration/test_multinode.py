@@ -96,6 +96,12 @@ def test_two_replicas_land_on_two_different_nodes(nodes, up):
     print(f"replicas by node: {placement}")
     assert sum(len(pids) for pids in placement.values()) == 2, placement
     assert len(placement) == 2, f"both replicas on one node: {placement}"
+    # Each replica listens on its own node's address (or every address), never another node's loopback.
+    for ip, pids in placement.items():
+        listening = {c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        print(f"replica on {ip} listens on {sorted(listening)}")
+        assert listening and listening <= {ip, "0.0.0.0", "::"}, (ip, listening)
 
 
 def test_answers_over_the_openai_api_and_grpc(up):
