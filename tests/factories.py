@@ -27,20 +27,27 @@ TINY = dict(
 
 def make_hf_config(family: str, **overrides):
     """A tiny transformers config of ``family`` (llama | mistral | qwen2 | qwen3 |
-    phi3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe); Mistral gets a sliding window of 8 unless
-    told otherwise, Qwen3 its head_dim from the tiny sizes (its class defaults
-    to 128), the MoE families 8 experts with top-2 routing (Qwen2-MoE a shared
-    expert and a dense second layer)."""
+    phi3 | phi3_longrope | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe);
+    Mistral gets a sliding window of 8 unless told otherwise, Qwen3 its head_dim
+    from the tiny sizes (its class defaults to 128), phi3_longrope Phi-3's
+    longrope scaling with an original length of 20 (short and long factors far
+    apart, so the switch changes the tokens), the MoE families 8 experts with
+    top-2 routing (Qwen2-MoE a shared expert and a dense second layer)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "mixtral": MixtralConfig,
+               "phi3": Phi3Config, "phi3_longrope": Phi3Config, "gemma2": Gemma2Config,
+               "gemma3": Gemma3TextConfig, "mixtral": MixtralConfig,
                "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     defaults = {"mistral": {"sliding_window": 8},
                 "qwen3": {"head_dim": head_dim},
                 "phi3": {"pad_token_id": 0},  # its class default (32000) is outside the tiny vocabulary
+                "phi3_longrope": {"pad_token_id": 0, "original_max_position_embeddings": 20,
+                                  "rope_scaling": {"type": "longrope",
+                                                   "short_factor": [1.0 + 0.1 * i for i in range(head_dim // 2)],
+                                                   "long_factor": [1.0 + 0.9 * i for i in range(head_dim // 2)]}},
                 # Interleaved local / global layers with their own RoPE bases; a scale that is not head_dim's.
                 "gemma3": {"head_dim": head_dim, "query_pre_attn_scalar": 24, "sliding_window": 8,
                            "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,

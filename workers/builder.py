@@ -24,6 +24,7 @@ from workers.engine.proposers import RunnerProposer
 from workers.engine.spec_decode import Speculator
 from workers.engine.structured import JumpForwardProposer
 from workers.model.config import ModelArchConfig
+from workers.model.longrope import LongRopeScaling
 from workers.model.loader import model_fingerprint, read_arch, resolve_model
 from workers.provision import (
     activation_bytes_for,
@@ -208,6 +209,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         vocab_size=arch.vocab_size,
         max_model_len=max_model_len,
         model_fingerprint=model_fingerprint(model_dir),
+        long_rope_after=(arch.rope_scaling.original_max_position_embeddings
+                         if isinstance(arch.rope_scaling, LongRopeScaling) else None),
     )
     logger.info(
         "engine ready in %.1fs: %s, %s, tensor_parallel_size %d, %d KV blocks of %d tokens (%.2f GiB), "

@@ -74,6 +74,7 @@ class ModelRunner:
         graph_api: Any = None,
     ) -> None:
         self.model = model
+        self.long_rope_rows = getattr(model, "long_rope_rows", 0)  # longrope: rows of the long factors
         self.device = device
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -354,7 +355,8 @@ class ModelRunner:
             n = len(req.input_token_ids)
             input_ids.extend(req.input_token_ids)
             pos = range(start, start + n)
-            positions.extend(pos)
+            offset = self.long_rope_rows * req.rope_long  # a longrope sequence past its original length
+            positions.extend(range(start + offset, start + n + offset))
             table = req.block_ids
             in_tree = tree.get(id(req)) if tree else None
             if in_tree is not None:  # a proposal of a tree: its own slot, its own path from tail_lo on

@@ -23,7 +23,8 @@ from workers.llm import LLM
 from workers.model.loader import read_arch, resolve_model
 from workers.model.medusa import MedusaHeads
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+            "phi3_longrope"]
 PROMPT_LENS = [3, 9, 17, 24, 33, 40, 6, 50, 29]
 MAX_TOKENS = [12, 8, 16, 10, 6, 14, 20, 9, 11]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 import pytest
 import torch
@@ -72,8 +72,9 @@ class PagedDriver:
         random.Random(seed).shuffle(self.free_blocks)
         self.requests: dict[str, _Request] = {}
 
-    def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Computes one step; ``chunks`` maps request id -> its new tokens.
+    def step(self, chunks: dict[str, list[int]], long: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """Computes one step; ``chunks`` maps request id -> its new tokens; the
+        requests in ``long`` use a longrope model's long factors.
 
         Returns:
             Request id -> float32 logits ``[len(new tokens), vocab]``.
@@ -91,7 +92,8 @@ class PagedDriver:
             for pos in range(first, len(req.token_ids)):
                 slots.append(req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
             input_ids.extend(new)
-            positions.extend(range(first, len(req.token_ids)))
+            offset = self.model.long_rope_rows if rid in long else 0
+            positions.extend(range(first + offset, len(req.token_ids) + offset))
             starts.append(starts[-1] + len(new))
             seq_lens.append(len(req.token_ids))
             tables.append(req.block_ids)

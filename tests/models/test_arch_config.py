@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.factories import make_hf_config
@@ -12,6 +14,7 @@ from workers.model.config import (
     Llama3RopeScaling,
     ModelArchConfig,
 )
+from workers.model.longrope import LongRopeScaling
 
 
 def _parse(family: str, **overrides) -> ModelArchConfig:
@@ -69,17 +72,37 @@ def test_llama3_original_context_defaults_to_max_positions() -> None:
 
 @pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic"])
 def test_unsupported_rope_type_is_rejected(rope_type: str) -> None:
-    with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported; supported: default, llama3"):
+    with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported; supported: default, llama3, longrope"):
         ModelArchConfig.from_hf_config(_llama_v4_dict(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
 
 
-def test_phi3_reads_as_a_llama_layout_and_refuses_longrope() -> None:
+def test_phi3_reads_as_a_llama_layout() -> None:
     arch = _parse("phi3")
     assert arch.family == "phi3" and not arch.attention_bias and not arch.qk_norm and arch.rope_scaling is None
-    long = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 256}
-    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
-        _parse("phi3", rope_parameters=long, max_position_embeddings=512)
+
+
+def test_phi3_longrope_as_transformers_reads_it() -> None:
+    """Both factor lists, the original length and the attention factor transformers
+    computes (from max / original when the config gives none)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = make_hf_config("phi3_longrope")
+    scaling = ModelArchConfig.from_hf_config(hf.to_dict()).rope_scaling
+    assert isinstance(scaling, LongRopeScaling) and scaling.original_max_position_embeddings == 20
+    assert scaling.short_factor == tuple(1.0 + 0.1 * i for i in range(8)) and scaling.long_factor[1] == 1.9
+    assert scaling.attention_factor == ROPE_INIT_FUNCTIONS["longrope"](hf)[1]
+    # A transformers-v4 Phi-3.5 config.json: legacy type "su", the original length at the top.
+    v4 = _llama_v4_dict(architectures=["Phi3ForCausalLM"], max_position_embeddings=131072,
+                        original_max_position_embeddings=4096,
+                        rope_scaling={"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
+    scaling = ModelArchConfig.from_hf_config(v4).rope_scaling
+    assert scaling.original_max_position_embeddings == 4096 and scaling.long_factor == (2.0,) * 4
+    assert scaling.attention_factor == math.sqrt(1 + math.log(32) / math.log(4096))
+    v4["rope_scaling"]["attention_factor"] = 1.25
+    assert ModelArchConfig.from_hf_config(v4).rope_scaling.attention_factor == 1.25
+    v4["rope_scaling"]["short_factor"] = [1.0] * 3
+    with pytest.raises(ValueError, match="'short_factor': a list of head_dim / 2 = 4 numbers"):
+        ModelArchConfig.from_hf_config(v4)
 
 
 def test_gemma3_local_and_global_layers_and_its_constants() -> None:

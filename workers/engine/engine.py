@@ -45,6 +45,8 @@ class LLMEngine:
         vocab_size: Token ids must be below it.
         max_model_len: Longest prompt + output.
         model_fingerprint: Identifies the weights in block hashes.
+        long_rope_after: A longrope model's ``original_max_position_embeddings``
+            (longer sequences use its long factors); None for other models.
         clock: Time source for arrival times (injectable in tests).
     """
 
@@ -57,6 +59,7 @@ class LLMEngine:
         vocab_size: int,
         max_model_len: int,
         model_fingerprint: str,
+        long_rope_after: Optional[int] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
@@ -65,6 +68,7 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.model_fingerprint = model_fingerprint
+        self.long_rope_after = long_rope_after
         self._clock = clock
         self._detok: dict[str, Optional[IncrementalDetokenizer]] = {}
         self._seqs: dict[str, Sequence] = {}  # every live choice, by its engine id
@@ -137,6 +141,7 @@ class LLMEngine:
             cache_salt=request.cache_salt,
             priority=request.priority,
             arrival_time=request.arrival_time or self._clock(),
+            long_rope_after=self.long_rope_after,
         )
         seq.queued_time = self._clock()
         seq.grammar = grammar

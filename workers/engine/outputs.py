@@ -62,6 +62,9 @@ class ScheduledRequest:
     # With SamplingParams.min_tokens: the tokens that may not be sampled while the output is
     # shorter than min_tokens (the EOS tokens unless ignore_eos, and the stop token ids).
     min_tokens_banned_ids: Sequence[int] = ()
+    # Longrope models: the sequence is past original_max_position_embeddings, its positions use the
+    # rotary rows of the long factors (``workers/model/longrope.py``).
+    rope_long: bool = False
 
     @property
     def num_input_tokens(self) -> int:

@@ -65,6 +65,7 @@ class Sequence:
         cache_salt: str = "",
         priority: int = 0,
         arrival_time: float = 0.0,
+        long_rope_after: Optional[int] = None,
     ) -> None:
         prompt = [int(t) for t in prompt_token_ids]
         assert prompt and block_size >= 1, (request_id, block_size)
@@ -108,7 +109,12 @@ class Sequence:
         # window reaches them any more; they point at the first block still held.
         self.num_released_blocks = 0
 
-        self.hash_root = root_hash(model_fingerprint, cache_salt)
+        # Longrope models: original_max_position_embeddings. A longer sequence is computed with the
+        # long factors (``rope_long``), and its blocks hash on another root (not hittable by short ones).
+        self.long_rope_after = long_rope_after
+        self.rope_restart = False  # it crossed to long with KV computed short: recompute it all
+        self._root_args = (model_fingerprint, cache_salt)
+        self.hash_root = self._root()
         self.block_hashes: list[bytes] = hash_block_chain(prompt, block_size, self.hash_root)
 
     @classmethod
@@ -194,6 +200,20 @@ class Sequence:
             parent = self.block_hashes[-1] if self.block_hashes else self.hash_root
             self.block_hashes.append(hash_block(parent, self._token_ids[-bs:]))
         assert len(self.block_hashes) == len(self._token_ids) // bs
+        if self.long_rope_after is not None and len(self._token_ids) == self.long_rope_after + 1:
+            self.hash_root = self._root()  # now long: every block rehashed, its KV to recompute
+            self.block_hashes = hash_block_chain(self._token_ids, bs, self.hash_root)
+            self.rope_restart = self.num_computed_tokens > 0
+
+    @property
+    def rope_long(self) -> bool:
+        """Whether a longrope model computes this sequence with its long factors:
+        it is longer than ``original_max_position_embeddings`` (transformers' rule)."""
+        return self.long_rope_after is not None and len(self._token_ids) > self.long_rope_after
+
+    def _root(self) -> bytes:
+        fingerprint, salt = self._root_args
+        return root_hash(fingerprint + ("/longrope-long" if self.rope_long else ""), salt)
 
     def __repr__(self) -> str:
         return (

@@ -29,7 +29,8 @@ def propose_drafts(speculator: Optional[Speculator], order: list[Sequence], budg
     """Speculated tokens for the decoding sequences of ``order`` (in one batch):
     none without a speculator, and never past a sequence's max_tokens or
     max_model_len, or the step's budget (the target's own token is always one
-    more). Drafts a sequence's grammar rejects are cut (they could never be
+    more), nor, for a longrope model's short sequence, past the length where it
+    turns long. Drafts a sequence's grammar rejects are cut (they could never be
     accepted)."""
     if speculator is None:
         return {}
@@ -38,6 +39,8 @@ def propose_drafts(speculator: Optional[Speculator], order: list[Sequence], budg
         if seq.num_uncomputed_tokens != 1:
             continue
         slots = min(max_model_len - seq.num_tokens - 1, budget - 1)  # a tree's tokens, every branch
+        if seq.long_rope_after is not None and not seq.rope_long:  # a step stays short (longrope.py)
+            slots = min(slots, seq.long_rope_after - seq.num_tokens)
         room = min(seq.sampling_params.max_tokens - seq.num_output_tokens - 1, slots)  # tokens it may keep
         if room > 0:
             asks.append((seq, room, slots))

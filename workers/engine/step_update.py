@@ -67,7 +67,22 @@ class StepApplier:
                 results.append(result)
             else:
                 results.extend(self._apply_computed(seq, req, model_out, i))
+        for seq in [s for s in self.queue.running if s.rope_restart]:
+            self._restart_long(seq)
         return results
+
+    def _restart_long(self, seq: Sequence) -> None:
+        """A longrope model's sequence that just grew past the original length:
+        transformers then recomputes all of it with the long factors, so its KV
+        (computed short) is dropped and it waits to be prefilled again, like a
+        preemption by recompute. Its short blocks stay cached for short sequences
+        (its hashes moved to the long root; ``workers/model/longrope.py``)."""
+        self.queue.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.rope_restart = False
+        self.queue.requeue(seq, SequenceStatus.WAITING)
 
     def _apply_computed(self, seq: Sequence, req: ScheduledRequest, model_out: ModelOutput,
                         i: int) -> list[StepResult]:

@@ -4,8 +4,8 @@ Only the Llama family is supported: Llama (GQA/MQA, tied embeddings, llama3
 rope scaling), Mistral (sliding window), Qwen2 (q/k/v bias, optional
 sliding window on the upper layers) and Qwen3 (Qwen2's layout with an
 RMSNorm over each query and key head before the rotary embedding), Phi-3
-(checkpoints with fused ``qkv_proj`` / ``gate_up_proj``; default RoPE only, not
-its ``longrope`` long-context scaling yet), Gemma 3 text models (scaled
+(checkpoints with fused ``qkv_proj`` / ``gate_up_proj``; default RoPE or its
+``longrope`` long-context scaling, ``workers/model/longrope.py``), Gemma 3 text models (scaled
 embeddings, (1 + w) RMSNorms before and after each sub-block, GeGLU, q/k
 norms, interleaved sliding-window layers with their own RoPE base,
 ``query_pre_attn_scalar``; ``workers/model/gemma.py``), Gemma 2 (Gemma 3's
@@ -20,7 +20,9 @@ transformers v4 one (``rope_theta`` + ``rope_scaling``) and the v5 one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
+
+from workers.model.longrope import LongRopeScaling, parse_longrope
 
 # HF ``architectures`` entry -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -37,7 +39,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "longrope", "su")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -104,7 +106,7 @@ class ModelArchConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[Llama3RopeScaling]
+    rope_scaling: Optional[Union[Llama3RopeScaling, LongRopeScaling]]
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -178,7 +180,8 @@ class ModelArchConfig:
         gemma = _parse_gemma(config, family) if family in GEMMA_FAMILIES else {}
         if not gemma and config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' is")
-        rope_theta, rope_scaling = (gemma.pop("rope_theta"), None) if family == "gemma3" else _parse_rope(config)
+        rope_theta, rope_scaling = (gemma.pop("rope_theta"), None) if family == "gemma3" else _parse_rope(
+            config, int(config.get("head_dim") or hidden_size // num_heads))
         sliding_window, layer_types = _parse_sliding(config, family, num_layers)
         qkv_bias = family in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False))
         o_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma2") and bool(config.get("attention_bias", False))
@@ -223,7 +226,8 @@ def _family(config: Mapping[str, Any]) -> str:
     raise ValueError(f"config.json names no 'architectures'; add one of: {supported}")
 
 
-def _parse_rope(config: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
+def _parse_rope(config: Mapping[str, Any], head_dim: int
+                ) -> tuple[float, Optional[Union[Llama3RopeScaling, LongRopeScaling]]]:
     """Reads rope theta and scaling from either config format."""
     params = dict(config.get("rope_parameters") or {})
     legacy = config.get("rope_scaling") or {}
@@ -241,6 +245,8 @@ def _parse_rope(config: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeSc
         raise ValueError("partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
         return theta, None
+    if rope_type in ("longrope", "su"):
+        return theta, parse_longrope(params, config, head_dim)
     try:
         scaling = Llama3RopeScaling(
             factor=float(params["factor"]),

@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.model import cpu_ops
 from workers.model.config import Llama3RopeScaling
+from workers.model.longrope import LongRopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +101,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScali
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """LongRoPE's inverse frequencies for one factor set, as transformers computes them."""
+    ext = torch.tensor(factors, dtype=torch.float32)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * theta ** exponents)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in HF's ``rotate_half`` convention.
 
@@ -110,7 +118,10 @@ class RotaryEmbedding(nn.Module):
 
     cos/sin of every position up to ``max_positions`` are precomputed once;
     a step gathers its rows with :meth:`lookup` (once per step, shared by all
-    layers) and each layer calls :meth:`apply`.
+    layers) and each layer calls :meth:`apply`. With ``LongRopeScaling`` the
+    table has ``2 * max_positions`` rows: the short factors' rows, then the long
+    ones' (``long_rows`` is the offset the runner adds to a long sequence's
+    positions), both times the attention factor, as transformers' Phi-3 does.
     """
 
     def __init__(
@@ -118,7 +129,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: Optional[Llama3RopeScaling] = None,
+        scaling: Optional[Llama3RopeScaling | LongRopeScaling] = None,
     ) -> None:
         super().__init__()
         if head_dim % 2:
@@ -127,6 +138,7 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
+        self.long_rows = max_positions if isinstance(scaling, LongRopeScaling) else 0
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         self.build_cache()
 
@@ -142,19 +154,30 @@ class RotaryEmbedding(nn.Module):
             device = self.cos_sin_cache.device
         if device.type == "meta":
             # Built on the meta device: nothing to compute until materialized.
-            self.cos_sin_cache = torch.empty(self.max_positions, 2, self.head_dim // 2, device=device)
+            self.cos_sin_cache = torch.empty(self.max_positions + self.long_rows, 2, self.head_dim // 2,
+                                             device=device)
             return
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        cache = torch.stack((freqs.cos(), freqs.sin()), dim=1)
+        if isinstance(self.scaling, LongRopeScaling):
+            tables = []
+            for factors in (self.scaling.short_factor, self.scaling.long_factor):
+                inv_freq = longrope_inv_freq(self.head_dim, self.theta, factors).to(device)
+                freqs = positions[:, None] * inv_freq[None, :]
+                scale = self.scaling.attention_factor
+                tables.append(torch.stack((freqs.cos() * scale, freqs.sin() * scale), dim=1))
+            cache = torch.cat(tables)
+        else:
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+            freqs = positions[:, None] * inv_freq[None, :]
+            cache = torch.stack((freqs.cos(), freqs.sin()), dim=1)
         self.cos_sin_cache = cache.to(self.cos_sin_cache.dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, head_dim / 2]`` (contiguous) of ``positions`` ``[T]``.
 
         Positions must be below ``max_positions`` (the caller caps sequence
-        lengths at ``max_model_len``).
+        lengths at ``max_model_len``), plus ``long_rows`` for a longrope
+        sequence in its long mode.
         """
         rows = self.cos_sin_cache.index_select(0, positions)
         return rows[:, 0].contiguous(), rows[:, 1].contiguous()
@@ -182,5 +205,5 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def extra_repr(self) -> str:
-        scaled = ", llama3 scaling" if self.scaling else ""
+        scaled = ", longrope" if self.long_rows else ", llama3 scaling" if self.scaling else ""
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}, theta={self.theta}{scaled}"

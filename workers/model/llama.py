@@ -173,6 +173,11 @@ class LlamaForCausalLM(nn.Module):
         self.native_decoder: Any = None  # NativeDecoder when every kernel is native (native_decoder.py)
         self.tie_weights()
 
+    @property
+    def long_rope_rows(self) -> int:
+        """Where the long factors' rotary rows start (longrope; 0 otherwise)."""
+        return self.model.rotary_emb.long_rows
+
     def tie_weights(self) -> None:
         """Shares the embedding with the LM head when the config says so."""
         if self.arch.tie_word_embeddings:
