@@ -45,6 +45,7 @@ TINY_CASES = {
     "replicated_kv": (3, dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)),
     "qwen3_qk_norm": (2, dict(family="qwen3")),  # per-head q/k norms: replicated on every rank
     "phi3_fused": (2, dict(family="phi3")),  # a fused qkv / gate_up checkpoint, split before it is sharded
+    "phi3_longrope": (2, dict(family="phi3_longrope")),  # short, long and crossing sequences: every rank offsets
     "gemma3_sandwich": (2, dict(family="gemma3")),  # four norms, q/k norms, two RoPE bases: replicated
     "gemma2_softcaps": (2, dict(family="gemma2")),  # capped scores per head; each rank caps its logits slice
     "mixtral_experts": (2, dict(family="mixtral")),  # every expert's intermediate rows split, the router replicated
