@@ -189,7 +189,8 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
                       router: RouterConfig, limits: Any, check_access: bool = False) -> tuple[Any, Any, Any]:
     """The front ends' view of the served models: ``(ModelBackends, directory,
     /metrics renderer)``, one ``RouterBackend``, directory namespace and
-    ``ClusterMetrics`` per model (merged, labelled by model, when several).
+    ``ClusterMetrics`` per model (merged, labelled by model, when several);
+    the ``ModelBackends`` carries the ``/v1/responses`` store.
     Call it on the loop that serves the front ends (the async Redis clients
     belong to it).
 
@@ -223,6 +224,12 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
             presence=ReplicaPresence(directory) if directory is not None else None)
         directories[model.model_name] = directory
         metrics[model.model_name] = ClusterMetrics(router_metrics, directory)
+    from router.openai.response_store import MemoryResponseStore, RedisResponseStore
+
+    front = ModelBackends(backends)
+    # Stored /v1/responses: in Redis, shared by every router; without Redis in this router's memory.
+    front.response_store = RedisResponseStore.from_url(redis_url, models[0].namespace) if redis_url \
+        else MemoryResponseStore()
     if len(models) == 1:
-        return ModelBackends(backends), directories[models[0].model_name], metrics[models[0].model_name]
-    return ModelBackends(backends), ModelDirectories(directories), ModelMetrics(metrics)
+        return front, directories[models[0].model_name], metrics[models[0].model_name]
+    return front, ModelDirectories(directories), ModelMetrics(metrics)

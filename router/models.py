@@ -38,6 +38,7 @@ class ModelBackends:
     def __init__(self, backends: Mapping[str, Any]) -> None:
         self._backends = dict(backends)
         self.default_name = next(iter(self._backends), None)
+        self.response_store: Any = None  # /v1/responses (router/openai/response_store.py); set by its builder
 
     @classmethod
     def of(cls, backend: Any) -> "ModelBackends":

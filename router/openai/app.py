@@ -4,6 +4,7 @@ Routes::
 
     POST /v1/completions        prompt (string or token ids) → text
     POST /v1/chat/completions   messages (rendered with the chat template) → message
+    POST /v1/responses          OpenAI's Responses API, stored responses in Redis (responses_api.py)
     POST /tokenize              vLLM's: prompt (or chat messages) → token ids, count
     POST /detokenize            vLLM's: token ids → text
     GET  /v1/models             the served models (several with ``models:``; a request's
@@ -51,6 +52,7 @@ from router.models import ModelBackends, ModelNotFoundError
 from router.openai.protocol import (APIError, ParsedRequest, backend_error, bad_request, error_response,
                                     internal_error, parse_request, tokenize_chat)
 from router.openai.responses import EventStream, close_stream, event_stream, whole_response
+from router.openai.responses_api import ResponsesAPI
 from router.streams import merge_indexed
 
 logger = logging.getLogger(__name__)
@@ -246,12 +248,15 @@ def _decode(raw: bytes) -> Any:
 
 
 def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[Limits] = None,
-                     security: Any = None) -> Starlette:
+                     security: Any = None, response_store: Any = None) -> Starlette:
     """The ASGI app of the OpenAI-compatible API over ``backend``.
 
     Args:
         backend: Validated requests go to ``backend.stream()``; its tokenizer
             tokenizes prompts and renders chat templates.
+        response_store: Where ``/v1/responses`` stores responses
+            (``router.openai.response_store``); default the backend's
+            ``response_store`` attribute, else none (``store: false`` only).
         metrics: A ``router.metrics.ClusterMetrics`` served at ``GET /metrics``
             (None: no such route).
         limits: Input limits and body size (default ``Limits()``).
@@ -263,6 +268,7 @@ def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[
         A Starlette app (serve it with :func:`serve_openai` or any ASGI server).
     """
     server = OpenAIServer(backend, limits, security)
+    responses = ResponsesAPI(server, response_store, backend)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -270,6 +276,11 @@ def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
     ]
     if metrics is not None:
         from router.metrics import CONTENT_TYPE

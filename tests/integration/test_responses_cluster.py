@@ -1,0 +1,57 @@
+"""/v1/responses through ``prefixserve up`` on the default model: stored in the
+cluster's Redis, a continuation reuses the first turn's KV, a stream's deltas
+equal the non-streamed greedy text."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+
+import openai
+import pytest
+
+from tests.integration.up_process import start_up, wait_for_log
+
+STORY = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
+         "The keeper lives alone on a rocky island far from the coast, and every night lights the lamp. ") * 3
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("responses-up") / "up.log"
+    proc, log = start_up(log_path, "--block-size", "16", "--replica-num-cpus", "0.5", "--grpc-port", "0",
+                         "--http-port", "0")
+    try:
+        text = wait_for_log(proc, log, "ready: gRPC on")
+        base = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
+        with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as api:
+            yield api
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_a_continuation_carries_the_context_and_reuses_its_kv(client):
+    first = client.responses.create(input=STORY, temperature=0, max_output_tokens=16)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    second = client.responses.create(input="Give the story a title.", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=8)
+    assert second.usage.input_tokens >= first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 0.8 * first.usage.input_tokens, second.usage
+    # Stored in Redis: a new client (any router) reads it back.
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    assert [i.type for i in client.responses.input_items.list(second.id).data] == ["message"]
+
+
+def test_stream_deltas_equal_the_greedy_text(client):
+    whole = client.responses.create(input="Name three colors.", temperature=0, max_output_tokens=12, store=False)
+    events = list(client.responses.create(input="Name three colors.", temperature=0, max_output_tokens=12,
+                                          stream=True, store=False))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
