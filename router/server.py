@@ -222,6 +222,7 @@ def _replica_info(replica_id: str, stats: dict) -> pb.ReplicaInfo:
         num_swapped=number("num_swapped", int),
         prefix_cache_hit_rate=min(number("prefix_cache_hit_rate", float), 1.0),
         model=str(stats.get("model", "")),
+        node=str(stats.get("node", "")),
     )
 
 

@@ -36,6 +36,7 @@ from cluster.shared import autoscaling
 from cluster.shared.config import EngineConfig
 from cluster.shared.contract import contract_for
 from cluster.shared.fingerprint import served_model_name
+from cluster.shared.ray_local import node_ip as ray_node_ip
 from cluster.shared.types import GenerationRequest, StreamChunk
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
@@ -387,8 +388,8 @@ class ReplicaServer:
             "num_running": int(stats.num_running),
             "num_waiting": int(stats.num_waiting),
             "kv_cache_usage": float(stats.kv_cache_usage),
-            "num_cached_blocks": int(stats.num_cached_blocks),
-            "num_swapped": int(stats.num_swapped),
+            "num_cached_blocks": int(stats.num_cached_blocks), "num_swapped": int(stats.num_swapped),
+            "node": ray_node_ip(),  # where it runs (prefixserve status), text among the numbers
             # Read without the engine thread: a float written by it, stale by at most a step.
             "prefix_cache_hit_rate": float(self.engine.scheduler.kv_manager.prefix_cache_hit_rate),
         }

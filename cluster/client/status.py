@@ -5,10 +5,12 @@
 
 Per live replica: KV-cache use, running / waiting sequences and cached blocks
 from ``ListReplicas`` (the stats each replica sends with its directory
-heartbeat). With ``--metrics-url`` (the router's cluster-wide ``GET
-/metrics``) also swapped sequences, the prefix-cache hit rate (hit / queried
-prompt tokens since the replica started) and, from the second frame of
-``--watch`` on, prompt and generated tokens/s over the refresh interval.
+heartbeat), and the Ray node it runs on (a column when the replicas run on
+several nodes, or on one that is not this machine's loopback). With
+``--metrics-url`` (the router's cluster-wide ``GET /metrics``) also swapped
+sequences, the prefix-cache hit rate (hit / queried prompt tokens since the
+replica started) and, from the second frame of ``--watch`` on, prompt and
+generated tokens/s over the refresh interval.
 Figures a source does not give show as ``-``. ``--watch`` redraws every
 SECONDS (default 2) until Ctrl-C.
 """
@@ -52,6 +54,7 @@ class ReplicaRow:
 
     replica_id: str
     model: str = ""
+    node: str = ""  # the Ray node's IP address ("": not reported)
     kv_use: Optional[float] = None
     running: Optional[float] = None
     waiting: Optional[float] = None
@@ -123,7 +126,7 @@ async def fetch_rows(url: str, timeout: float, api_key: Optional[str] = None) ->
         except grpc.aio.AioRpcError as exc:
             raise ValueError(f"ListReplicas on {url} failed: {exc.code().name}: {exc.details()}") from None
     return {
-        r.replica_id: ReplicaRow(r.replica_id, model=r.model, kv_use=r.kv_cache_usage, running=r.num_running,
+        r.replica_id: ReplicaRow(r.replica_id, model=r.model, node=r.node, kv_use=r.kv_cache_usage, running=r.num_running,
                                  waiting=r.num_waiting, cached_blocks=r.num_cached_blocks, swapped=r.num_swapped,
                                  hit_rate=r.prefix_cache_hit_rate)
         for r in reply.replicas
@@ -209,7 +212,9 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
     if not rows:
         return ["no live replicas"]
     by_model = len({r.model for r in rows.values()}) > 1  # several models: a column names each one's
-    header = ["replica", *(["model"] if by_model else []), "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
+    nodes = {r.node for r in rows.values()} - {""}
+    by_node = len(nodes) > 1 or bool(nodes - {"127.0.0.1"})  # on several nodes, or not this machine's loopback
+    header = ["replica", *(["model"] if by_model else []), *(["node"] if by_node else []), "KV use", "running", "waiting", "swapped", "cached blocks", "hit rate"]
     speculating = show_metrics and any(r.metrics.get("spec_draft_tokens") for r in rows.values())
     if show_metrics:
         header += ["prompt tok/s", "gen tok/s", "quantization", "weights"]
@@ -218,7 +223,8 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
     table: list[tuple[str, ...]] = [tuple(header)]
     for replica_id in sorted(rows, key=lambda rid: (rows[rid].model, rid)):
         row = rows[replica_id]
-        line = [replica_id, *([row.model] if by_model else []), _pct(row.kv_use), _int(row.running), _int(row.waiting), _int(row.swapped),
+        line = [replica_id, *([row.model] if by_model else []), *([row.node or "-"] if by_node else []),
+                _pct(row.kv_use), _int(row.running), _int(row.waiting), _int(row.swapped),
                 _int(row.cached_blocks)]
         queries, hits = row.metrics.get("queries"), row.metrics.get("hits")
         line.append(_pct(hits / queries) if queries else _pct(row.hit_rate))

@@ -65,6 +65,13 @@ def init_local_ray(num_cpus: Optional[float] = None, object_store_mb: int = 256)
     logger.info("started local Ray on %s with %d CPUs, %d MiB object store", LOOPBACK, cpus, object_store_mb)
 
 
+def node_ip() -> str:
+    """The IP address of the Ray node this process runs on ("" outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+
+
 def connect_ray(address: str) -> str:
     """Joins a running Ray cluster as a driver; starts no Ray process.
 

@@ -214,7 +214,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "num_running", "num_waiting", "kv_cache_usage", "num_cached_blocks", "num_swapped", "prefix_cache_hit_rate", "model")
+    __slots__ = ("replica_id", "num_running", "num_waiting", "kv_cache_usage", "num_cached_blocks", "num_swapped", "prefix_cache_hit_rate", "model", "node")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class ReplicaInfo(_message.Message):
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     num_running: int
     num_waiting: int
@@ -231,7 +232,8 @@ class ReplicaInfo(_message.Message):
     num_swapped: int
     prefix_cache_hit_rate: float
     model: str
-    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)

@@ -180,7 +180,8 @@ def test_heartbeat_stats_are_listed_for_live_replicas_only(redis_server):
         epoch = await registered(d, "r", blocks)
         other = await registered(d, "s", [])
         assert await d.replica_stats() == {"r": {}, "s": {}}  # live, no stats yet
-        stats = {"num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.25, "num_cached_blocks": 2}
+        # Numbers come back as numbers, the node IP (TEXT_STATS) as text.
+        stats = {"num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.25, "num_cached_blocks": 2, "node": "10.0.0.2"}
         assert await d.heartbeat("r", epoch, stats=stats) is PublishStatus.OK
         assert (await d.replica_stats())["r"] == stats
         assert await d.heartbeat("r", epoch + 1, stats={"num_running": 9}) is PublishStatus.SUPERSEDED

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import grpc
@@ -98,10 +99,26 @@ def test_two_replicas_land_on_two_different_nodes(nodes, up):
     assert len(placement) == 2, f"both replicas on one node: {placement}"
     # Each replica listens on its own node's address (or every address), never another node's loopback.
     for ip, pids in placement.items():
-        listening = {c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections("inet")
+        listening = {c.laddr.ip.removeprefix("::ffff:") for pid in pids for c in psutil.Process(pid).net_connections("inet")
                      if c.status == psutil.CONN_LISTEN}
         print(f"replica on {ip} listens on {sorted(listening)}")
         assert listening and listening <= {ip, "0.0.0.0", "::"}, (ip, listening)
+
+
+def test_status_shows_the_node_of_each_replica(nodes, up):
+    """``prefixserve status`` names the node each replica reported with its heartbeat."""
+    placement = replicas_by_node(nodes)
+    deadline = time.monotonic() + 30
+    while True:
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", up[3]], capture_output=True,
+                             text=True, timeout=60)
+        table = out.stdout.splitlines()
+        shown = sorted(line.split()[1] for line in table[1:-1]) if table and "node" in table[0] else []
+        if shown == sorted(placement) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    print("\n".join(table))
+    assert table[0].split()[:2] == ["replica", "node"] and shown == sorted(placement), out.stdout + out.stderr
 
 
 def test_answers_over_the_openai_api_and_grpc(up):

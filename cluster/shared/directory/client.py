@@ -28,6 +28,8 @@ from cluster.shared.directory.connection import (DEFAULT_HEARTBEAT_S, DEFAULT_TT
 from cluster.shared.directory.errors import DirectoryAuthError, DirectoryError, PublishStatus
 
 logger = logging.getLogger(__name__)
+# Stats kept as text (the rest are numbers): the Ray node IP a replica runs on.
+TEXT_STATS = frozenset({"node"})
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_TTL_S", "Directory", "check_block_hashes", "pairs_to_dict"]
 
@@ -118,7 +120,8 @@ class Directory(DirectoryConnection):
         """Returns ``{replica_id: {name: number}}`` of every live replica.
 
         The figures are those of its last heartbeat with stats (``{}`` before
-        the first one); values are parsed as int when integral, else float.
+        the first one); values are parsed as int when integral, else float,
+        except the text of ``TEXT_STATS`` (``node``: the replica's Ray node IP).
         One round trip; no mutation.
         """
         keys = [lua.replicas_key(self.prefix)]
@@ -126,7 +129,8 @@ class Directory(DirectoryConnection):
         out: dict[str, dict[str, float]] = {}
         for rid, pairs in zip(self._decode_ids(flat[0::2]), flat[1::2]):
             names = self._decode_ids(pairs[0::2])
-            out[rid] = {name: stats_number(raw) for name, raw in zip(names, pairs[1::2])}
+            out[rid] = {name: _text(raw) if name in TEXT_STATS else stats_number(raw)
+                        for name, raw in zip(names, pairs[1::2])}
         return out
 
     async def publish_metrics(self, replica_id: str, epoch: int, text: Union[bytes, str]) -> PublishStatus:
@@ -316,3 +320,7 @@ class Directory(DirectoryConnection):
         key = lua.rep_key(self.prefix, lua.check_replica_id(replica_id))
         raw = await self._run("contract", lambda: self._client.hget(key, "contract"))
         return raw.decode() if raw else ""
+
+
+def _text(raw: Union[bytes, str]) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
