@@ -42,8 +42,11 @@ ways, each as transformers' GGUF loader has it:
 
 Base Gemma 3 GGUFs carry no chat template; the folder then has none either.
 
-Supported architectures: ``llama`` (Llama, Mistral and SmolLM GGUFs use it)
-and ``gemma3``.
+Supported architectures: ``llama`` (Llama, Mistral and SmolLM GGUFs use it),
+``gemma3``, and (``gguf_families.py``) ``qwen2``, ``qwen3``, ``phi3``,
+``gemma2``, ``qwen2moe`` and ``qwen3moe``: every architecture transformers'
+GGUF loader reads that our engine serves. Mixtral GGUFs (``llama`` with
+stacked experts) are refused: transformers' loader drops their experts.
 """
 
 from __future__ import annotations
@@ -57,11 +60,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.model import gguf_families
+
 logger = logging.getLogger(__name__)
 
 # Bump when the output of the conversion changes: cached folders are keyed on it.
 CONVERTER_VERSION = 1
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3", *gguf_families.FAMILY_ARCHITECTURES)
+# Tensors of rope scaling (Llama 3.1's rope_freqs, Phi-3's long-context factors): refused.
+_ROPE_SCALING_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 # GGUF tensor name (after ``blk.N.``) -> HF name (after ``model.layers.N.``), per architecture.
 _PROJECTIONS = {
@@ -145,7 +152,7 @@ def _read_metadata(reader: Any) -> dict[str, Any]:
 
 
 def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
-    """HF config fields (``LlamaConfig`` or ``Gemma3TextConfig``) from GGUF metadata.
+    """HF config fields (``LlamaConfig``, ``Gemma3TextConfig`` or a ``gguf_families`` one) from GGUF metadata.
 
     Raises:
         ValueError: For an unsupported architecture, rope scaling we cannot
@@ -158,10 +165,16 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} "
             "(or pass an HF folder with config.json and safetensors)"
         )
-    scaling = metadata.get(f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
+    if arch == "llama" and (metadata.get("llama.expert_count") or any("_exps." in n for n in tensor_names)):
         raise ValueError(
-            "this GGUF uses rope scaling (rope.scaling.type or a rope_freqs tensor), which the GGUF "
+            "this GGUF is a llama-architecture mixture of experts (Mixtral): transformers' GGUF loader reads it as "
+            "a dense Llama and drops the experts, so it is not converted; pass the HF checkpoint folder "
+            f"(MixtralForCausalLM) instead. GGUF architectures supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or any(n in tensor_names for n in _ROPE_SCALING_TENSORS):
+        raise ValueError(
+            "this GGUF uses rope scaling (rope.scaling.type or a rope_freqs / rope_factors tensor), which the GGUF "
             "conversion does not support; pass the HF checkpoint folder instead"
         )
     heads = int(metadata[f"{arch}.attention.head_count"])
@@ -178,7 +191,14 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,
     }
-    config.update(_gemma3_fields(metadata, config) if arch == "gemma3" else _llama_fields(metadata, hidden // heads))
+    if arch in gguf_families.FAMILY_ARCHITECTURES:
+        config.update(gguf_families.config_fields(arch, metadata, config))
+        if gguf_families.drops_attention_bias(arch):
+            del config["attention_bias"]
+    elif arch == "gemma3":
+        config.update(_gemma3_fields(metadata, config))
+    else:
+        config.update(_llama_fields(metadata, hidden // heads))
     # The order config.json has always had for llama (the rest keeps its place after these).
     config = {k: config[k] for k in sorted(config, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else 99)}
     config["torch_dtype"] = "float32"
@@ -258,8 +278,14 @@ def _convert_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Ten
     from tqdm.auto import tqdm
 
     arch = "gemma3" if config["model_type"] == "gemma3_text" else "llama"
+    family = gguf_families.GGUF_ARCH_OF_MODEL_TYPE.get(config["model_type"])
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", mininterval=1.0):
+        if family is not None:  # the other families: one GGUF tensor may be several HF ones (experts)
+            for name, weights in gguf_families.hf_tensors(family, tensor.name, dequantize(tensor.data,
+                                                                                           tensor.tensor_type)):
+                tensors[name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
+            continue
         name = _hf_tensor_name(tensor.name, arch)
         weights = dequantize(tensor.data, tensor.tensor_type)
         if arch == "gemma3":

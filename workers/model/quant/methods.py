@@ -310,7 +310,7 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
             raise ValueError(f"{gguf_path.name}: tensor {name!r}: {e}") from None
 
     def permuted(decoded: Optional[DecodedWeight], heads: int) -> Optional[DecodedWeight]:
-        # llama.cpp permutes the Q / K rows of llama-architecture files only (gguf.py); Gemma 3's are as HF's.
+        # llama.cpp permutes the Q / K rows of llama-architecture files only (gguf.py); the others' are as HF's.
         if decoded is None or arch.family != "llama":
             return decoded
         rows = _reverse_permute(np.arange(decoded.q.shape[0]), heads)
@@ -319,12 +319,17 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
     plan = []
     for i, layer in enumerate(model.model.layers):
         prefix = f"blk.{i}."
-        qkv = [permuted(load(prefix + "attn_q.weight"), arch.num_attention_heads),
-               permuted(load(prefix + "attn_k.weight"), arch.num_key_value_heads),
-               load(prefix + "attn_v.weight")]
-        plan.append((layer.self_attn.qkv_proj, _stack(qkv)))
+        if prefix + "attn_qkv.weight" in tensors:  # Phi-3: q, k, v fused, and gate + up in ffn_up (our layout)
+            plan.append((layer.self_attn.qkv_proj, load(prefix + "attn_qkv.weight")))
+        else:
+            qkv = [permuted(load(prefix + "attn_q.weight"), arch.num_attention_heads),
+                   permuted(load(prefix + "attn_k.weight"), arch.num_key_value_heads),
+                   load(prefix + "attn_v.weight")]
+            plan.append((layer.self_attn.qkv_proj, _stack(qkv)))
         plan.append((layer.self_attn.o_proj, load(prefix + "attn_output.weight")))
-        plan.append((layer.mlp.gate_up_proj, _stack([load(prefix + "ffn_gate.weight"), load(prefix + "ffn_up.weight")])))
+        gate_up = [load(prefix + "ffn_up.weight")] if prefix + "ffn_gate.weight" not in tensors and \
+            arch.family == "phi3" else [load(prefix + "ffn_gate.weight"), load(prefix + "ffn_up.weight")]
+        plan.append((layer.mlp.gate_up_proj, _stack(gate_up)))
         plan.append((layer.mlp.down_proj, load(prefix + "ffn_down.weight")))
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     plan.append((model.lm_head, load(head)))
