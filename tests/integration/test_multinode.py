@@ -56,9 +56,13 @@ def nodes():
 
 
 @pytest.fixture(scope="module")
-def up(nodes, tmp_path_factory):
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir("llama", tmp_path_factory.mktemp("mn-model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def up(nodes, model_dir, tmp_path_factory):
     """``prefixserve up --address <head> --replicas 2``: yields ``(process, log, HTTP base, gRPC address)``."""
-    model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("mn-model") / "tiny")
     began = time.monotonic()
     proc, log = start_up(tmp_path_factory.mktemp("mn-up") / "up.log", "--address", nodes.address,
                          "--replicas", "2", "--model", str(model_dir), "--block-size", "4",
@@ -205,5 +209,46 @@ def test_two_models_each_at_most_one_replica_per_node(nodes, up, tmp_path):
         assert not replicas_by_node(nodes, "prefixserve-alpha") and not replicas_by_node(nodes, "prefixserve-beta")
     finally:
         if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_a_tensor_parallel_replica_keeps_its_ranks_on_one_node(nodes, up, model_dir, tmp_path):
+    """TP=2: the replica and both rank actors in one placement group packed on
+    one node (STRICT_PACK), greedy tokens equal to the offline TP=1 engine's."""
+    import openai
+
+    from cluster.shared.types import SamplingParams
+    from workers.llm import LLM
+
+    assert up[0].poll() is not None
+    with LLM(str(model_dir), block_size=4) as llm:
+        expected = llm.generate(["hello world"], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0))[0].text
+    proc, log = start_up(tmp_path / "up.log", "--address", nodes.address, "--model", str(model_dir),
+                         "--tensor-parallel-size", "2", "--block-size", "4", "--kv-cache-memory", "0.01",
+                         "--swap-space", "0.01", "--replica-num-cpus", "0.25", "--rank-num-cpus", "0.5",
+                         "--grpc-port", "0", "--http-port", "0", env=nodes.client_env())
+    try:
+        text = wait_for_log(proc, log, "ready: gRPC on")
+        base = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+        reply = client.completions.create(model="tiny", prompt="hello world", max_tokens=NUM_TOKENS, temperature=0)
+        assert reply.choices[0].text == expected
+        replica = replicas_by_node(nodes)
+        ranks = {}
+        for node in nodes.nodes:
+            for p in node.processes():
+                try:
+                    if "RankWorker" in " ".join(p.cmdline()):
+                        ranks.setdefault(node.ip, []).append(p.pid)
+                except psutil.Error:
+                    pass
+        print(f"TP=2: replica on {replica}, ranks on {ranks}")
+        assert len(replica) == 1 and list(ranks) == list(replica) and len(next(iter(ranks.values()))) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
