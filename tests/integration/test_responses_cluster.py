@@ -55,3 +55,43 @@ def test_stream_deltas_equal_the_greedy_text(client):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-1].response.output_text
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+
+
+def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(client):
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Returns the weather of a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    async def main():
+        async with AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0) as api:
+            model = OpenAIResponsesModel(model="SmolLM2-135M-Instruct", openai_client=api)
+            agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                          model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
+            return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
+    result = asyncio.run(main())
+    kinds = [type(item).__name__ for item in result.new_items]
+    # tool_choice required: the engine constrains the first turn to a call; the SDK runs the
+    # tool, sends its output back, and the model answers in text (the SDK resets tool_choice).
+    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+    assert len(calls) == 1 and isinstance(result.final_output, str) and result.final_output
+
+
+def test_langchain_chat_openai_with_the_responses_api_answers(client):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model="SmolLM2-135M-Instruct", base_url=str(client.base_url), api_key="unused",
+                      use_responses_api=True, temperature=0, max_tokens=12, max_retries=0)
+    reply = chat.invoke("Name a color.")
+    whole = client.responses.create(input="Name a color.", temperature=0, max_output_tokens=12, store=False)
+    assert reply.text == whole.output_text and reply.text
