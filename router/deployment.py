@@ -212,7 +212,8 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
 
     backends, directories, metrics = {}, {}, {}
     for model in models:
-        tokenizer = RouterTokenizer.from_model_dir(Path(model.model_dir), tool_call_parser=router.tool_call_parser)
+        tokenizer = RouterTokenizer.from_model_dir(Path(model.model_dir), tool_call_parser=router.tool_call_parser,
+                                                   reasoning_parser=router.reasoning_parser)
         router_metrics = get_router_metrics(model.namespace, model.routing_policy)
         directory = Directory.from_url(redis_url, model.namespace) if redis_url else None
         if directory is not None and check_access:

@@ -51,6 +51,9 @@ class RouterTokenizer:
         tool_call_parser: How to read tool calls out of this model's output:
             ``auto`` (from the chat template), ``hermes`` or ``llama3_json``
             (``router/tools``).
+        reasoning_parser: How to split reasoning from content: ``none``,
+            ``auto`` (from the chat template), ``qwen3`` or ``deepseek_r1``
+            (``router/reasoning.py``).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class RouterTokenizer:
         vocab_size: Optional[int] = None,
         segment_cache: bool = True,
         tool_call_parser: str = "auto",
+        reasoning_parser: str = "none",
     ) -> None:
         self.tokenizer = tokenizer
         self.segment_cache = SegmentTokenCache.for_tokenizer(tokenizer) if segment_cache else None
@@ -68,15 +72,17 @@ class RouterTokenizer:
         self.model_fingerprint = model_fingerprint
         self.vocab_size = vocab_size if vocab_size is not None else tokenizer.get_vocab_size(with_added_tokens=True)
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     @classmethod
-    def from_model_dir(cls, path: Union[str, os.PathLike], tool_call_parser: str = "auto") -> "RouterTokenizer":
+    def from_model_dir(cls, path: Union[str, os.PathLike], tool_call_parser: str = "auto",
+                       reasoning_parser: str = "none") -> "RouterTokenizer":
         """Loads ``tokenizer.json``, the chat template and the fingerprint of a model folder.
 
         Args:
             path: A model folder as ``workers.model.loader.resolve_model``
                 returns it (config.json, safetensors, tokenizer files).
-            tool_call_parser: See the class (a router flag's value).
+            tool_call_parser, reasoning_parser: See the class (router flags' values).
 
         Raises:
             ValueError: The folder has no ``tokenizer.json`` (the router needs
@@ -95,7 +101,8 @@ class RouterTokenizer:
         if config_file.is_file():
             # The model's embedding may be larger than the tokenizer's vocabulary (padding).
             vocab_size = json.loads(config_file.read_text()).get("vocab_size")
-        return cls(tokenizer, template, compute_fingerprint(folder), vocab_size, tool_call_parser=tool_call_parser)
+        return cls(tokenizer, template, compute_fingerprint(folder), vocab_size, tool_call_parser=tool_call_parser,
+                   reasoning_parser=reasoning_parser)
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``prompt``, as the engine's ``LLM.encode`` computes them.

@@ -23,7 +23,8 @@ _UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """The flags of ``up``: cluster, front ends, engine."""
-    from cluster.shared.config import DIRECTORY_LOOKUPS, REPLICA_TRANSPORTS, ROUTING_POLICIES, TOOL_CALL_PARSERS
+    from cluster.shared.config import (DIRECTORY_LOOKUPS, REASONING_PARSERS, REPLICA_TRANSPORTS, ROUTING_POLICIES,
+                                      TOOL_CALL_PARSERS)
 
     up.add_argument("--config", default=None, metavar="CLUSTER_YAML",
                     help="cluster config file (the RayService's schema); flags override its values")
@@ -60,6 +61,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                     help="how the routers read tool calls out of the output: auto (default) picks llama3_json "
                          "for a Llama 3.x chat template, else hermes (<tool_call> blocks)")
+    up.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                    help="split <think>...</think> from the answer as reasoning: qwen3, deepseek_r1, auto (from the "
+                         "chat template) or none (default: all content)")
     up.add_argument("--drain-timeout-s", type=float, default=None,
                     help="on SIGTERM, seconds running streams get to finish (default 30)")
     up.add_argument("--prompt", default=None, help="send one prompt through the cluster once it is up")
@@ -131,7 +135,8 @@ def up_config(args: argparse.Namespace) -> Any:
         router["host"] = args.grpc_host
     if args.http_port is not None:
         router["http_port"] = None if args.http_port < 0 else args.http_port
-    for name in ("migration_limit", "drain_timeout_s", "replica_transport", "tool_call_parser"):
+    for name in ("migration_limit", "drain_timeout_s", "replica_transport", "tool_call_parser",
+                 "reasoning_parser"):
         if getattr(args, name) is not None:
             router[name] = getattr(args, name)
     router_config = dataclasses.replace(base.router, **router)

@@ -16,7 +16,8 @@ know. Leaves of the program receive plain values, never this tree.
                  args): unknown keys are errors named by their full path
 """
 
-from cluster.shared.config.cluster import REPLICA_TRANSPORTS, TOOL_CALL_PARSERS, ClusterConfig, RouterConfig
+from cluster.shared.config.cluster import (REASONING_PARSERS, REPLICA_TRANSPORTS, TOOL_CALL_PARSERS, ClusterConfig,
+                                           RouterConfig)
 from cluster.shared.config.models import DIRECTORY_LOOKUPS, ROUTING_POLICIES, AutoscalingConfig, ModelConfig
 from cluster.shared.config.engine import (
     ATTENTION_BACKENDS,
@@ -37,7 +38,7 @@ from cluster.shared.config.structured import STRUCTURED_BACKENDS, StructuredOutp
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
     "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS", "STRUCTURED_BACKENDS",
-    "TOOL_CALL_PARSERS", "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig", "ModelConfig",
-    "ParallelConfig",
+    "TOOL_CALL_PARSERS", "REASONING_PARSERS", "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig",
+    "ModelConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

@@ -22,6 +22,8 @@ from cluster.shared.fingerprint import served_model_name
 REPLICA_TRANSPORTS = ("grpc", "actor")
 # Output formats of tool calls (router/tools: "auto" reads the chat template); vLLM's flag values.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+# How reasoning (<think>...</think>) is split from content (router/reasoning.py); vLLM's flag values.
+REASONING_PARSERS = ("none", "auto", "qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,15 @@ class RouterConfig:
             (default) picks ``llama3_json`` for a Llama 3.x chat template and
             ``hermes`` (``<tool_call>`` blocks) for every other; ``hermes`` or
             ``llama3_json`` force one.
+        reasoning_parser: How the routers split a reasoning model's
+            ``<think>…</think>`` from its answer (``router/reasoning.py``,
+            vLLM's ``--reasoning-parser``): ``none`` (default) leaves it in
+            the content; ``qwen3`` (reasoning only inside a leading think
+            block) or ``deepseek_r1`` (the output starts in reasoning until
+            ``</think>``) return it as ``reasoning`` / ``reasoning_content``
+            (chat), ``reasoning`` output items (Responses) and the gRPC
+            ``reasoning`` field; ``auto`` picks one from the chat template,
+            none when it shows no think block.
         drain_timeout_s: On shutdown (SIGTERM), seconds running streams get
             to finish after the routers stop accepting requests.
         admin_socket: Unix socket on which a router replica accepts a drain
@@ -93,6 +104,7 @@ class RouterConfig:
     migration_limit: int = 3
     replica_transport: str = "grpc"
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "none"
     drain_timeout_s: float = 30.0
     admin_socket: Optional[str] = None
     redis_url: Optional[str] = None
@@ -132,6 +144,9 @@ class RouterConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,176 @@
+"""Reasoning split from content: ``<think>…</think>`` of Qwen3 / DeepSeek-R1 style models.
+
+A reasoning model writes its thinking before the answer. The router's
+``reasoning_parser`` (vLLM's ``--reasoning-parser`` names) splits the output
+text, chunk by chunk, into ``reasoning`` and ``content``:
+
+    parser       output starts in   reasoning is
+    qwen3        content            inside <think>…</think> at the start of the
+                                    output (no tag there: all of it is content)
+    deepseek_r1  reasoning          everything up to </think> (a leading <think>,
+                                    which older templates let the model write, is
+                                    dropped; no </think> at all: all reasoning)
+
+Whatever the parser, a prompt whose rendered tail opens ``<think>`` (QwQ,
+DeepSeek-R1's newer template) starts the output in reasoning, and one whose
+tail closes it (Qwen3 with ``enable_thinking: false`` writes an empty
+``<think></think>``) starts it in content with nothing to split.
+
+Whitespace around the tags is dropped (``<think>\\n…\\n</think>\\n\\n`` gives
+neither a leading nor a trailing newline), and a tag split across chunks at
+any position is recognized: text that may be the start of a tag is held until
+the next chunk (or :meth:`ReasoningParser.finish`) decides. Streamed and whole
+outputs split identically.
+
+``auto`` picks from the chat template: a template that writes
+``<｜Assistant｜>`` and ``<think>`` is DeepSeek-R1's, any other that mentions
+``<think>`` or ``enable_thinking`` is Qwen3-like; one that mentions neither
+gets no parser (all content).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+OPEN_TAG = "<think>"
+CLOSE_TAG = "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+_OPENING, _REASONING_LEAD, _REASONING, _CONTENT_LEAD, _CONTENT = range(5)
+
+
+def resolve_reasoning_parser(name: Optional[str], template_source: Optional[str]) -> Optional[str]:
+    """The parser a router setting means for this model (None: no reasoning split).
+
+    Args:
+        name: ``none`` (or None / ""), ``auto``, ``qwen3`` or ``deepseek_r1``.
+        template_source: The model's chat template source (for ``auto``).
+
+    Raises:
+        ValueError: An unknown name.
+    """
+    if name in (None, "", "none"):
+        return None
+    if name in REASONING_PARSERS:
+        return name
+    if name != "auto":
+        raise ValueError(f"reasoning_parser must be one of none, auto, {', '.join(REASONING_PARSERS)}; got {name!r}")
+    source = template_source or ""
+    if OPEN_TAG in source and "｜Assistant｜" in source:
+        return "deepseek_r1"
+    if OPEN_TAG in source or CLOSE_TAG in source or "enable_thinking" in source:
+        return "qwen3"
+    return None
+
+
+@dataclass(frozen=True)
+class ReasoningMode:
+    """How one request's output is split: the parser, and whether the prompt left
+    the model inside a think block. :meth:`make` gives a fresh parser per choice."""
+
+    parser: str
+    start_in_reasoning: bool = False
+    no_reasoning: bool = False  # the prompt closed the think block: all content
+
+    @classmethod
+    def for_prompt(cls, parser: Optional[str], prompt_tail: str) -> Optional["ReasoningMode"]:
+        """The mode of a request whose rendered prompt ends with ``prompt_tail``
+        (None when ``parser`` is None)."""
+        if parser is None:
+            return None
+        tail = prompt_tail.rstrip()
+        if tail.endswith(CLOSE_TAG):
+            return cls(parser, no_reasoning=True)
+        return cls(parser, start_in_reasoning=parser == "deepseek_r1" or tail.endswith(OPEN_TAG))
+
+    def make(self) -> "ReasoningParser":
+        return ReasoningParser(self.start_in_reasoning, self.no_reasoning)
+
+
+class ReasoningParser:
+    """Splits one choice's output text into reasoning and content, chunk by chunk.
+
+    :meth:`feed` mutates the parser (it holds back text that may start a tag);
+    :meth:`finish` flushes what is held at the end of the output.
+
+    Args:
+        start_in_reasoning: The output begins inside a think block.
+        no_reasoning: Everything is content (the prompt closed the block).
+    """
+
+    def __init__(self, start_in_reasoning: bool = False, no_reasoning: bool = False) -> None:
+        self.start_in_reasoning = start_in_reasoning
+        self._state = _CONTENT if no_reasoning else _OPENING
+        self._held = ""
+        self.reasoning = ""  # all reasoning so far
+        self.content = ""  # all content so far
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` that ``text`` (the next piece of output) releases."""
+        buf = self._held + text
+        self._held = ""
+        reasoning = content = ""
+        while buf:
+            if self._state == _OPENING:
+                stripped = buf.lstrip()
+                if stripped.startswith(OPEN_TAG):
+                    buf, self._state = stripped[len(OPEN_TAG):], _REASONING_LEAD
+                elif OPEN_TAG.startswith(stripped):  # only whitespace, or part of the tag: wait
+                    self._held, buf = buf, ""
+                else:
+                    self._state = _REASONING_LEAD if self.start_in_reasoning else _CONTENT
+            elif self._state in (_REASONING_LEAD, _CONTENT_LEAD):
+                buf = buf.lstrip()
+                if buf:
+                    self._state = _REASONING if self._state == _REASONING_LEAD else _CONTENT
+            elif self._state == _REASONING:
+                end = buf.find(CLOSE_TAG)
+                if end >= 0:
+                    reasoning += buf[:end].rstrip()
+                    buf, self._state = buf[end + len(CLOSE_TAG):], _CONTENT_LEAD
+                    continue
+                keep = _partial_tag_len(buf, CLOSE_TAG)
+                released = buf[:len(buf) - keep].rstrip()  # trailing whitespace may precede </think>
+                reasoning += released
+                self._held, buf = buf[len(released):], ""
+            else:
+                content += buf
+                buf = ""
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """``(reasoning, content)`` still held when the output ended (a tag's
+        beginning that never completed is text)."""
+        held, self._held = self._held, ""
+        reasoning = content = ""
+        if self._state == _OPENING:
+            if self.start_in_reasoning:
+                reasoning = held.strip()
+            else:
+                content = held
+        elif self._state == _REASONING:
+            reasoning = held.rstrip()
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
+
+
+def split_reasoning(mode: Optional[ReasoningMode], text: str) -> tuple[Optional[str], str]:
+    """``(reasoning or None, content)`` of a whole output (``mode`` None: all content)."""
+    if mode is None:
+        return None, text
+    parser = mode.make()
+    parser.feed(text)
+    parser.finish()
+    return parser.reasoning or None, parser.content
+
+
+def _partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
