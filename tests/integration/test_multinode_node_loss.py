@@ -1,0 +1,124 @@
+"""A worker node lost whole mid-stream (its raylet, object store, workers and
+replica SIGKILLed at once) on three hand-started Ray nodes
+(``tests/integration/multinode.py``): every stream of its replica finishes
+on the replica of another node with the tokens of an undisturbed run, and
+Serve brings the replica count back on the nodes that remain once Ray
+declares the node dead. Prints the time from the kill to the last stream's
+end and to two live replicas again."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from tests.factories import make_tiny_model_dir
+from tests.integration.multinode import HEAD_IP, RayNodes
+from tests.integration.test_multinode import replicas_by_node
+from tests.integration.up_process import start_up, wait_for_log
+
+NUM_STREAMS = 6
+MAX_TOKENS = 160
+
+
+def request(i: int) -> pb.GenerateRequest:
+    ids = [7 + i, 11, 13 + 2 * i, 17, 19, 23 + i]
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+
+
+async def live_replicas(stub) -> dict[str, str]:
+    """``{replica_id: node IP}`` of the replicas the directory holds live."""
+    reply = await stub.ListReplicas(pb.ListReplicasRequest(), timeout=30)
+    return {r.replica_id: r.node for r in reply.replicas}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("loss-model") / "tiny")
+    with RayNodes(num_workers=2) as nodes:
+        proc, log = start_up(tmp_path_factory.mktemp("loss-up") / "up.log", "--address", nodes.address,
+                             "--replicas", "2", "--max-replicas-per-node", "1", "--routing-policy", "least_load",
+                             "--model", str(model_dir), "--block-size", "4", "--kv-cache-memory", "0.02",
+                             "--swap-space", "0.01", "--replica-num-cpus", "0.25", "--grpc-port", "0",
+                             "--http-port", "-1", env=nodes.client_env())
+        try:
+            text = wait_for_log(proc, log, "ready: gRPC on")
+            yield nodes, re.search(r"gRPC on (127\.0\.0\.1:\d+)", text).group(1)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def test_a_worker_node_killed_mid_stream_loses_no_stream(cluster):
+    nodes, address = cluster
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+
+            async def run(i, progress=None):
+                tokens, replicas, finishes = [], [], []
+                async for chunk in stub.Generate(request(i), timeout=300):
+                    tokens.extend(chunk.token_ids)
+                    replicas.append(chunk.replica_id)
+                    if chunk.finish_reason:
+                        finishes.append(chunk.finish_reason)
+                    if progress is not None:
+                        progress[i] = (len(tokens), chunk.replica_id)
+                return tokens, replicas, finishes, time.monotonic()
+
+            reference = await asyncio.gather(*(run(i) for i in range(NUM_STREAMS)))
+            where = await live_replicas(stub)
+            progress: dict[int, tuple[int, str]] = {}
+            tasks = [asyncio.ensure_future(run(i, progress)) for i in range(NUM_STREAMS)]
+            deadline = time.monotonic() + 120
+            while len(progress) < NUM_STREAMS or min(n for n, _ in progress.values()) < 3:
+                assert time.monotonic() < deadline, progress
+                assert not any(t.done() for t in tasks), "a stream ended before the fault"
+                await asyncio.sleep(0.01)
+            on = Counter(replica for _, replica in progress.values())
+            # The busiest replica on a worker node (the head holds the GCS and this test's `up`).
+            victim = max((r for r in on if where.get(r) not in ("", HEAD_IP)), key=lambda r: on[r])
+            node = next(n for n in nodes.nodes if n.ip == where[victim])
+            streamed = sum(n for n, _ in progress.values())
+            killed_at = time.monotonic()
+            node.kill()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            last_end = max(r[3] for r in results) - killed_at
+            while True:  # Ray declares the node dead, Serve starts a replica elsewhere, it registers
+                now = await live_replicas(stub)
+                if len(now) == 2 and victim not in now and all(now.values()) and node.ip not in now.values():
+                    break
+                assert time.monotonic() - killed_at < 150, now
+                await asyncio.sleep(1.0)
+            recovered = time.monotonic() - killed_at
+            while node.ip in nodes.alive_node_ips():  # Ray's own verdict comes later (its health checks)
+                assert time.monotonic() - killed_at < 150
+            dead = time.monotonic() - killed_at
+            return reference, results, victim, on[victim], node.ip, streamed, last_end, recovered, dead, where, now
+
+    reference, results, victim, count, ip, streamed, last_end, recovered, dead, before, after = asyncio.run(main())
+    print(f"\nreplicas before {before}; killed node {ip} running {count} of {NUM_STREAMS} streams "
+          f"({streamed} tokens streamed); last stream ended {last_end:.1f}s after the kill; two replicas "
+          f"again after {recovered:.1f}s: {after}; Ray marked the node dead within {dead:.0f}s")
+    assert count >= 1 and streamed < NUM_STREAMS * MAX_TOKENS  # it died mid-stream, running streams
+    migrated = 0
+    for (ref_tokens, _, ref_finish, _), (tokens, replicas, finishes, _) in zip(reference, results):
+        assert tokens == ref_tokens and len(tokens) == MAX_TOKENS and finishes == ref_finish == ["length"]
+        if replicas[0] == victim:
+            assert replicas[-1] != victim
+            migrated += 1
+    assert migrated == count
