@@ -165,9 +165,9 @@ def test_what_is_refused_says_what_is_supported() -> None:
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_gguf_quantization_runs_the_files_blocks(arch, tmp_path) -> None:
-    """``quantization="gguf"`` on the dense families: every linear layer runs the file's blocks (Q / K rows
-    as stored, Phi-3's fused qkv and gate+up as they are) and equals the converted float layer. The MoE
-    families are refused with a message (their experts have no gguf plan yet)."""
+    """``quantization="gguf"``: every linear layer runs the file's blocks (Q / K rows as stored, Phi-3's
+    fused qkv and gate+up as they are, each expert its slice of the stacked expert tensors) and equals the
+    converted float layer; the MoE routers stay float."""
     from workers.model import qgemm
     from workers.model.attention.torch_backend import TorchAttentionBackend
     from workers.model.linear import Linear
@@ -178,16 +178,15 @@ def test_gguf_quantization_runs_the_files_blocks(arch, tmp_path) -> None:
     path = write_tiny_gguf(tmp_path / "native.gguf", arch, seed=1, native_types_only=True)
     folder = convert_gguf_cached(path, tmp_path / "cache")
     backend = TorchAttentionBackend()
-    if arch.endswith("moe"):
-        with pytest.raises(ValueError, match=r"quantization='gguf' is not supported for mixture-of-experts"):
-            load_model(folder, "float32", "cpu", backend, quantization="gguf", gguf_path=path)
-        return
     float_model, _ = load_model(folder, "float32", "cpu", backend)
     model, _ = load_model(folder, "float32", "cpu", backend, quantization="gguf", gguf_path=path)
     floats = {n: m for n, m in float_model.named_modules() if isinstance(m, Linear)}
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.quant is not None}
-    assert {"q8_0", "q4_k", "q6_k"} <= {m.quant.name for m in quantized.values()}
-    assert len(quantized) == 4 * 2 + 1  # every projection of both layers and the LM head
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    quantized = {n: m for n, m in linears.items() if m.quant is not None}
+    assert {"q8_0", "q4_k"} <= {m.quant.name for m in quantized.values()}  # and q6_k but in qwen2moe
+    # Every projection of both layers (each expert's, the shared expert's) and the LM head; routers stay float.
+    assert set(quantized) == {n for n, m in linears.items() if not getattr(m, "keep_float", False)}
+    assert len(quantized) == {"qwen2moe": 2 * (2 + 4 * 2 + 2) + 1, "qwen3moe": 2 * (2 + 4 * 2) + 1}.get(arch, 9)
     for name, layer in quantized.items():
         ids = torch.arange(layer.out_features)
         reference = floats[name].packed.rows(ids) if floats[name].packed is not None else floats[name].weight

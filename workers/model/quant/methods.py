@@ -72,12 +72,12 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
             GGUF tensor in an unsupported format (names it).
     """
     arch = model.arch
-    # Layouts the plans lack: experts (int8 / int4 only), Gemma's sandwich norms (and gguf: its plan reads the
-    # linear layers' blocks and leaves the norms alone).
-    if (arch.num_experts and method not in ("int8", "int4")) or \
+    # Layouts the plans lack: experts (int8 / int4, and gguf: the file's stacked expert blocks), Gemma's sandwich
+    # norms (and gguf: its plan reads the linear layers' blocks and leaves the norms alone).
+    if (arch.num_experts and method not in ("int8", "int4", "gguf")) or \
             (arch.sandwich_norms and method not in ("int8", "int4", "gguf")):
-        kind = (f"mixture-of-experts models ({arch.family}) yet; use 'int8' or 'int4' (their experts are "
-                "quantized, the router stays float32)") if arch.num_experts else f"{arch.family} models yet; use " \
+        kind = (f"mixture-of-experts models ({arch.family}) yet; use 'int8', 'int4' or 'gguf' (their experts "
+                "are quantized, the router stays float32)") if arch.num_experts else f"{arch.family} models yet; use " \
             "'int8', 'int4' or 'gguf'"
         raise ValueError(f"quantization={method!r} is not supported for {kind}")
     lib = qgemm.load()
@@ -294,9 +294,12 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
     reader = GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     arch = model.arch
+    field = reader.fields.get("general.architecture")
+    file_arch = field.contents() if field is not None else "llama"
 
-    def load(name: str) -> Optional[DecodedWeight]:
-        """The tensor's integers, scales and mins; None for a float tensor (its layer stays float)."""
+    def load(name: str, expert: Optional[int] = None) -> Optional[DecodedWeight]:
+        """The tensor's (or one expert's, of a stacked ``[experts, rows, cols]`` one) integers, scales and
+        mins; None for a float tensor (its layer stays float)."""
         tensor = tensors.get(name)
         if tensor is None:
             raise ValueError(f"{gguf_path.name} has no tensor {name!r}")
@@ -305,13 +308,13 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
             return None
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dimensions innermost first
         try:
-            return decode(tensor.data, type_name, shape)
+            return decode(tensor.data if expert is None else tensor.data[expert], type_name, shape)
         except ValueError as e:
             raise ValueError(f"{gguf_path.name}: tensor {name!r}: {e}") from None
 
     def permuted(decoded: Optional[DecodedWeight], heads: int) -> Optional[DecodedWeight]:
         # llama.cpp permutes the Q / K rows of llama-architecture files only (gguf.py); the others' are as HF's.
-        if decoded is None or arch.family != "llama":
+        if decoded is None or file_arch != "llama":
             return decoded
         rows = _reverse_permute(np.arange(decoded.q.shape[0]), heads)
         return decoded.take_rows(rows)
@@ -327,6 +330,17 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
                    load(prefix + "attn_v.weight")]
             plan.append((layer.self_attn.qkv_proj, _stack(qkv)))
         plan.append((layer.self_attn.o_proj, load(prefix + "attn_output.weight")))
+        if hasattr(layer.mlp, "experts"):  # MoE: the router (and the shared expert's gate) stay float
+            for e, expert in enumerate(layer.mlp.experts):
+                parts = [load(f"{prefix}ffn_{p}_exps.weight", e) for p in ("gate", "up")]
+                plan.append((expert.gate_up_proj, _stack(parts)))
+                plan.append((expert.down_proj, load(prefix + "ffn_down_exps.weight", e)))
+            if layer.mlp.shared_expert is not None:
+                shared = layer.mlp.shared_expert
+                plan.append((shared.gate_up_proj, _stack([load(prefix + "ffn_gate_shexp.weight"),
+                                                          load(prefix + "ffn_up_shexp.weight")])))
+                plan.append((shared.down_proj, load(prefix + "ffn_down_shexp.weight")))
+            continue
         gate_up = [load(prefix + "ffn_up.weight")] if prefix + "ffn_gate.weight" not in tensors and \
             arch.family == "phi3" else [load(prefix + "ffn_gate.weight"), load(prefix + "ffn_up.weight")]
         plan.append((layer.mlp.gate_up_proj, _stack(gate_up)))
