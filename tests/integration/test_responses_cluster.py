@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 import subprocess
 
 import openai
@@ -18,7 +19,8 @@ STORY = ("Write a short story about a lighthouse keeper who finds a message in a
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def cluster(tmp_path_factory):
+    """``(up process, openai client)``."""
     log_path = tmp_path_factory.mktemp("responses-up") / "up.log"
     proc, log = start_up(log_path, "--block-size", "16", "--replica-num-cpus", "0.5", "--grpc-port", "0",
                          "--http-port", "0")
@@ -26,7 +28,7 @@ def client(tmp_path_factory):
         text = wait_for_log(proc, log, "ready: gRPC on")
         base = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
         with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as api:
-            yield api
+            yield proc, api
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -34,6 +36,11 @@ def client(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture()
+def client(cluster):
+    return cluster[1]
 
 
 def test_a_continuation_carries_the_context_and_reuses_its_kv(client):
@@ -95,3 +102,26 @@ def test_langchain_chat_openai_with_the_responses_api_answers(client):
     reply = chat.invoke("Name a color.")
     whole = client.responses.create(input="Name a color.", temperature=0, max_output_tokens=12, store=False)
     assert reply.text == whole.output_text and reply.text
+
+
+def test_with_redis_killed_stored_requests_503_and_unstored_ones_answer(cluster):
+    """Last in this module: it leaves the cluster without its Redis."""
+    import os
+
+    import psutil
+
+    proc, client = cluster
+    first = client.responses.create(input="Say hello.", temperature=0, max_output_tokens=4)
+    (redis,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "redis-server"]
+    os.kill(redis.pid, signal.SIGKILL)
+    for _ in range(100):  # not our child: poll until it is gone (or a zombie of up's)
+        if not redis.is_running() or redis.status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    for fields in ({}, {"previous_response_id": first.id}):
+        with pytest.raises(openai.APIStatusError) as err:
+            client.responses.create(input="Again.", temperature=0, max_output_tokens=4, **fields)
+        assert err.value.status_code == 503 and "store: false" in err.value.message, err.value.message
+    # Routing falls back to load only; a response that stores nothing still answers.
+    alone = client.responses.create(input="Say hello.", temperature=0, max_output_tokens=4, store=False)
+    assert alone.output_text == first.output_text
