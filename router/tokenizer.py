@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from cluster.shared.chat_template import ChatTemplate
 from cluster.shared.fingerprint import model_fingerprint as compute_fingerprint
 from cluster.shared.hashing import hash_block_chain, root_hash
+from router.reasoning import ReasoningMode, resolve_reasoning_parser
 from router.token_cache import MIN_CACHED_CHARS, SegmentTokenCache
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class RouterTokenizer:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
+                    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                    template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
         """Token ids of a conversation, rendered with the chat template.
 
         The generation prompt is appended, and the rendered text is encoded
@@ -130,13 +132,27 @@ class RouterTokenizer:
             tools: OpenAI tool objects offered to the model: passed to a
                 template that takes ``tools``, else written in the built-in
                 format (``cluster/shared/chat_template.py``).
+            template_kwargs: More template variables (``chat_template_kwargs``).
 
         Raises:
             ValueError: The model has no chat template, or a message is invalid.
         """
+        return self.encode(self.render_chat_text(messages, tools, template_kwargs), add_special_tokens=False)
+
+    def render_chat_text(self, messages: Sequence[Mapping[str, Any]],
+                         tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                         template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """The prompt text :meth:`render_chat` encodes (same arguments and errors)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: send prompt or prompt_token_ids instead of messages")
-        return self.encode(self.chat_template.render(messages, tools=tools), add_special_tokens=False)
+        return self.chat_template.render(messages, tools=tools, template_kwargs=template_kwargs)
+
+    def reasoning_mode(self, prompt_text: str) -> Optional[ReasoningMode]:
+        """How the output of a chat prompt (its rendered text) splits into reasoning
+        and content; None without a reasoning parser (``router/reasoning.py``)."""
+        template = self.chat_template.source if self.chat_template is not None else None
+        parser = resolve_reasoning_parser(getattr(self, "reasoning_parser", "none"), template)
+        return ReasoningMode.for_prompt(parser, prompt_text[-64:])
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (whole sequences; streaming uses the replica's deltas)."""

@@ -34,6 +34,8 @@ import jinja2.meta
 import jinja2.sandbox
 
 ROLES = ("system", "user", "assistant", "tool")
+# Variables the renderer sets itself: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 # Qwen2.5's tool prompt, word for word: Hermes-trained and Qwen models know it.
 TOOLS_HEADER = (
@@ -83,7 +85,8 @@ class ChatTemplate:
         return cls(source, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")))
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Optional[Sequence[Mapping[str, Any]]] = None) -> str:
+               tools: Optional[Sequence[Mapping[str, Any]]] = None,
+               template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
         """Renders messages into the prompt text.
 
         Args:
@@ -92,10 +95,16 @@ class ChatTemplate:
                 empty), a tool message ``tool_call_id``.
             add_generation_prompt: End with the assistant's turn marker.
             tools: OpenAI tool objects to offer the model (None or empty: none).
+            template_kwargs: More variables for the template (a request's
+                ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``).
 
         Raises:
-            ValueError: A message lacks a known role or string content.
+            ValueError: A message lacks a known role or string content, or
+                ``template_kwargs`` names a variable the renderer sets.
         """
+        reserved = sorted(set(template_kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them")
         if not messages:
             raise ValueError("messages is empty: send at least one message")
         for i, msg in enumerate(messages):
@@ -104,7 +113,7 @@ class ChatTemplate:
             if not isinstance(msg.get("content"), str):
                 raise ValueError(f"messages[{i}].content must be a string")
         plain = [_decoded_calls(m) for m in messages]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
         if self.takes_tools:
             kwargs["tools"] = [dict(t) for t in tools] if tools else None
         else:

@@ -24,7 +24,8 @@ from router.backend import ModelInfo
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import LimitError, Limits
 from router.openai.errors import APIError, bad_request, is_ids, number, param_of
-from router.openai.request_fields import choice_fields, processor_fields
+from router.openai.request_fields import choice_fields, processor_fields, template_kwargs
+from router.reasoning import ReasoningMode
 from router.structured_request import StructuredRequestError, structured_outputs_from_body
 from router.tokenizer import RouterTokenizer
 from router.tools import (ToolError, ToolPlan, apply_tool_constraint, message_tool_fields, parse_tool_plan,
@@ -59,6 +60,7 @@ class ParsedRequest:
     logprobs: Optional[int] = None  # what the client asked (best_of computes them anyway, to rank)
     prompt_logprobs: Optional[int] = None  # vLLM's extra: each choice carries the prompt's
     prompt_texts: list[Optional[str]] = field(default_factory=list)  # each prompt as sent (None: token ids)
+    reasoning: Optional[ReasoningMode] = None  # chat with a reasoning parser: the output is split (router/reasoning.py)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -167,18 +169,27 @@ def _chat_message(msg: Any, i: int) -> dict[str, Any]:
 
 
 def _chat_ids(body: dict, tokenizer: RouterTokenizer, limits: Limits, tools: Optional[ToolPlan] = None) -> list[int]:
+    return _chat_prompt(body, tokenizer, limits, tools)[0]
+
+
+def _chat_prompt(body: dict, tokenizer: RouterTokenizer, limits: Limits,
+                 tools: Optional[ToolPlan] = None) -> tuple[list[int], str]:
+    """The token ids of a chat body's prompt, and its rendered text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     limits.check_messages(len(messages), "messages")
     plain = [_chat_message(msg, i) for i, msg in enumerate(messages)]
+    extra = template_kwargs(body)
     try:
-        ids = tokenizer.render_chat(plain, tools=tools.prompt_tools() if tools else None)
+        text = tokenizer.render_chat_text(plain, tools=tools.prompt_tools() if tools else None, template_kwargs=extra)
     except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
+        raise bad_request(str(exc), "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages") \
+            from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("messages rendered to an empty prompt: send at least one non-empty message", "messages")
-    return ids
+    return ids, text
 
 
 def _sampling_params(body: dict, chat: bool, prompt_lens: list[int], model: ModelInfo, limits: Limits,
@@ -307,8 +318,11 @@ def _parse_request(
         raise bad_request("echo must be true or false", "echo")
     tools = _tool_plan(body, chat, tokenizer)
     texts: list[Optional[str]] = [None]
+    reasoning = None
     if chat:
-        prompts = [_chat_ids(body, tokenizer, limits, tools)]
+        chat_ids, chat_text = _chat_prompt(body, tokenizer, limits, tools)
+        prompts = [chat_ids]
+        reasoning = tokenizer.reasoning_mode(chat_text)
     else:
         raw = _prompts(body, limits)
         texts = [p if isinstance(p, str) else None for p in raw]
@@ -332,9 +346,12 @@ def _parse_request(
             priority=priority, cache_salt=salt, arrival_time=time.time(),
         ))
     first = requests[0].sampling_params
+    if first.structured_outputs is not None:
+        reasoning = None  # the grammar covers the whole output: no think block to split
     return ParsedRequest(requests[0], stream, include_usage, chat, name, tools, requests=requests, n=first.n,
                          echo=echo, logprobs=asked_logprobs,
-                         prompt_logprobs=number(body, "prompt_logprobs", integer=True), prompt_texts=texts)
+                         prompt_logprobs=number(body, "prompt_logprobs", integer=True), prompt_texts=texts,
+                         reasoning=reasoning)
 
 
 def _engine_params(params: SamplingParams, echo: bool) -> SamplingParams:

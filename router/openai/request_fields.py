@@ -80,3 +80,15 @@ def processor_fields(body: dict, vocab_size: Optional[int]) -> dict[str, Any]:
     if min_tokens is not None:
         out["min_tokens"] = min_tokens
     return out
+
+
+def template_kwargs(body: dict) -> Optional[dict[str, Any]]:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template
+    (e.g. ``{"enable_thinking": false}`` for Qwen3); None when unset."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("chat_template_kwargs must be an object of template variables, e.g. "
+                          "{'enable_thinking': false}", "chat_template_kwargs")
+    return value

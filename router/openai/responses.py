@@ -12,6 +12,13 @@ first delta, ``function.arguments`` pieces after), the rest is ``content``
 (None when only calls), and ``finish_reason`` is ``tool_calls`` when calls
 were made and the output ended by itself. The whole answer feeds the same
 parser as the stream, so both give the same calls.
+
+With a reasoning parser (``router/reasoning.py``) the output is split first:
+the think block becomes ``message.reasoning`` and ``message.reasoning_content``
+(the same text under vLLM's new name and the old one that clients still read;
+None when the model did not think), streamed as ``delta.reasoning`` and
+``delta.reasoning_content`` pieces; only the content after it goes to the
+tool-call parser.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from cluster.shared.types import StreamChunk
 from router.openai.bodies import (chat_logprobs, completion_logprobs, echo_logprobs, finish_reason,
                                   merge_completion_logprobs, prompt_logprobs_body, usage_totals)
 from router.openai.protocol import ParsedRequest, backend_error, error_response, internal_error
+from router.reasoning import ReasoningParser, split_reasoning
 from router.tools import ParserDelta, make_parser, parse_tool_output, tool_finish_reason
 
 logger = logging.getLogger(__name__)
@@ -157,11 +165,14 @@ def _choice_body(parsed: ParsedRequest, tokenizer: Any, index: int, prompt: int,
     want_logprobs = parsed.logprobs is not None
     if parsed.chat:
         lp = chat_logprobs(result.logprobs, tokenizer) if want_logprobs else None
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        tool_output = parse_tool_output(parsed.tools, result.text)
+        reasoning, content = split_reasoning(parsed.reasoning, result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parsed.reasoning is not None:
+            message.update(reasoning=reasoning, reasoning_content=reasoning)
+        tool_output = parse_tool_output(parsed.tools, content)
         if tool_output is not None and tool_output.tool_calls:
-            message = {"role": "assistant", "content": tool_output.content,
-                       "tool_calls": [call.body() for call in tool_output.tool_calls]}
+            message["content"] = tool_output.content
+            message["tool_calls"] = [call.body() for call in tool_output.tool_calls]
             reason = tool_finish_reason(reason, len(tool_output.tool_calls))
         elif tool_output is not None:
             message["content"] = tool_output.content
@@ -218,6 +229,7 @@ async def event_stream(
     usage = _Usage(parsed)
     offsets: dict[int, int] = {}
     parsers: dict[int, Any] = {}  # chat with tools: one tool-call parser per choice
+    thinkers: dict[int, ReasoningParser] = {}  # chat with a reasoning parser: one per choice
     prompt_lps: dict[int, list] = {}
     width = parsed.num_generated
     try:
@@ -234,6 +246,8 @@ async def event_stream(
                 offsets[index] = 0
                 if parsed.chat:  # the role comes first, as OpenAI sends it
                     parsers[index] = make_parser(parsed.tools)
+                    if parsed.reasoning is not None:
+                        thinkers[index] = parsed.reasoning.make()
                     yield event([{"index": index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 elif parsed.echo:
@@ -244,7 +258,7 @@ async def event_stream(
             if chunk.text or chunk.finish_reason is not None or chunk.logprobs or first_of_choice:
                 entries = chunk.logprobs or []
                 if parsed.chat:
-                    delta, reason = _chat_delta(chunk, parsers[index])
+                    delta, reason = _chat_delta(chunk, parsers[index], thinkers.get(index))
                     choice = {"index": index, "delta": delta,
                               "logprobs": chat_logprobs(entries, tokenizer) if want_logprobs else None,
                               "finish_reason": reason}
@@ -281,14 +295,24 @@ async def event_stream(
     yield "data: [DONE]\n\n"
 
 
-def _chat_delta(chunk: StreamChunk, tool_parser: Any) -> tuple[dict[str, Any], Optional[str]]:
-    """The chat ``delta`` and finish reason of one chunk, through the tool-call parser if any."""
+def _chat_delta(chunk: StreamChunk, tool_parser: Any,
+                thinker: Optional[ReasoningParser] = None) -> tuple[dict[str, Any], Optional[str]]:
+    """The chat ``delta`` and finish reason of one chunk: its reasoning (if a
+    reasoning parser splits it), then its content through the tool-call parser if any."""
+    reasoning, text = "", chunk.text
+    if thinker is not None:
+        reasoning, text = thinker.feed(text)
+        if chunk.finish_reason is not None:
+            more_reasoning, more_text = thinker.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+    delta: dict[str, Any] = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
     if tool_parser is None:
-        return ({"content": chunk.text} if chunk.text else {}), finish_reason(chunk)
-    out: ParserDelta = tool_parser.feed(chunk.text)
+        if text:
+            delta["content"] = text
+        return delta, finish_reason(chunk)
+    out: ParserDelta = tool_parser.feed(text)
     if chunk.finish_reason is not None:
         out = out + tool_parser.finish()
-    delta: dict[str, Any] = {}
     if out.content:
         delta["content"] = out.content
     if out.tool_calls:

@@ -19,6 +19,10 @@ A stream sends OpenAI's events, each with ``sequence_number``::
     response.output_item.done, then response.completed (or response.incomplete at
     max_output_tokens), or an ``error`` event
 
+With a reasoning parser, a ``reasoning`` item (``response.reasoning_text.delta``
+/ ``.done``; ``responses_reasoning.py``) comes first, and only the content
+after the think block is read for calls and kept in the stored conversation.
+
 Stored (``store``, default true): the response, its input items and the
 conversation so far (without ``instructions``, which a continuation does not
 inherit, as OpenAI documents), under the caller's tenant.
@@ -40,6 +44,8 @@ from router.openai.bodies import finish_reason
 from router.openai.protocol import APIError, backend_error, error_response, internal_error, parse_request
 from router.openai.response_store import StoreUnavailable
 from router.openai.responses import EventStream, close_stream
+from router.openai.responses_reasoning import ReasoningEvents, reasoning_item
+from router.reasoning import split_reasoning
 from router.tools import make_parser, parse_tool_output
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,8 @@ class _Outcome:
 
     def __init__(self) -> None:
         self.text = ""
+        self.reasoning: Optional[str] = None  # the think block, with a reasoning parser
+        self.reasoning_id = conv.new_id("rs")
         self.calls: list[dict] = []  # function_call output items
         self.last: Optional[StreamChunk] = None
 
@@ -185,6 +193,7 @@ class ResponsesAPI:
             outcome.last = chunk
             if chunk.finished:
                 break
+        outcome.reasoning, outcome.text = split_reasoning(parsed.reasoning, outcome.text)
         tool_output = parse_tool_output(parsed.tools, outcome.text)
         if tool_output is not None:
             outcome.text = tool_output.content or ""
@@ -192,7 +201,7 @@ class ResponsesAPI:
         return outcome
 
     def _finish(self, response: dict, outcome: _Outcome, message_id: Optional[str] = None) -> dict:
-        output = []
+        output = [reasoning_item(outcome.reasoning_id, outcome.reasoning)] if outcome.reasoning else []
         if outcome.text or not outcome.calls:
             output.append(_message_item(message_id or conv.new_id("msg"), outcome.text))
         output.extend(outcome.calls)
@@ -209,7 +218,7 @@ class ResponsesAPI:
         for item in final["output"]:
             if item["type"] == "message":
                 reply["content"] = "".join(part["text"] for part in item["content"])
-            else:
+            elif item["type"] == "function_call":
                 reply.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
                     "name": item["name"], "arguments": item["arguments"]}})
         if reply["content"] is None and "tool_calls" not in reply:
@@ -230,37 +239,57 @@ class ResponsesAPI:
 
         outcome = _Outcome()
         parser = make_parser(parsed.tools)
+        thinker = parsed.reasoning.make() if parsed.reasoning is not None else None
+        thinking = ReasoningEvents(event)
+        outcome.reasoning_id = thinking.item_id
         message_id = conv.new_id("msg")
         message_open = False
-        raw = []  # the output as generated: its calls are parsed whole at the end
+        raw = []  # the content as generated (after any think block): its calls are parsed whole at the end
         try:
             yield event("response.created", response=response)
             yield event("response.in_progress", response=response)
             async for chunk in stream:
                 outcome.last = chunk
-                raw.append(chunk.text)
-                pieces = parser.feed(chunk.text) if parser is not None else None
+                content = chunk.text
+                if thinker is not None:
+                    thought, content = thinker.feed(content)
+                    if chunk.finished:
+                        more_thought, more_content = thinker.finish()
+                        thought, content = thought + more_thought, content + more_content
+                    for line in thinking.delta(thought):
+                        yield line
+                raw.append(content)
+                pieces = parser.feed(content) if parser is not None else None
                 if parser is not None and chunk.finished:
                     pieces = pieces + parser.finish()
-                text = chunk.text if parser is None else (pieces.content or "")
+                text = content if parser is None else (pieces.content or "")
                 if text:
+                    for line in thinking.close():
+                        yield line
                     if not message_open:
                         message_open = True
-                        yield event("response.output_item.added", output_index=0,
+                        yield event("response.output_item.added", output_index=thinking.num_items,
                                     item=_message_item(message_id, "", "in_progress"))
-                        yield event("response.content_part.added", item_id=message_id, output_index=0,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        yield event("response.content_part.added", item_id=message_id,
+                                    output_index=thinking.num_items, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})
                     outcome.text += text
-                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                                delta=text, logprobs=[])
+                    yield event("response.output_text.delta", item_id=message_id, output_index=thinking.num_items,
+                                content_index=0, delta=text, logprobs=[])
                 if chunk.finished:
                     break
             tool_output = parse_tool_output(parsed.tools, "".join(raw))
             if tool_output is not None:
                 outcome.calls = [_call_item(call) for call in tool_output.tool_calls]
+            outcome.reasoning = thinking.text or None
             final = self._finish(response, outcome, message_id)
+            for line in thinking.close():
+                yield line
             index = 0
             for item in final["output"]:
+                if item["type"] == "reasoning":
+                    index += 1
+                    continue  # sent as it came
                 if item["type"] == "message":
                     if not message_open:
                         yield event("response.output_item.added", output_index=index,
