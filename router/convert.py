@@ -22,6 +22,7 @@ from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams
 from router.limits import Limits
 from router.convert_tools import chat_message, constrain, tool_plan_from_proto
 from router.pb import generation_pb2 as pb
+from router.reasoning import ReasoningMode, ReasoningParser
 from router.structured_request import check_json_schema
 from router.tokenizer import RouterTokenizer
 from router.tools import ToolPlan
@@ -306,6 +307,29 @@ def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
             )
         )
     return msg
+
+
+def reasoning_mode_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
+                              request: GenerationRequest) -> Optional[ReasoningMode]:
+    """How the output of ``msg`` splits into reasoning and content (``router/reasoning.py``):
+    chat (``messages``) requests without a grammar only, as over HTTP; whether the
+    output starts in reasoning is read from the rendered prompt's last tokens."""
+    mode_of = getattr(tokenizer, "reasoning_mode", None)
+    if mode_of is None or msg.WhichOneof("input") != "messages" or request.sampling_params.structured_outputs:
+        return None
+    return mode_of(tokenizer.decode(request.prompt_token_ids[-16:], skip_special_tokens=False))
+
+
+def split_reasoning_chunk(response: pb.GenerateResponse, chunk: StreamChunk,
+                          parser: ReasoningParser) -> pb.GenerateResponse:
+    """Moves the reasoning out of ``response.text`` (its choice's ``parser`` holds
+    what may start a tag) into ``response.reasoning``, in place; returns ``response``."""
+    reasoning, content = parser.feed(response.text)
+    if chunk.finish_reason is not None:
+        more_reasoning, more_content = parser.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    response.reasoning, response.text = reasoning, content
+    return response
 
 
 def replica_stats_to_proto(stats: ReplicaStats) -> pb.ReplicaInfo:

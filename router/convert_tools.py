@@ -199,7 +199,7 @@ class ToolCallStream:
             ``response``.
         """
         ended = chunk.finish_reason is not None  # this choice ended (others may go on)
-        delta = self._parser.feed(chunk.text)
+        delta = self._parser.feed(response.text)  # the content, after any reasoning split
         if ended:
             delta = delta + self._parser.finish()
         response.text = delta.content

@@ -47,6 +47,10 @@ request's tool-call parser: ``text`` carries the content, ``tool_calls`` each
 call once, whole, on the chunk that completes it, and ``finish_reason`` is
 ``tool_calls`` when calls were made (``router/convert_tools.py``).
 
+With a reasoning parser (``--reasoning-parser``, ``router/reasoning.py``) a
+chat (``messages``) request's ``<think>`` block goes to each chunk's
+``reasoning`` and ``text`` keeps the content, which alone is read for calls.
+
 The server is stateless: several routers on one Redis behave as one.
 """
 
@@ -126,11 +130,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None))
 
     def _convert(self, request: pb.GenerateRequest, limits: Limits) -> Any:
-        """``(engine request, tool plan, the model's backend)``."""
+        """``(engine request, tool plan, reasoning mode, the model's backend)``."""
         backend = self.backends.pick(request.model)
         engine_request, tools = convert.request_and_tools_from_proto(request, backend.tokenizer,
                                                                      backend.model.max_model_len, limits)
-        return engine_request, tools, backend
+        reasoning = convert.reasoning_mode_from_proto(request, backend.tokenizer, engine_request)
+        return engine_request, tools, reasoning, backend
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -144,10 +149,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tenant, admission = self._admit(context)  # limits before any parsing or tokenizing
             limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
             if request.ByteSize() >= OFFLOAD_BYTES:
-                engine_request, tools, backend = await asyncio.to_thread(self._convert, request, limits)
+                engine_request, tools, reasoning, backend = await asyncio.to_thread(self._convert, request, limits)
             else:
-                engine_request, tools, backend = self._convert(request, limits)
+                engine_request, tools, reasoning, backend = self._convert(request, limits)
             tool_streams: dict[int, Any] = {}  # one tool-call parser per choice
+            thinkers: dict[int, Any] = {}  # one reasoning parser per choice
             if not request.request_id:
                 engine_request = dataclasses.replace(engine_request, request_id=request_id)
             if tenant is not None:
@@ -166,6 +172,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         except StopAsyncIteration:
                             break
                     response = convert.chunk_to_proto(chunk)
+                    if reasoning is not None:  # reasoning first: tool calls are read from the content only
+                        if chunk.index not in thinkers:
+                            thinkers[chunk.index] = reasoning.make()
+                        convert.split_reasoning_chunk(response, chunk, thinkers[chunk.index])
                     if tools is not None and chunk.index not in tool_streams:
                         tool_streams[chunk.index] = ToolCallStream.of(tools)
                     tool_stream = tool_streams.get(chunk.index)

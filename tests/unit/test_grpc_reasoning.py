@@ -1,0 +1,110 @@
+"""Reasoning over gRPC (``GenerateResponse.reasoning``, ``router/reasoning.py``):
+a real ``RouterServer`` on loopback over a fake backend that streams a
+Qwen3-style output in pieces that cut the tags; tool calls are read from the
+content after the think block only."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from cluster.shared.types import FinishReason
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from router.server import RouterServer
+from tests.factories import make_router_tokenizer
+from tests.unit.test_grpc_tools import WEATHER, RecordingBackend
+
+# ChatML with Qwen3's switch: enable_thinking false writes an empty think block.
+QWEN3ISH = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+THOUGHT = ["<thi", "nk>\nParis", " weather?\n</th", "ink>\n", "\nSunny", "."]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tokenizer = make_router_tokenizer(tmp_path_factory.mktemp("grpc-think-tok"), QWEN3ISH)
+    tokenizer.reasoning_parser = "qwen3"
+    backend = RecordingBackend(tokenizer)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = RouterServer(backend, port=0)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    yield backend, server.address
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+@pytest.fixture
+def backend(served):
+    backend = served[0]
+    backend.requests.clear()
+    backend.pieces, backend.finish = THOUGHT, FinishReason.STOP
+    backend.tokenizer.reasoning_parser = "qwen3"
+    return backend
+
+
+def generate(address: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    with grpc.insecure_channel(address) as channel:
+        return list(pb_grpc.GenerationStub(channel).Generate(request, timeout=20))
+
+
+def chat(content: str = "Weather in Paris?", **fields) -> pb.GenerateRequest:
+    msg = pb.GenerateRequest(**fields)
+    msg.messages.items.add(role="user", content=content)
+    return msg
+
+
+def test_each_chunk_carries_its_reasoning_and_the_text_only_the_content(served, backend):
+    responses = generate(served[1], chat())
+    assert len(responses) == len(THOUGHT)
+    assert "".join(r.reasoning for r in responses) == "Paris weather?"
+    assert "".join(r.text for r in responses) == "Sunny."
+    assert [r.reasoning for r in responses][:3] == ["", "Paris", " weather?"]  # released as it comes
+    assert responses[-1].finish_reason == "stop"
+
+
+def test_tool_calls_come_from_the_content_after_the_think_block(served, backend):
+    backend.pieces = ["<think>\nI could say ", CALL[:20], CALL[20:], "\n</think>\n\n", CALL[:30], CALL[30:]]
+    responses = generate(served[1], chat(tools=[WEATHER]))
+    assert "".join(r.reasoning for r in responses) == "I could say " + CALL
+    calls = [(c.name, c.arguments) for r in responses for c in r.tool_calls]
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    assert "".join(r.text for r in responses) == "" and responses[-1].finish_reason == "tool_calls"
+
+
+def test_no_parser_prompts_and_grammars_leave_the_text_whole(served, backend):
+    whole = "".join(THOUGHT)
+    raw = pb.GenerateRequest(prompt="Weather in Paris?")  # not a chat request: not split
+    named = chat(tools=[WEATHER], tool_choice_function="get_weather")  # a grammar covers the whole output
+    for request in (raw, named):
+        responses = generate(served[1], request)
+        assert "".join(r.text for r in responses) + "".join(c.arguments for r in responses for c in r.tool_calls) \
+            == whole and not any(r.reasoning for r in responses)
+    backend.tokenizer.reasoning_parser = "none"
+    responses = generate(served[1], chat())
+    assert "".join(r.text for r in responses) == whole and not any(r.reasoning for r in responses)
+
+
+def test_a_prompt_that_opens_think_starts_the_output_in_reasoning(served, backend, tmp_path):
+    opened = make_router_tokenizer(tmp_path, QWEN3ISH.replace("assistant\n' }}", "assistant\n<think>\n' }}"))
+    opened.reasoning_parser = "qwen3"
+    kept, backend.tokenizer = backend.tokenizer, opened
+    backend.pieces = ["Hmm, Paris", ".\n</think>", "\n\nSunny."]
+    try:
+        responses = generate(served[1], chat())
+    finally:
+        backend.tokenizer = kept
+    assert "".join(r.reasoning for r in responses) == "Hmm, Paris."
+    assert "".join(r.text for r in responses) == "Sunny."
