@@ -88,8 +88,8 @@ class RedisResponseStore:
     def from_url(cls, url: str, namespace: str, **kwargs: Any) -> "RedisResponseStore":
         """A store over its own connection pool (``env:NAME`` and Sentinel URLs as the directory's)."""
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         from cluster.shared.config.loading import from_env
         from cluster.shared.directory.connection import SENTINEL_SCHEME, sentinel_client

@@ -1,0 +1,70 @@
+"""Two routers over one cluster share /v1/responses state through Redis: a
+conversation started on one continues on the other, whose prefix-aware routing
+finds the first turn's KV on the replica that holds it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+
+import openai
+import pytest
+
+from cluster.shared.config import RouterConfig
+from router.deployment import ServedModel, open_models
+from router.limits import Limits
+from router.openai import serve_openai
+from tests.integration.router_cluster import make_chat_model_dir, new_handle, serve_app
+
+APP = "responses-routers"
+INPUT = " ".join(f"item {i} of the inventory list is a box of parts;" for i in range(4))
+
+
+@contextlib.contextmanager
+def router(model_dir, redis_url: str, namespace: str):
+    """One router's HTTP front end (its own Serve handle, directory index and store client)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        served = [ServedModel(str(model_dir), "tiny", 512, namespace, "prefix_cost")]
+        backends, _, metrics = await open_models({"tiny": new_handle(APP)}, served, redis_url, RouterConfig(),
+                                                 Limits())
+        return await serve_openai(backends, port=0, metrics=metrics)
+
+    handle = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    try:
+        with openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=120) as client:
+            yield client
+    finally:
+        asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def routers(ray_local, redis_server, tmp_path_factory):
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("responses-routers"))
+    namespace = f"rr-{uuid.uuid4().hex[:6]}"
+    with serve_app(APP, model_dir, redis_server.url, namespace, replicas=2, routing_policy="prefix_cost",
+                   block_size=4, num_kv_blocks=256):
+        with router(model_dir, redis_server.url, namespace) as a, router(model_dir, redis_server.url, namespace) as b:
+            yield a, b
+
+
+def test_a_conversation_continues_on_another_router_with_its_kv(routers):
+    a, b = routers
+    first = a.responses.create(model="tiny", input=INPUT, temperature=0, max_output_tokens=8)
+    time.sleep(1.5)  # the replica's KV events reach the directory and the other router's index
+    second = b.responses.create(model="tiny", input="And the next one?", previous_response_id=first.id,
+                                temperature=0, max_output_tokens=4)
+    assert second.usage.input_tokens >= first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 0.8 * first.usage.input_tokens, second.usage
+    assert b.responses.retrieve(first.id).output_text == first.output_text  # stored by a, read by b
+    b.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(first.id)
