@@ -312,12 +312,15 @@ def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
 def reasoning_mode_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
                               request: GenerationRequest) -> Optional[ReasoningMode]:
     """How the output of ``msg`` splits into reasoning and content (``router/reasoning.py``):
-    chat (``messages``) requests without a grammar only, as over HTTP; whether the
-    output starts in reasoning is read from the rendered prompt's last tokens."""
+    chat (``messages``) requests only, as over HTTP; whether the output starts in
+    reasoning is read from the rendered prompt's last tokens (under a grammar: never)."""
     mode_of = getattr(tokenizer, "reasoning_mode", None)
-    if mode_of is None or msg.WhichOneof("input") != "messages" or request.sampling_params.structured_outputs:
+    if mode_of is None or msg.WhichOneof("input") != "messages":
         return None
-    return mode_of(tokenizer.decode(request.prompt_token_ids[-16:], skip_special_tokens=False))
+    mode = mode_of(tokenizer.decode(request.prompt_token_ids[-16:], skip_special_tokens=False))
+    if mode is not None and request.sampling_params.structured_outputs is not None:
+        return mode.under_grammar()
+    return mode
 
 
 def split_reasoning_chunk(response: pb.GenerateResponse, chunk: StreamChunk,

@@ -22,6 +22,11 @@ any position is recognized: text that may be the start of a tag is held until
 the next chunk (or :meth:`ReasoningParser.finish`) decides. Streamed and whole
 outputs split identically.
 
+Under a grammar (structured outputs, a required or named tool choice) the
+output starts in content whatever the prompt or parser: the grammar covers it
+from its first token, so only a think block the grammar itself lets the model
+write (``<think>…</think>`` at the start) is reasoning (:meth:`ReasoningMode.under_grammar`).
+
 ``auto`` picks from the chat template: a template that writes
 ``<｜Assistant｜>`` and ``<think>`` is DeepSeek-R1's, any other that mentions
 ``<think>`` or ``enable_thinking`` is Qwen3-like; one that mentions neither
@@ -30,6 +35,7 @@ gets no parser (all content).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -83,6 +89,10 @@ class ReasoningMode:
         if tail.endswith(CLOSE_TAG):
             return cls(parser, no_reasoning=True)
         return cls(parser, start_in_reasoning=parser == "deepseek_r1" or tail.endswith(OPEN_TAG))
+
+    def under_grammar(self) -> "ReasoningMode":
+        """The mode when a grammar constrains the output: it starts in content."""
+        return dataclasses.replace(self, start_in_reasoning=False)
 
     def make(self) -> "ReasoningParser":
         return ReasoningParser(self.start_in_reasoning, self.no_reasoning)

@@ -346,8 +346,8 @@ def _parse_request(
             priority=priority, cache_salt=salt, arrival_time=time.time(),
         ))
     first = requests[0].sampling_params
-    if first.structured_outputs is not None:
-        reasoning = None  # the grammar covers the whole output: no think block to split
+    if first.structured_outputs is not None and reasoning is not None:
+        reasoning = reasoning.under_grammar()  # the grammar covers the output from its first token
     return ParsedRequest(requests[0], stream, include_usage, chat, name, tools, requests=requests, n=first.n,
                          echo=echo, logprobs=asked_logprobs,
                          prompt_logprobs=number(body, "prompt_logprobs", integer=True), prompt_texts=texts,

@@ -84,17 +84,26 @@ def test_tool_calls_come_from_the_content_after_the_think_block(served, backend)
     assert "".join(r.text for r in responses) == "" and responses[-1].finish_reason == "tool_calls"
 
 
-def test_no_parser_prompts_and_grammars_leave_the_text_whole(served, backend):
+def test_no_parser_and_prompts_leave_the_text_whole(served, backend):
     whole = "".join(THOUGHT)
-    raw = pb.GenerateRequest(prompt="Weather in Paris?")  # not a chat request: not split
-    named = chat(tools=[WEATHER], tool_choice_function="get_weather")  # a grammar covers the whole output
-    for request in (raw, named):
-        responses = generate(served[1], request)
-        assert "".join(r.text for r in responses) + "".join(c.arguments for r in responses for c in r.tool_calls) \
-            == whole and not any(r.reasoning for r in responses)
+    responses = generate(served[1], pb.GenerateRequest(prompt="Weather in Paris?"))  # not chat: not split
+    assert "".join(r.text for r in responses) == whole and not any(r.reasoning for r in responses)
     backend.tokenizer.reasoning_parser = "none"
     responses = generate(served[1], chat())
     assert "".join(r.text for r in responses) == whole and not any(r.reasoning for r in responses)
+
+
+def test_under_a_grammar_the_output_starts_in_content(served, backend, tmp_path):
+    opened = make_router_tokenizer(tmp_path, QWEN3ISH.replace("assistant\n' }}", "assistant\n<think>\n' }}"))
+    opened.reasoning_parser = "deepseek_r1"
+    kept, backend.tokenizer = backend.tokenizer, opened
+    backend.pieces = ['{"city": ', '"Paris"}']
+    try:
+        responses = generate(served[1], chat(tools=[WEATHER], tool_choice_function="get_weather"))
+    finally:
+        backend.tokenizer = kept
+    assert not any(r.reasoning for r in responses)
+    assert [(c.name, c.arguments) for r in responses for c in r.tool_calls] == [("get_weather", '{"city": "Paris"}')]
 
 
 def test_a_prompt_that_opens_think_starts_the_output_in_reasoning(served, backend, tmp_path):

@@ -112,11 +112,18 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(api, fake):
     assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
 
 
-def test_a_grammar_covers_the_whole_output_so_nothing_is_split(api, fake):
-    fake.script = ['{"a": 1}']
+def test_under_a_grammar_the_output_starts_in_content(api, fake):
+    # deepseek_r1 starts in reasoning, but a JSON grammar holds the output from its first token.
+    fake.tokenizer.reasoning_parser = "deepseek_r1"
+    fake.script = ['{"a": ', '1}']
     message = api.chat.completions.create(model=MODEL, messages=HI,
                                           response_format={"type": "json_object"}).choices[0].message
-    assert message.content == '{"a": 1}' and "reasoning" not in (message.model_extra or {})
+    assert message.content == '{"a": 1}' and message.model_extra["reasoning"] is None
+    # A grammar that writes the think block itself is split.
+    fake.script = ["<think>", "short</think>", "yes"]
+    message = api.chat.completions.create(model=MODEL, messages=HI, extra_body={
+        "structured_outputs": {"regex": "<think>[a-z]+</think>[a-z]+"}}).choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == ("short", "yes")
 
 
 def test_chat_template_kwargs_reach_the_template(api, fake):
