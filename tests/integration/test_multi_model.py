@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ import pytest
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir
-from tests.integration.up_process import start_up, wait_for_log
+from tests.integration.up_process import running_up
 
 PROMPT = "hello world"
 NUM_TOKENS = 8
@@ -69,21 +68,12 @@ def models(tmp_path_factory):
 def served(models, tmp_path_factory):
     """``prefixserve up --model alpha --model beta``: yields ``(process, HTTP base URL, gRPC address)``."""
     log_path = tmp_path_factory.mktemp("mm-up") / "up.log"
-    proc, log = start_up(log_path, "--model", str(models["alpha"]), "--model", str(models["beta"]),
-                         "--block-size", "4", "--kv-cache-memory", "0.01", "--swap-space", "0.01",
-                         "--replica-num-cpus", "0.25", "--grpc-port", "0", "--http-port", "0")
-    try:
-        text = wait_for_log(proc, log, "ready: gRPC on")
+    with running_up(log_path, "--model", str(models["alpha"]), "--model", str(models["beta"]),
+                    "--block-size", "4", "--kv-cache-memory", "0.01", "--swap-space", "0.01",
+                    "--replica-num-cpus", "0.25", "--grpc-port", "0", "--http-port", "0") as (proc, text):
         base = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
         address = re.search(r"gRPC on (127\.0\.0\.1:\d+)", text).group(1)
         yield proc, base, address
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def test_models_lists_both_and_each_request_reaches_its_model(served, models):

@@ -7,12 +7,11 @@ from __future__ import annotations
 import re
 import signal
 import time
-import subprocess
 
 import openai
 import pytest
 
-from tests.integration.up_process import start_up, wait_for_log
+from tests.integration.up_process import running_up
 
 STORY = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
          "The keeper lives alone on a rocky island far from the coast, and every night lights the lamp. ") * 3
@@ -22,20 +21,11 @@ STORY = ("Write a short story about a lighthouse keeper who finds a message in a
 def cluster(tmp_path_factory):
     """``(up process, openai client)``."""
     log_path = tmp_path_factory.mktemp("responses-up") / "up.log"
-    proc, log = start_up(log_path, "--block-size", "16", "--replica-num-cpus", "0.5", "--grpc-port", "0",
-                         "--http-port", "0")
-    try:
-        text = wait_for_log(proc, log, "ready: gRPC on")
+    with running_up(log_path, "--block-size", "16", "--replica-num-cpus", "0.5", "--grpc-port", "0",
+                    "--http-port", "0") as (proc, text):
         base = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
         with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as api:
             yield proc, api
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture()

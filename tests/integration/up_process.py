@@ -3,11 +3,13 @@ tests read."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Iterator, Optional
 
 
 def start_up(log_path: Path, *args: str, stdout: Optional[int] = subprocess.DEVNULL,
@@ -29,3 +31,24 @@ def wait_for_log(proc: subprocess.Popen, log: IO, needle: str, timeout_s: float 
         log.seek(0)
         text = log.read()
     return text
+
+
+def stop_up(proc: subprocess.Popen, log: IO, timeout_s: float = 120) -> None:
+    """SIGTERM (``up`` drains and stops everything it started), SIGKILL if it hangs; closes the log."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@contextlib.contextmanager
+def running_up(log_path: Path, *args: str, env: Optional[dict[str, str]] = None,
+               ready: str = "ready: gRPC on") -> Iterator[tuple[subprocess.Popen, str]]:
+    """``up *args`` until the block ends: yields the process and its log once ``ready`` is in it."""
+    proc, log = start_up(log_path, *args, env=env)
+    try:
+        yield proc, wait_for_log(proc, log, ready)
+    finally:
+        stop_up(proc, log)
