@@ -155,7 +155,7 @@ class RayNodes:
     def alive_node_ips(self) -> list[str]:
         """Node IPs Ray sees alive (asks ``ray list nodes`` is heavy; reads the GCS through a client)."""
         script = ("import ray, json; ray.init(address=%r, logging_level='ERROR');"
-                  "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
+                  "print('ALIVE', json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
                   % self.address)
         out = subprocess.run([sys.executable, "-c", script], env=self.client_env(), capture_output=True,
                              text=True, timeout=120)
@@ -163,7 +163,9 @@ class RayNodes:
             raise RuntimeError(out.stderr[-3000:])
         import json
 
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        # Ray may print its own lines (a dead node's warning) around ours.
+        line = next(line for line in out.stdout.splitlines() if line.startswith("ALIVE "))
+        return json.loads(line[len("ALIVE "):])
 
     def wait_alive(self, count: int, timeout_s: float = 60.0) -> list[str]:
         """Node IPs once ``count`` nodes are alive."""

@@ -4,7 +4,9 @@ replica SIGKILLed at once) on three hand-started Ray nodes
 on the replica of another node with the tokens of an undisturbed run, and
 Serve brings the replica count back on the nodes that remain once Ray
 declares the node dead. Prints the time from the kill to the last stream's
-end and to two live replicas again."""
+end and to two live replicas again. Then a node that stalls instead
+(its processes SIGSTOPped): no stream waits past its deadline, and its
+replica leaves the directory once its heartbeats lapse."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 from collections import Counter
 
 import grpc
+import psutil
 import pytest
 
 from router.pb import generation_pb2 as pb
@@ -122,3 +125,66 @@ def test_a_worker_node_killed_mid_stream_loses_no_stream(cluster):
             assert replicas[-1] != victim
             migrated += 1
     assert migrated == count
+
+
+def test_a_stalled_node_trips_deadlines_and_new_requests_avoid_it(cluster):
+    """After the test above: replicas on the head and on one worker; that worker stalls."""
+    from cluster.shared.directory import DEFAULT_TTL_S
+
+    nodes, address = cluster
+    deadline_s = 10.0
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+
+            async def run(i, progress=None):
+                began, replicas = time.monotonic(), []
+                try:
+                    async for chunk in stub.Generate(request(i), timeout=deadline_s):
+                        replicas.append(chunk.replica_id)
+                        if progress is not None:
+                            progress[i] = len(replicas)
+                    return "OK", time.monotonic() - began, replicas
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name, time.monotonic() - began, replicas
+
+            where = await live_replicas(stub)
+            stalled = next(r for r, ip in where.items() if ip not in ("", HEAD_IP))
+            node = next(n for n in nodes.nodes if n.ip == where[stalled])
+            progress: dict[int, int] = {}
+            tasks = [asyncio.ensure_future(run(i, progress)) for i in range(NUM_STREAMS)]
+            while len(progress) < NUM_STREAMS or min(progress.values()) < 3:  # all streaming
+                assert not any(t.done() for t in tasks), "a stream ended before the stall"
+                await asyncio.sleep(0.01)
+            stopped_at = time.monotonic()
+            for proc in node.processes():
+                try:
+                    proc.send_signal(signal.SIGSTOP)
+                except psutil.Error:
+                    pass
+            try:
+                during = await asyncio.gather(*tasks)
+                while stalled in await live_replicas(stub):
+                    assert time.monotonic() - stopped_at < DEFAULT_TTL_S + 30
+                    await asyncio.sleep(0.5)
+                dropped = time.monotonic() - stopped_at
+                after = [await run(100 + i) for i in range(4)]
+            finally:
+                node.kill()  # SIGKILL ends stopped processes too; `up` then stops without waiting on them
+            return where, stalled, node.ip, during, dropped, after
+
+    where, stalled, ip, during, dropped, after = asyncio.run(main())
+    print(f"\nreplicas {where}; stalled node {ip}; streams during the stall (code, seconds): "
+          f"{[(c, round(s, 1)) for c, s, _ in during]}; its replica left the directory after {dropped:.1f}s; "
+          f"after: {[(c, round(s, 1), r[:1]) for c, s, r in after]}")
+    assert all(seconds < deadline_s + 2 for _, seconds, _ in during)  # nobody waits past the deadline
+    assert any(code == "DEADLINE_EXCEEDED" for code, _, _ in during)  # some ran on the stalled replica
+    assert all(code in ("OK", "DEADLINE_EXCEEDED") for code, _, _ in during)
+    # Its replica leaves the directory once its heartbeats lapse (TTL); Serve's
+    # request router still lists it until Serve's own health check fails
+    # (health_check_timeout_s 60), so a new request may still go there and
+    # end at its deadline: every one ends, none waits longer.
+    assert dropped < DEFAULT_TTL_S + 10
+    assert all(code in ("OK", "DEADLINE_EXCEEDED") and seconds < deadline_s + 2 for code, seconds, _ in after)
+    assert any(code == "OK" for code, _, _ in after)
