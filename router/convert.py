@@ -11,6 +11,7 @@ Tool calling (``GenerateRequest.tools``, ``ChatMessage.tool_calls``,
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import uuid
@@ -166,6 +167,8 @@ def prompt_ids_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
     kind = msg.WhichOneof("input")
     if kind is None:
         raise ValueError("the request has no input: set one of prompt, prompt_token_ids or messages")
+    if kind != "messages" and msg.chat_template_kwargs_json:
+        raise ValueError("chat_template_kwargs_json applies to messages only: leave it empty with " + kind)
     if kind == "prompt":
         if not msg.prompt:
             raise ValueError("prompt is empty: send at least one character")
@@ -178,13 +181,27 @@ def prompt_ids_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
         return ids
     messages = [chat_message(m, i) for i, m in enumerate(msg.messages.items)]
     try:
-        ids = tokenizer.render_chat(messages, tools=tools.prompt_tools() if tools else None)
+        ids = tokenizer.render_chat(messages, tools=tools.prompt_tools() if tools else None,
+                                    template_kwargs=_template_kwargs(msg.chat_template_kwargs_json))
     except ValueError as exc:
         # ChatTemplate names fields as messages[i].role; the proto nests them in items.
         raise ValueError(str(exc).replace("messages[", "messages.items[")) from None
     if not ids:
         raise ValueError("messages rendered to an empty prompt: send at least one non-empty message")
     return ids
+
+
+def _template_kwargs(text: str) -> Optional[dict]:
+    """``chat_template_kwargs_json`` decoded (None when empty)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"chat_template_kwargs_json is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError("chat_template_kwargs_json must be a JSON object, e.g. {\"enable_thinking\": false}")
+    return value
 
 
 def request_from_proto(

@@ -132,7 +132,7 @@ class ChoiceList(_message.Message):
     def __init__(self, items: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "request_id", "priority", "cache_salt", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "model")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "request_id", "priority", "cache_salt", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "model", "chat_template_kwargs_json")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     messages: ChatMessages
@@ -157,7 +158,8 @@ class GenerateRequest(_message.Message):
     tool_choice_function: str
     parallel_tool_calls: bool
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    chat_template_kwargs_json: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., model: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs")

@@ -117,3 +117,24 @@ def test_a_prompt_that_opens_think_starts_the_output_in_reasoning(served, backen
         backend.tokenizer = kept
     assert "".join(r.reasoning for r in responses) == "Hmm, Paris."
     assert "".join(r.text for r in responses) == "Sunny."
+
+
+def test_chat_template_kwargs_reach_the_template(served, backend):
+    responses = generate(served[1], chat(chat_template_kwargs_json='{"enable_thinking": false}'))
+    assert backend.requests[-1].prompt_token_ids == backend.tokenizer.render_chat(
+        [{"role": "user", "content": "Weather in Paris?"}], template_kwargs={"enable_thinking": False})
+    # The prompt closed the think block: the output is all content.
+    assert "".join(r.text for r in responses) == "".join(THOUGHT) and not any(r.reasoning for r in responses)
+
+
+@pytest.mark.parametrize("request_, message", [
+    (chat(chat_template_kwargs_json="{nope"), "chat_template_kwargs_json is not valid JSON"),
+    (chat(chat_template_kwargs_json="[1]"), "must be a JSON object"),
+    (chat(chat_template_kwargs_json='{"tools": 1}'), "may not set tools"),
+    (pb.GenerateRequest(prompt="hi", chat_template_kwargs_json="{}"), "applies to messages only"),
+])
+def test_bad_chat_template_kwargs_are_invalid_argument(served, backend, request_, message):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(served[1], request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert not backend.requests
