@@ -28,8 +28,9 @@ from its first token, so only a think block the grammar itself lets the model
 write (``<think>…</think>`` at the start) is reasoning (:meth:`ReasoningMode.under_grammar`).
 
 ``auto`` picks from the chat template: a template that writes
-``<｜Assistant｜>`` and ``<think>`` is DeepSeek-R1's, any other that mentions
-``<think>`` or ``enable_thinking`` is Qwen3-like; one that mentions neither
+``<｜Assistant｜>`` and mentions ``<think>`` or ``</think>`` is DeepSeek-R1's
+(the first R1 templates only strip ``</think>`` from earlier turns), any other
+that mentions either tag or ``enable_thinking`` is Qwen3-like; one that mentions neither
 gets no parser (all content).
 """
 
@@ -63,7 +64,7 @@ def resolve_reasoning_parser(name: Optional[str], template_source: Optional[str]
     if name != "auto":
         raise ValueError(f"reasoning_parser must be one of none, auto, {', '.join(REASONING_PARSERS)}; got {name!r}")
     source = template_source or ""
-    if OPEN_TAG in source and "｜Assistant｜" in source:
+    if (OPEN_TAG in source or CLOSE_TAG in source) and "｜Assistant｜" in source:
         return "deepseek_r1"
     if OPEN_TAG in source or CLOSE_TAG in source or "enable_thinking" in source:
         return "qwen3"

@@ -85,6 +85,8 @@ def test_auto_picks_from_the_chat_template():
     r1 = "{{'<｜Assistant｜>'}}{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
     assert resolve_reasoning_parser("auto", qwen3) == "qwen3"
     assert resolve_reasoning_parser("auto", r1) == "deepseek_r1"
+    first_r1 = "{% set content = message['content'].split('</think>')[-1] %}{{'<｜Assistant｜>' + content}}"
+    assert resolve_reasoning_parser("auto", first_r1) == "deepseek_r1"
     assert resolve_reasoning_parser("auto", "{{ '<|im_start|>assistant\\n' }}") is None
     assert resolve_reasoning_parser("auto", None) is None
     assert resolve_reasoning_parser("none", qwen3) is None
