@@ -9,6 +9,10 @@ One record per response, a JSON object under the caller's tenant::
          "input_items": [...the items of its input, ids assigned...],
          "conversation": [...chat messages up to and including its output...]}
 
+Background responses add two short-lived flags beside a record:
+``…:<id>:lease`` (the running router renews it every few seconds) and
+``…:<id>:cancel`` (a cancel asked on any router).
+
 Another tenant's id is simply another key: it is not found (404). A record
 is refused over ``max_record_bytes`` (a 400 that says the size). Redis down,
 or an ACL that forbids these keys: ``StoreUnavailable``, which the API turns
@@ -63,6 +67,16 @@ class MemoryResponseStore:
     async def delete(self, tenant: str, response_id: str) -> bool:
         return self._records.pop((tenant, response_id), None) is not None
 
+    async def set_flag(self, tenant: str, response_id: str, flag: str, ttl_s: float) -> None:
+        self._records[(tenant, f"{response_id}:{flag}")] = (self.clock() + ttl_s, "1")
+
+    async def has_flag(self, tenant: str, response_id: str, flag: str) -> bool:
+        entry = self._records.get((tenant, f"{response_id}:{flag}"))
+        return entry is not None and entry[0] >= self.clock()
+
+    async def drop_flag(self, tenant: str, response_id: str, flag: str) -> None:
+        self._records.pop((tenant, f"{response_id}:{flag}"), None)
+
     async def aclose(self) -> None:
         self._records.clear()
 
@@ -115,6 +129,16 @@ class RedisResponseStore:
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         return bool(await self._call("delete", self._client.delete(self._key(tenant, response_id))))
+
+    async def set_flag(self, tenant: str, response_id: str, flag: str, ttl_s: float) -> None:
+        key = f"{self._key(tenant, response_id)}:{flag}"
+        await self._call("store", self._client.set(key, "1", px=max(1, int(ttl_s * 1000))))
+
+    async def has_flag(self, tenant: str, response_id: str, flag: str) -> bool:
+        return bool(await self._call("read", self._client.exists(f"{self._key(tenant, response_id)}:{flag}")))
+
+    async def drop_flag(self, tenant: str, response_id: str, flag: str) -> None:
+        await self._call("delete", self._client.delete(f"{self._key(tenant, response_id)}:{flag}"))
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -6,7 +6,7 @@ every router (``response_store.py``).
     GET    /v1/responses/{id}                  retrieve a stored response
     DELETE /v1/responses/{id}                  delete it
     GET    /v1/responses/{id}/input_items      the items of its input (``order`` asc / desc)
-    POST   /v1/responses/{id}/cancel           400: only background responses cancel (none run here)
+    POST   /v1/responses/{id}/cancel           cancel a background one (responses_background.py)
 
 A stream sends OpenAI's events, each with ``sequence_number``::
 
@@ -43,6 +43,7 @@ from router.openai import responses_input as conv
 from router.openai.bodies import finish_reason
 from router.openai.protocol import APIError, backend_error, error_response, internal_error, parse_request
 from router.openai.response_store import StoreUnavailable
+from router.openai.responses_background import BackgroundRuns
 from router.openai.responses import EventStream, close_stream
 from router.openai.responses_reasoning import ReasoningEvents, reasoning_item
 from router.reasoning import split_reasoning
@@ -94,6 +95,7 @@ class ResponsesAPI:
         self.server = server
         self._store = store
         self._backend = backend
+        self.background = BackgroundRuns(self)
 
     @property
     def store(self) -> Any:
@@ -140,6 +142,11 @@ class ResponsesAPI:
             stream = admission.meter(stream)
         response = self._response(body, parsed.echo_model, conv.new_id("resp"), "in_progress", [], None)
         context = (owner, body, items, history + messages, store)
+        if body.get("background"):
+            try:
+                return JSONResponse(await self.background.start(parsed, stream, response, context))
+            except (StoreUnavailable, ValueError) as err:
+                return error_response(self._api_error(err))
         if body.get("stream"):
             return EventStream(self._events(parsed, stream, response, context),
                                headers={"Cache-Control": "no-cache"})
@@ -183,7 +190,7 @@ class ResponsesAPI:
             "top_p": body.get("top_p", 1.0), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "text": {"format": text_format},
-            "truncation": "disabled", "user": body.get("user"), "background": False,
+            "truncation": "disabled", "user": body.get("user"), "background": bool(body.get("background")),
         }
 
     async def _collect(self, parsed: Any, stream: AsyncIterator[StreamChunk]) -> _Outcome:
@@ -334,7 +341,7 @@ class ResponsesAPI:
         record = await self.store.get(owner, response_id)
         if record is None:
             raise conv.not_found(response_id)
-        return owner, record
+        return owner, await self.background.settle(owner, record)
 
     async def retrieve(self, request: Request) -> Response:
         try:
@@ -368,8 +375,7 @@ class ResponsesAPI:
 
     async def cancel(self, request: Request) -> Response:
         try:
-            await self._stored(request)
-            raise conv.bad_request("only background responses can be cancelled, and this server runs none "
-                                   "(background is not supported yet)")
+            owner, record = await self._stored(request)
+            return JSONResponse(await self.background.cancel(owner, record))
         except (APIError, StoreUnavailable, PermissionError) as err:
             return error_response(self._api_error(err))

@@ -18,8 +18,8 @@ for token (its KV is in some replica's prefix cache).
     {"type": "reasoning"}             dropped (the model's own reasoning is not fed back)
 
 A field we do not honour is a 400 naming it: built-in tools (web search,
-file search, code interpreter, computer use, MCP), ``background``,
-``reasoning``, ``include``, images and files in the input, ``truncation: auto``.
+file search, code interpreter, computer use, MCP), ``background`` with
+``stream`` or without ``store``, ``reasoning``, ``include``, images and files in the input, ``truncation: auto``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ KNOWN_FIELDS = {
     "truncation", "background", "reasoning", "include", "service_tier", "stream_options",
 }
 _UNSUPPORTED_WHEN_SET = {
-    "background": "background responses are not supported yet: leave background unset (or false)",
     "reasoning": "reasoning options are not supported yet: leave reasoning unset",
     "include": "include is not supported: leave it unset",
 }
@@ -67,12 +66,18 @@ def check_create(body: Any) -> dict:
                           "model's length is a 400)", "truncation")
     if "input" not in body:
         raise bad_request("input is required: a string or a list of input items", "input")
-    for name in ("store", "stream", "parallel_tool_calls"):
+    for name in ("store", "stream", "parallel_tool_calls", "background"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise bad_request(f"{name} must be true or false", name)
     for name in ("instructions", "previous_response_id", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad_request(f"{name} must be a string", name)
+    if body.get("background") and body.get("store") is False:
+        raise bad_request("a background response is stored (it is polled by id): leave store unset or true",
+                          "store")
+    if body.get("background") and body.get("stream"):
+        raise bad_request("streaming a background response is not supported: poll it with GET "
+                          "/v1/responses/{id}, or leave background unset", "stream")
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS
                                  or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):

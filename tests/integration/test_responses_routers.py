@@ -39,10 +39,12 @@ def router(model_dir, redis_url: str, namespace: str):
     handle = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
     try:
         with openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=120) as client:
+            client.freeze = lambda: loop.call_soon_threadsafe(loop.stop)  # a router that dies: nothing runs on
             yield client
     finally:
-        asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
 
 
@@ -68,3 +70,20 @@ def test_a_conversation_continues_on_another_router_with_its_kv(routers):
     b.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(first.id)
+
+
+def test_a_background_response_of_a_router_that_died_ends_failed_not_in_progress(ray_local, redis_server,
+                                                                                tmp_path_factory, routers):
+    from router.openai.responses_background import LEASE_S
+
+    _, b = routers
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("responses-dying"))
+    namespace = f"rd-{uuid.uuid4().hex[:6]}"
+    with router(model_dir, redis_server.url, namespace) as dying, \
+            router(model_dir, redis_server.url, namespace) as survivor:
+        started = dying.responses.create(model="tiny", input=INPUT, max_output_tokens=290, background=True)
+        assert started.status == "in_progress"
+        dying.freeze()  # its event loop stops: the generation and the lease renewals with it
+        time.sleep(LEASE_S + 1)
+        ended = survivor.responses.retrieve(started.id)
+        assert ended.status == "failed" and "stopped before it finished" in ended.error.message

@@ -118,7 +118,6 @@ def test_a_streamed_call_comes_as_a_function_call_item(api, fake):
 
 @pytest.mark.parametrize("fields, message", [
     ({"tools": [{"type": "web_search"}]}, "only function tools are supported"),
-    ({"background": True}, "background responses are not supported"),
     ({"reasoning": {"effort": "low"}}, "reasoning options are not supported"),
     ({"truncation": "auto"}, "truncation 'auto' is not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
@@ -168,3 +167,63 @@ def test_the_memory_store_expires_records():
         assert await store.get("t", "r") is None
 
     asyncio.run(main())
+
+
+def _poll(api, response_id, timeout_s=20.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = api.responses.retrieve(response_id)
+        if current.status != "in_progress" or time.monotonic() > deadline:
+            return current
+        time.sleep(0.05)
+
+
+def test_a_background_response_returns_at_once_and_completes_when_polled(api, fake):
+    fake.delay = 0.05
+    started = api.responses.create(model="tiny-llama", input="hello", max_output_tokens=3, background=True)
+    assert started.status == "in_progress" and started.background is True and not started.output
+    done = _poll(api, started.id)
+    assert done.status == "incomplete" and done.output_text == " w0 w1 w2" and done.background is True
+
+
+def test_cancelling_a_background_response_aborts_its_generation(api, fake):
+    fake.delay = 0.1
+    started = api.responses.create(model="tiny-llama", input="hello", max_output_tokens=200, background=True)
+    cancelled = api.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    assert fake.finalized_event.wait(10) and fake.requests[-1].request_id in fake.finalized
+    assert api.responses.retrieve(started.id).status == "cancelled"
+
+
+def test_a_background_response_whose_router_died_reads_as_failed(api, served_responses):
+    backend, _ = served_responses
+    record = {"response": {"id": "resp_orphan", "object": "response", "status": "in_progress", "background": True,
+                           "output": [], "model": "tiny-llama", "created_at": 0},
+              "input_items": [], "conversation": []}
+    asyncio.run(backend.response_store.put("default", "resp_orphan", record))  # no lease: its router is gone
+    failed = api.responses.retrieve("resp_orphan")
+    assert failed.status == "failed" and "stopped before it finished" in failed.error.message
+
+
+def test_a_cancel_sent_to_another_router_reaches_the_running_one(served_responses, router_tok, api, fake):
+    backend, _ = served_responses
+    other = FakeBackend(router_tok)
+    other.model = backend.model
+    other.response_store = backend.response_store  # one store, as two routers share Redis
+    fake.delay = 0.1
+    started = api.responses.create(model="tiny-llama", input="hello", max_output_tokens=200, background=True)
+    with serving(other) as handle, openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0,
+                                                 timeout=30) as second:
+        assert second.responses.cancel(started.id).status == "cancelled"
+    assert fake.finalized_event.wait(10)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"background": True, "store": False}, "a background response is stored"),
+    ({"background": True, "stream": True}, "streaming a background response is not supported"),
+])
+def test_background_needs_store_and_no_stream(api, fake, fields, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        api.responses.create(model="tiny-llama", input="hi", **fields)
