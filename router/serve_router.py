@@ -103,6 +103,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._metrics = get_router_metrics(namespace, policy)
         self._contract = cache_contract
         self._refused: set[str] = set()  # replica ids whose contract differs from ours
+        self._routed_around: list[str] = []  # replicas Serve still offers that the directory lists as dead
         # Recent sends, per-prefix rates, tokens sent since each replica's stats,
         # candidate sampling: the part of a decision the simulator shares.
         self._core = RoutingCore(self._policy, block_size, num_routers=num_routers)
@@ -141,13 +142,35 @@ class PrefixAwareRequestRouter(RequestRouter):
         if counts is not None:
             await self._note_contracts(counts)
             counts = {rid: n for rid, n in counts.items() if n >= 0}
-        candidate_replicas = self._compatible(candidate_replicas)
+        candidate_replicas = self._live(self._compatible(candidate_replicas), counts)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = self._core.decide(chain, len(request.prompt_token_ids), list(by_id), counts,
                                    lambda rid, matched: self._view(by_id[rid], matched))
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
+
+    def _live(self, candidates: List[RunningReplica], counts: Optional[dict[str, int]]) -> List[RunningReplica]:
+        """The candidates the directory lists as live, when it can tell and lists
+        any: a replica that stopped heartbeating (its node stalled, its process
+        frozen) drops out of the directory within its TTL, long before Serve's
+        health check gives up on it. Unknown (no answer): every candidate."""
+        if counts is None:
+            return candidates
+        if self._follower is not None:
+            if not self._follower.in_sync:
+                return candidates
+            live = set(self._follower.index.replica_ids())
+        else:
+            live = set(counts)  # the Lua lookup names every live replica
+        alive = [r for r in candidates if r.replica_id.unique_id in live]
+        if not alive or len(alive) == len(candidates):
+            return candidates
+        gone = sorted(r.replica_id.unique_id for r in candidates if r.replica_id.unique_id not in live)
+        if gone != self._routed_around:
+            logger.warning("routing around replicas the directory no longer lists as live: %s", ", ".join(gone))
+            self._routed_around = gone
+        return alive
 
     async def _note_contracts(self, counts: dict[str, int]) -> None:
         """Sets the refused replicas from a lookup's answer, which names every

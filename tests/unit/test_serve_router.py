@@ -170,3 +170,38 @@ def test_a_failing_decision_falls_back_to_load_instead_of_hanging():
         return await asyncio.wait_for(router._choose_replica_for_request(_pending("b", list(range(16)))), 10)
 
     assert asyncio.run(route()).replica_id.unique_id in {"x", "y"}
+
+
+class LiveDirectory:
+    """Redis-mode lookups: every live replica named, the holder with the whole chain."""
+
+    def __init__(self, live: list[str], holder: str) -> None:
+        self.live, self.holder = live, holder
+
+    async def lookup(self, chain, contract=""):
+        return {rid: len(chain) if rid == self.holder else 0 for rid in self.live}
+
+
+def test_replicas_the_directory_lists_as_dead_are_routed_around(caplog):
+    from router.serve_router import PrefixAwareRequestRouter
+
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=BLOCK, namespace=f"live-{random.random()}")
+    replicas = [FakeReplica(f"l{i}") for i in range(3)]
+    ids = [r.replica_id.unique_id for r in replicas]
+    prompt = list(range(4 * BLOCK))
+
+    async def ranked():
+        return [r.replica_id.unique_id for rank in await router.choose_replicas(replicas, _pending("x", prompt))
+                for r in rank]
+
+    # ids[0] holds the prefix but stopped heartbeating (a stalled node): Serve still offers it.
+    router._directory = LiveDirectory(ids[1:], holder=ids[0])
+    with caplog.at_level("WARNING", logger="router.serve_router"):
+        assert sorted(asyncio.run(ranked())) == sorted(ids[1:])
+    assert any("no longer lists as live: " + ids[0] in r.getMessage() for r in caplog.records)
+    router._directory = LiveDirectory([], holder=ids[0])  # lists none: cannot tell, route to every candidate
+    assert sorted(asyncio.run(ranked())) == sorted(ids)
+    router._directory = LiveDirectory(ids, holder=ids[0])  # back: the holder first again
+    assert asyncio.run(ranked())[0] == ids[0]
