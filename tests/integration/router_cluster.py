@@ -253,3 +253,22 @@ def assert_all_hit(outcomes: list[tuple[int, str, str, int]], prefix_len: int) -
     """Every burst request reached its prefix's holder and reused the whole prefix."""
     wrong = [o for o in outcomes if o[2] != o[1] or o[3] != prefix_len]
     assert not wrong, f"(prefix, holder, reached, cached) that missed, of {len(outcomes)}: {wrong}"
+
+
+def run_bounded(coro: Awaitable[T], cleanup_s: float = 15.0) -> T:
+    """``asyncio.run(coro)``, but the tasks left behind get ``cleanup_s`` to end
+    after cancellation instead of forever: under load a Redis client caught in a
+    Sentinel failover has been seen to ignore its cancellation, which hung
+    ``asyncio.run``'s own cleanup after the test had passed."""
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(coro)
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=cleanup_s))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        return result
+    finally:
+        loop.close()

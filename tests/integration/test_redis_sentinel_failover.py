@@ -32,6 +32,7 @@ from tests.integration.router_cluster import (
     make_backend,
     make_chat_model_dir,
     new_handle,
+    run_bounded,
     running_router,
     serve_app,
     wait_until,
@@ -141,7 +142,7 @@ def test_a_sentinel_failover_mid_load_loses_nothing_and_routing_resumes(cluster,
             replicas = (await stub.ListReplicas(pb.ListReplicasRequest(), timeout=10)).replicas
         return holders, finals, after, replicas
 
-    holders, finals, after, replicas = asyncio.run(main())
+    holders, finals, after, replicas = run_bounded(main())
     assert holders[0] != holders[1]
     assert len(finals) == num_requests
     assert all(f.finish_reason == "length" and f.usage.completion_tokens == 4 for f in finals)
