@@ -4,7 +4,7 @@ retrieve), or this process's memory when the cluster has no Redis.
 
 One record per response, a JSON object under the caller's tenant::
 
-    prefixserve:responses:<namespace>:<tenant>:<response id>   (TTL ttl_s, default 7 days)
+    ps:responses:<namespace>:<tenant>:<response id>   (TTL ttl_s, default 7 days)
         {"response": {...the Response object...},
          "input_items": [...the items of its input, ids assigned...],
          "conversation": [...chat messages up to and including its output...]}
@@ -29,6 +29,9 @@ from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
+# Under the directory's key space (``ps:*``), which the routers' ACL user reaches
+# (cluster/shared/directory/acl.py: read, and set / delete on these keys only).
+KEY_PREFIX = "ps:responses:"
 DEFAULT_TTL_S = 7 * 24 * 3600.0
 DEFAULT_MAX_RECORD_BYTES = 8 * 2**20
 
@@ -116,7 +119,7 @@ class RedisResponseStore:
         return cls(client, namespace, **kwargs)
 
     def _key(self, tenant: str, response_id: str) -> str:
-        return f"prefixserve:responses:{self.namespace}:{tenant}:{response_id}"
+        return f"{KEY_PREFIX}{self.namespace}:{tenant}:{response_id}"
 
     async def put(self, tenant: str, response_id: str, record: dict) -> None:
         text = _encode(record, self.max_record_bytes)
@@ -150,7 +153,7 @@ class RedisResponseStore:
             return await pending
         except (rex.AuthenticationError, rex.NoPermissionError) as exc:
             raise StoreUnavailable(f"the response store refused to {what} ({exc}): its Redis user needs "
-                                   "read and write on prefixserve:responses:* keys") from None
+                                   f"read and write on {KEY_PREFIX}* keys (cluster/shared/directory/acl.py)") from None
         except (rex.ConnectionError, rex.TimeoutError, OSError) as exc:
             raise StoreUnavailable(f"the response store is unavailable, cannot {what} the response "
                                    f"({type(exc).__name__}): retry later, or send store: false without "

@@ -150,3 +150,22 @@ def test_routers_may_hold_the_metrics_exporter_lease_and_nothing_more(redis_acl)
             await other.aclose()
 
     asyncio.run(main())
+
+
+def test_routers_store_responses_and_write_nothing_else_there(redis_acl):
+    from router.openai.response_store import RedisResponseStore
+
+    async def main():
+        store = RedisResponseStore.from_url(url(redis_acl, "router"), "acl-responses", ttl_s=60)
+        try:
+            await store.put("tenant", "resp_1", {"response": {"id": "resp_1"}})
+            await store.set_flag("tenant", "resp_1", "lease", 10)
+            assert await store.get("tenant", "resp_1") == {"response": {"id": "resp_1"}}
+            assert await store.has_flag("tenant", "resp_1", "lease")
+            assert await store.delete("tenant", "resp_1")
+            with pytest.raises(redis.exceptions.NoPermissionError):  # other commands on those keys: refused
+                await store._client.append("ps:responses:acl-responses:tenant:resp_2", "x")
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
