@@ -38,11 +38,11 @@ from typing import Any, Optional
 
 from cluster.shared.config import ClusterConfig
 from cluster.shared.config.models import deployment_suffix
+from cluster.shared.fingerprint import DEFAULT_MODEL_NAME, served_model_name  # noqa: F401 - the first re-exported
 
 REPLICA_DEPLOYMENT = "replica"
 ROUTER_DEPLOYMENT = "router"
 APP_NAME = "prefixserve"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def app_names(config: ClusterConfig) -> dict[str, str]:
@@ -148,7 +148,7 @@ def model_info(config: ClusterConfig) -> tuple[str, str, int]:
     from workers.model.loader import resolve_model
 
     model_dir = resolve_model(config.engine.model)
-    name = Path(config.engine.model).name if config.engine.model else DEFAULT_MODEL_NAME
+    name = served_model_name(config.engine.model)
     if config.engine.max_model_len is not None:
         max_len = config.engine.max_model_len
     else:

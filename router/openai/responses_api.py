@@ -30,6 +30,7 @@ inherit, as OpenAI documents), under the caller's tenant.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -47,7 +48,7 @@ from router.openai.responses_background import BackgroundRuns
 from router.openai.responses import EventStream, close_stream
 from router.openai.responses_reasoning import ReasoningEvents, reasoning_item
 from router.reasoning import split_reasoning
-from router.tools import make_parser, parse_tool_output
+from router.tools import assemble, make_parser, parse_tool_output
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +82,10 @@ def _call_item(call: Any) -> dict:
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status ==
-            "completed" or text else []}
+    """The message output item: its text once completed, no content while in progress."""
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
+        else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 class ResponsesAPI:
@@ -126,8 +128,6 @@ class ResponsesAPI:
             backend = self.server._pick(chat)
             parsed = parse_request(chat, True, backend.tokenizer, backend.model, limits)
             if tenant is not None:
-                import dataclasses
-
                 parsed = dataclasses.replace(parsed, request=tenant.apply(parsed.request))
         except json.JSONDecodeError as exc:
             if admission is not None:
@@ -251,7 +251,13 @@ class ResponsesAPI:
         outcome.reasoning_id = thinking.item_id
         message_id = conv.new_id("msg")
         message_open = False
-        raw = []  # the content as generated (after any think block): its calls are parsed whole at the end
+        deltas = []  # the tool-call parser's output: its calls, assembled whole at the end
+
+        def open_message(index: int) -> list[str]:
+            return [event("response.output_item.added", output_index=index,
+                          item=_message_item(message_id, "", "in_progress")),
+                    event("response.content_part.added", item_id=message_id, output_index=index, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})]
         try:
             yield event("response.created", response=response)
             yield event("response.in_progress", response=response)
@@ -265,29 +271,26 @@ class ResponsesAPI:
                         thought, content = thought + more_thought, content + more_content
                     for line in thinking.delta(thought):
                         yield line
-                raw.append(content)
                 pieces = parser.feed(content) if parser is not None else None
                 if parser is not None and chunk.finished:
                     pieces = pieces + parser.finish()
+                if pieces is not None:
+                    deltas.append(pieces)
                 text = content if parser is None else (pieces.content or "")
                 if text:
                     for line in thinking.close():
                         yield line
                     if not message_open:
                         message_open = True
-                        yield event("response.output_item.added", output_index=thinking.num_items,
-                                    item=_message_item(message_id, "", "in_progress"))
-                        yield event("response.content_part.added", item_id=message_id,
-                                    output_index=thinking.num_items, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})
+                        for line in open_message(thinking.num_items):
+                            yield line
                     outcome.text += text
                     yield event("response.output_text.delta", item_id=message_id, output_index=thinking.num_items,
                                 content_index=0, delta=text, logprobs=[])
                 if chunk.finished:
                     break
-            tool_output = parse_tool_output(parsed.tools, "".join(raw))
-            if tool_output is not None:
-                outcome.calls = [_call_item(call) for call in tool_output.tool_calls]
+            if parser is not None:
+                outcome.calls = [_call_item(call) for call in assemble(deltas).tool_calls]
             outcome.reasoning = thinking.text or None
             final = self._finish(response, outcome, message_id)
             for line in thinking.close():
@@ -299,10 +302,8 @@ class ResponsesAPI:
                     continue  # sent as it came
                 if item["type"] == "message":
                     if not message_open:
-                        yield event("response.output_item.added", output_index=index,
-                                    item=_message_item(message_id, "", "in_progress"))
-                        yield event("response.content_part.added", item_id=message_id, output_index=index,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        for line in open_message(index):
+                            yield line
                     part = item["content"][0]
                     yield event("response.output_text.done", item_id=message_id, output_index=index,
                                 content_index=0, text=part["text"], logprobs=[])

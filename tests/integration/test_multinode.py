@@ -24,7 +24,7 @@ from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir
 from tests.integration.multinode import RayNodes
-from tests.integration.up_process import start_up, wait_for_log
+from tests.integration.up_process import start_up, stop_up, wait_for_log
 
 NUM_TOKENS = 6
 # Long enough for many full blocks of 4 tokens; each differs from the first character.
@@ -75,13 +75,7 @@ def up(nodes, model_dir, tmp_path_factory):
         address = re.search(r"gRPC on (127\.0\.0\.1:\d+)", text).group(1)
         yield proc, log, base, address
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+        stop_up(proc, log)
 
 
 def test_up_joins_the_cluster_and_starts_no_ray_of_its_own(nodes, up):
@@ -246,9 +240,4 @@ def test_a_tensor_parallel_replica_keeps_its_ranks_on_one_node(nodes, up, model_
         print(f"TP=2: replica on {replica}, ranks on {ranks}")
         assert len(replica) == 1 and list(ranks) == list(replica) and len(next(iter(ranks.values()))) == 2
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_up(proc, log)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
 import time
 from collections import Counter
 
@@ -25,8 +24,7 @@ from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir
 from tests.integration.multinode import HEAD_IP, RayNodes
-from tests.integration.test_multinode import replicas_by_node
-from tests.integration.up_process import start_up, wait_for_log
+from tests.integration.up_process import start_up, stop_up, wait_for_log
 
 NUM_STREAMS = 6
 MAX_TOKENS = 160
@@ -57,12 +55,7 @@ def cluster(tmp_path_factory):
             text = wait_for_log(proc, log, "ready: gRPC on")
             yield nodes, re.search(r"gRPC on (127\.0\.0\.1:\d+)", text).group(1)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+            stop_up(proc, log)
 
 
 def test_a_worker_node_killed_mid_stream_loses_no_stream(cluster):

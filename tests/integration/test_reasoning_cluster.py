@@ -7,8 +7,6 @@ completions request (never split) returns."""
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 
 import grpc
 import httpx2 as httpx
@@ -18,7 +16,7 @@ import pytest
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from router.reasoning import ReasoningMode, split_reasoning
-from tests.integration.up_process import start_up, wait_for_log
+from tests.integration.up_process import start_up, stop_up, wait_for_log
 
 THINK = r"<think>[a-z ]{3,16}</think>\n\n[A-Za-z ]{3,16}"
 GRAMMAR = {"structured_outputs": {"regex": THINK}}
@@ -38,12 +36,7 @@ def cluster(tmp_path_factory):
         with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as api:
             yield api, api.models.list().data[0].id, address
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_up(proc, log)
 
 
 def test_a_think_block_is_split_from_the_answer(cluster):

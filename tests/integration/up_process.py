@@ -34,12 +34,14 @@ def wait_for_log(proc: subprocess.Popen, log: IO, needle: str, timeout_s: float 
 
 
 def stop_up(proc: subprocess.Popen, log: IO, timeout_s: float = 120) -> None:
-    """SIGTERM (``up`` drains and stops everything it started), SIGKILL if it hangs; closes the log."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    """SIGTERM (``up`` drains and stops everything it started), SIGKILL if it hangs; closes the log.
+    Nothing to signal when it already exited (a test that stopped it itself)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     log.close()
 
 

@@ -5,8 +5,6 @@ content after the think block only."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 
 import grpc
 import pytest
@@ -14,8 +12,8 @@ import pytest
 from cluster.shared.types import FinishReason
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
-from router.server import RouterServer
 from tests.factories import make_router_tokenizer
+from tests.unit.grpc_server import serving_grpc
 from tests.unit.test_grpc_tools import WEATHER, RecordingBackend
 
 # ChatML with Qwen3's switch: enable_thinking false writes an empty think block.
@@ -34,16 +32,8 @@ def served(tmp_path_factory):
     tokenizer = make_router_tokenizer(tmp_path_factory.mktemp("grpc-think-tok"), QWEN3ISH)
     tokenizer.reasoning_parser = "qwen3"
     backend = RecordingBackend(tokenizer)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = RouterServer(backend, port=0)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    yield backend, server.address
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    with serving_grpc(backend) as address:
+        yield backend, address
 
 
 @pytest.fixture

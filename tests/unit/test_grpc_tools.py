@@ -11,10 +11,8 @@ and every bad tool field refused with INVALID_ARGUMENT naming it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 from typing import AsyncIterator, Sequence
 
 import grpc
@@ -27,9 +25,9 @@ from router.backend import ModelInfo
 from router.openai.protocol import parse_request
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
-from router.server import RouterServer
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_router_tokenizer
+from tests.unit.grpc_server import serving_grpc
 
 MODEL = "tiny"
 # SmolLM2's template (ChatML, no tools): tools reach it as the built-in Hermes block.
@@ -72,16 +70,8 @@ def router_tok(tmp_path_factory) -> RouterTokenizer:
 def served(router_tok):
     """``(backend, address)`` of one RouterServer on its own event loop."""
     backend = RecordingBackend(router_tok)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = RouterServer(backend, port=0)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    yield backend, server.address
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    with serving_grpc(backend) as address:
+        yield backend, address
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import httpx2 as httpx
@@ -14,8 +13,8 @@ from router.backend import ModelInfo
 from router.models import ModelBackends, ModelNotFoundError
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
-from router.server import RouterServer
 from tests.factories import make_router_tokenizer
+from tests.unit.grpc_server import serving_grpc
 from tests.unit.http_api.openai_server import TEMPLATE, FakeBackend, serving
 
 
@@ -104,16 +103,8 @@ def test_tokenize_reports_the_named_models_limit(http):
 
 @pytest.fixture(scope="module")
 def grpc_address(two):
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = RouterServer(ModelBackends({"alpha": two[0], "beta": two[1]}), port=0)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    yield server.address
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    with serving_grpc(ModelBackends({"alpha": two[0], "beta": two[1]})) as address:
+        yield address
 
 
 def _generate(address: str, **fields) -> list[pb.GenerateResponse]:
