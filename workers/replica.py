@@ -243,8 +243,8 @@ class ReplicaServer:
                 "num_used_blocks": kv.device_pool.num_used_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions_total,
                 "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-                "pid": os.getpid(),
-                "torch_threads": _torch_threads(),
+                "pid": os.getpid(), "torch_threads": _torch_threads(),
+                "directory_resyncs": getattr(self._publisher, "num_resyncs", 0),  # a plain int: any thread
                 "loop": self._front.timing.as_dict(),
             }
 
