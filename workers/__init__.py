@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.shared.types import SamplingParams
+from cluster.shared.types import LoRARequest, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

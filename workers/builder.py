@@ -40,6 +40,7 @@ from workers.kv_memory import kv_block_bytes
 from workers.structured import make_backend
 
 if TYPE_CHECKING:
+    from workers.lora.manager import LoRAManager
     from workers.parallel import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,15 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
     logger.info("Medusa heads from %s: %d heads of %d block(s)%s", folder, heads.num_heads, heads.num_layers,
                 f", scored on a shortlist of {len(heads.shortlist)} tokens" if heads.shortlist is not None else "")
     return RunnerProposer()
+
+
+def attach_lora(runner: Union[ModelRunner, "TensorParallelRunner"], config: EngineConfig) -> "LoRAManager":
+    """Gives the model's layers LoRA side paths and loads ``lora_modules``."""
+    from workers.lora.manager import LoRAManager
+
+    assert isinstance(runner, ModelRunner), "EngineConfig refuses enable_lora with tensor parallelism"
+    native = any(getattr(m, "backend", "") == "native" for m in runner.model.modules())
+    return LoRAManager(runner.model, config.lora, native)
 
 
 def _tokenizer_file(model_dir: Path, tokenizer: Optional[str]) -> Optional[Path]:
@@ -202,6 +212,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(config.scheduler, kv_manager, max_model_len=max_model_len, eos_token_ids=eos,
                           sliding_window=window, speculator=speculator, structured=structured)
     scheduler_ref[0] = weakref.ref(scheduler)
+    scheduler.max_loras = config.lora.max_loras
     engine = LLMEngine(
         scheduler,
         runner,
@@ -212,6 +223,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         long_rope_after=(arch.rope_scaling.original_max_position_embeddings
                          if isinstance(arch.rope_scaling, LongRopeScaling) else None),
     )
+    if config.lora.enable_lora:
+        engine.lora = runner.lora = attach_lora(runner, config)
     logger.info(
         "engine ready in %.1fs: %s, %s, tensor_parallel_size %d, %d KV blocks of %d tokens (%.2f GiB), "
         "%d swap blocks, max_model_len %d",

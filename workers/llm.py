@@ -15,8 +15,9 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from cluster.shared.choices import ranking_params, select_best
 from cluster.shared.config import EngineConfig
-from cluster.shared.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from cluster.shared.types import FinishReason, GenerationRequest, LoRARequest, SamplingParams, TokenLogprob
 from workers.builder import build_engine
+from workers.engine.lora_slots import slots_in_use
 from workers.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -99,17 +100,20 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def make_request(
-        self, prompt: Prompt, params: SamplingParams, priority: int = 0, add_special_tokens: bool = True
+        self, prompt: Prompt, params: SamplingParams, priority: int = 0, add_special_tokens: bool = True,
+        lora_request: Optional[LoRARequest] = None,
     ) -> GenerationRequest:
         """Tokenizes a prompt into a request with a fresh id."""
         ids = self.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-        return GenerationRequest(f"offline-{next(self._ids)}", ids, params, priority=priority)
+        return GenerationRequest(f"offline-{next(self._ids)}", ids, params, priority=priority,
+                                 lora_request=lora_request)
 
     def generate(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         priorities: Optional[Sequence[int]] = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[CompletionOutput]:
         """Runs prompts to completion in one continuous batch.
 
@@ -117,6 +121,8 @@ class LLM:
             prompts: A string, a list of token ids, or a list of either.
             sampling_params: One for all prompts, or one per prompt.
             priorities: Optional per-prompt priorities (lower first).
+            lora_request: A LoRA adapter for every prompt, or one per prompt
+                (None: the base model); needs ``enable_lora=True``.
 
         Returns:
             One output per prompt, in order.
@@ -132,9 +138,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: pass one or one per prompt")
         prios = list(priorities) if priorities is not None else [0] * len(prompts)
-        requests = [self.make_request(p, ranking_params(sp), pr) for p, sp, pr in zip(prompts, params, prios)]
-        for req in requests:  # validate all before queuing any
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts: pass one or one per prompt")
+        requests = [self.make_request(p, ranking_params(sp), pr, lora_request=lr)
+                    for p, sp, pr, lr in zip(prompts, params, prios, loras)]
+        loaded: set[int] = set()
+        for req in requests:  # validate all (and load their adapters) before queuing any
             self.engine.validate(req)
+            if req.lora_request is not None:
+                loaded.add(self.engine.lora.load(req.lora_request, slots_in_use(self.engine.scheduler.queue)
+                                                 | loaded)[1])
         grammars = self._compile_grammars(requests)  # before queuing any, too
         results = {r.request_id: [CompletionOutput(r.request_id, list(r.prompt_token_ids), index=i)
                                   for i in range(r.sampling_params.num_choices)] for r in requests}

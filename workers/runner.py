@@ -100,6 +100,7 @@ class ModelRunner:
         ] if num_cpu_blocks else []
         self.swapper = BlockSwapper(self.kv_caches, self.cpu_caches, device)
         self.sampler = Sampler(seed)
+        self.lora: Any = None  # workers.lora.manager.LoRAManager with enable_lora
         self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
         self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
         self.graphs: Optional[DecodeGraphs] = None
@@ -376,6 +377,8 @@ class ModelRunner:
             meta.tree_tails = (torch.tensor([lo for lo, _ in tails], dtype=torch.int32, device=dev),
                                torch.tensor([t + [0] * (width - len(t)) for _, t in tails], dtype=torch.int64,
                                             device=dev))
+        if self.lora is not None:  # which rows run which adapter
+            self.lora.batch.set([(r.lora_slot, len(r.input_token_ids)) for r in batch], len(input_ids), dev)
         ids = host_to_device(input_ids, torch.long, dev)
         pos_t = host_to_device(positions, torch.long, dev)
         return ids, pos_t, meta

@@ -17,10 +17,10 @@ import sys
 import typing
 from typing import Any, Optional, Sequence
 
-from cluster.shared.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from cluster.shared.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 
-_ENGINE_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig)
-_SKIP = {"cache", "scheduler", "parallel"}
+_ENGINE_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
+_SKIP = {"cache", "scheduler", "parallel", "lora"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
@@ -36,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()
             kind = _base_type(hints[f.name])
             if kind is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            elif typing.get_origin(hints[f.name]) is tuple:  # a list of words (e.g. --lora-modules sql=/adapters/sql chat=/adapters/chat)
+                group.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="NAME=PATH")
             elif kind is dict:  # a mapping, given as JSON (e.g. --speculative-config '{"method": "ngram"}')
                 group.add_argument(flag, dest=f.name, type=str, default=None, metavar="JSON",
                                    help=f"a JSON mapping; default: {f.default!r}")

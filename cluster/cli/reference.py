@@ -17,11 +17,11 @@ import re
 import typing
 from typing import Any, Iterator, Optional
 
-from cluster.shared.config import (AutoscalingConfig, CacheConfig, ClusterConfig, EngineConfig, ParallelConfig,
-                                   SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
+from cluster.shared.config import (AutoscalingConfig, CacheConfig, ClusterConfig, EngineConfig, LoRAConfig,
+                                   ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 from cluster.shared.config.cluster import RouterConfig
 
-SECTIONS = {ClusterConfig: ("engine", "router", "autoscaling"), EngineConfig: ("cache", "scheduler", "parallel")}
+SECTIONS = {ClusterConfig: ("engine", "router", "autoscaling"), EngineConfig: ("cache", "scheduler", "parallel", "lora")}
 HEADER = """# Configuration reference
 
 Generated from the config dataclasses (`cluster/shared/config/`,
@@ -183,6 +183,7 @@ def config_reference() -> str:
     lines += _section("engine.cache", CacheConfig, flags, engine=True)
     lines += _section("engine.scheduler", SchedulerConfig, flags, engine=True)
     lines += _section("engine.parallel", ParallelConfig, flags, engine=True)
+    lines += _section("engine.lora", LoRAConfig, flags, engine=True, intro="docs/LORA.md has the adapters' format.")
     lines += _section("engine.speculative_config", SpeculativeConfig, flags, engine=False,
                       json_flag="--speculative-config", intro="docs/SPECULATIVE.md has the methods.")
     lines += _section("engine.structured_outputs_config", StructuredOutputsConfig, flags, engine=False,

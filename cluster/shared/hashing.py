@@ -32,6 +32,12 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + payload).digest()[:DIGEST_BYTES]
 
 
+def lora_fingerprint(model_fingerprint: str, content_hash: str) -> str:
+    """The fingerprint a LoRA adapter's requests hash with: the model's and the
+    adapter's content (``workers/lora/adapter.py``), never its name."""
+    return f"{model_fingerprint}/lora:{content_hash}"
+
+
 def hash_block_chain(
     token_ids: Sequence[int],
     block_size: int,

@@ -250,6 +250,27 @@ class TokenLogprob:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for a request, as vLLM names it: ``LoRARequest(name, id, path)``.
+
+    ``lora_path`` is a PEFT folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``). The engine tells adapters apart by
+    ``(lora_name, lora_path)`` and keys their prefix cache by the content of
+    the weights, so ``lora_int_id`` is kept only for vLLM's signature.
+    """
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("LoRARequest needs a lora_name (a non-empty string)")
+        if not isinstance(self.lora_path, str):
+            raise ValueError(f"LoRARequest lora_path must be a string, got {type(self.lora_path).__name__}")
+
+
 @dataclass
 class GenerationRequest:
     """One request as the engine receives it (already tokenized)."""
@@ -263,6 +284,7 @@ class GenerationRequest:
     # The last N prompt tokens are output a client has already received (a stream migrated from a
     # replica that died, ``router/migration.py``): a structured-output constraint starts after them.
     num_resumed_output_tokens: int = 0
+    lora_request: Optional[LoRARequest] = None  # None: the base model
 
 
 @dataclass

@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from cluster.shared.types import FinishReason, GenerationRequest, ReplicaStats, SamplingParams
 from cluster.shared.choices import choice_params
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
+from cluster.shared.hashing import lora_fingerprint
+from workers.engine.lora_slots import slots_in_use
 from workers.engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
@@ -76,6 +78,7 @@ class LLMEngine:
         self.num_steps = 0
         self.schedule_seconds = 0.0  # in schedule(), proposals included (bench spec: what speculation costs)
         self.structured = scheduler.structured  # the grammar backend of structured outputs (None: refused)
+        self.lora: Any = None  # workers.lora.manager.LoRAManager with enable_lora (None: adapters refused)
 
     # ----------------------------------------------------------- requests
     def validate(self, request: GenerationRequest) -> None:
@@ -85,6 +88,9 @@ class LLMEngine:
         if request.sampling_params.structured_outputs is not None and self.structured is None:
             raise ValueError("structured_outputs needs a grammar backend, and this engine has none: install "
                              "xgrammar (pip install xgrammar) and give the model a tokenizer.json")
+        if request.lora_request is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_request.lora_name!r} asked, but this engine serves no "
+                             "adapters: start it with enable_lora=True (--enable-lora)")
         if request.request_id in self._seqs or request.request_id in self._groups:
             raise ValueError(f"request id {request.request_id!r} is already running: use a unique id")
         params = request.sampling_params
@@ -132,12 +138,16 @@ class LLMEngine:
         self.validate(request)
         params = self._engine_params(request.sampling_params)
         grammar = self._new_grammar(request, compiled_grammar)
+        lora, fingerprint = None, self.model_fingerprint
+        if request.lora_request is not None:  # loaded now if it is not; its KV hashes on its content
+            lora = self.lora.acquire(request.lora_request, slots_in_use(self.scheduler.queue))
+            fingerprint = lora_fingerprint(fingerprint, lora.content_hash)
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=choice_params(params, 0),
             block_size=self.scheduler.kv_manager.block_size,
-            model_fingerprint=self.model_fingerprint,
+            model_fingerprint=fingerprint,
             cache_salt=request.cache_salt,
             priority=request.priority,
             arrival_time=request.arrival_time or self._clock(),
@@ -145,6 +155,7 @@ class LLMEngine:
         )
         seq.queued_time = self._clock()
         seq.grammar = grammar
+        seq.lora = lora
         num_choices = params.num_choices
         if num_choices > 1:
             ids = _choice_ids(request.request_id, num_choices)
@@ -236,6 +247,8 @@ class LLMEngine:
         outputs = []
         for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
             outputs.append(self._make_output(seq, new_ids, new_logprobs))
+        if self.lora is not None and self.lora.over_capacity:  # adapters held past max_cpu_loras while in use
+            self.lora.trim(slots_in_use(self.scheduler.queue))
         return outputs
 
     def _note_first_scheduled(self, sched: SchedulerOutput) -> None:

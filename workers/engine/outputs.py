@@ -65,6 +65,7 @@ class ScheduledRequest:
     # Longrope models: the sequence is past original_max_position_embeddings, its positions use the
     # rotary rows of the long factors (``workers/model/longrope.py``).
     rope_long: bool = False
+    lora_slot: int = -1  # the LoRA adapter's slot in the layers (workers/lora/); -1: the base model
 
     @property
     def num_input_tokens(self) -> int:

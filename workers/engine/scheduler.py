@@ -43,6 +43,7 @@ from cluster.shared.types import FinishReason
 from workers.engine.admission import blocks_in_prefill, chunk_size, queued_prefill_tokens, waits_for_prefill
 from workers.engine.forks import StepResult, slots_taken
 from workers.engine.kv_manager import KVCacheManager
+from workers.engine.lora_slots import adapter_fits
 from workers.engine.outputs import ModelOutput, SchedulerOutput
 from workers.engine.request_queue import RequestQueue
 from workers.engine.sequence import Sequence, SequenceStatus
@@ -53,7 +54,6 @@ from workers.engine.step_update import StepApplier
 from workers.engine.stopping import TokenStops
 from workers.engine.structured import GrammarBackend
 from workers.engine.validation import Capacity, fit_problem
-
 
 
 @dataclass
@@ -98,6 +98,7 @@ class Scheduler:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token, one output), got {max_model_len}")
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_loras = 1  # distinct LoRA adapters in a step (lora_slots.py); the builder sets max_loras
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.preemption_mode = scheduler_config.preemption_mode
@@ -290,7 +291,8 @@ class Scheduler:
         self.queue.requeue(seq, SequenceStatus.WAITING)
 
     def _has_slots_for(self, seq: Sequence) -> bool:
-        return slots_taken(self.queue) + 1 + len(seq.pending_forks) <= self.max_num_seqs
+        return (slots_taken(self.queue) + 1 + len(seq.pending_forks) <= self.max_num_seqs
+                and adapter_fits(seq, self.queue.running, self.max_loras))
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         swapped = self.queue.swapped

@@ -100,6 +100,7 @@ class Sequence:
         self.pending_forks: list[tuple[str, SamplingParams, object]] = []
         self.choice_index = 0  # which choice of its request this sequence is
         self.group_id = request_id  # the request's id (a fork's own id differs)
+        self.lora = None  # workers.lora.manager.ActiveLoRA: its adapter (None: the base model)
 
         # Owned by the KV manager.
         self.block_ids: list[int] = []  # device block table while RUNNING

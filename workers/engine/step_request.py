@@ -46,4 +46,5 @@ def make_scheduled(seq: Sequence, num_new: int, spec: tuple[Sequence_[int], Sequ
         fork_params=tuple(p for _, p, _ in seq.pending_forks) if samples else (),
         min_tokens_banned_ids=stops.min_tokens_banned(seq) if samples else (),
         rope_long=seq.rope_long,
+        lora_slot=seq.lora.slot if seq.lora is not None else -1,
     )

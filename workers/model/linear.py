@@ -55,19 +55,18 @@ class Linear(nn.Linear):
         self.packed: Optional[gemm.PackedWeight] = None
         self.quant: Any = None  # qgemm.QuantWeight when quantized (workers/model/quant/)
         self.use_gemm_op = False  # under torch.compile: the native GEMM as a custom op (compiled.py)
+        self.lora: Any = None  # workers.lora.layers.LoRALayer with LoRA enabled: adapters' side paths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_gemm_op:
             return torch.ops.prefixserve.gemm(x, self.packed.panels, self.packed.bias, self.out_features)
-        if self.kernel is not None:
-            return self.kernel(x)
-        return F.linear(x, self.weight, self.bias)
+        out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` without the bias."""
-        if self.kernel_no_bias is not None:
-            return self.kernel_no_bias(x)
-        return F.linear(x, self.weight)
+        out = self.kernel_no_bias(x) if self.kernel_no_bias is not None else F.linear(x, self.weight)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", backend={self.backend}"

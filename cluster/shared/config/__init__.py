@@ -33,12 +33,13 @@ from cluster.shared.config.engine import (
     SpeculativeConfig,
     SPECULATIVE_METHODS,
 )
+from cluster.shared.config.lora import LoRAConfig
 from cluster.shared.config.structured import STRUCTURED_BACKENDS, StructuredOutputsConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "LINEAR_BACKENDS", "PREEMPTION_MODES", "QUANTIZATION_METHODS",
     "DIRECTORY_LOOKUPS", "REPLICA_TRANSPORTS", "ROUTING_POLICIES", "SPECULATIVE_METHODS", "STRUCTURED_BACKENDS",
     "TOOL_CALL_PARSERS", "REASONING_PARSERS", "AutoscalingConfig", "CacheConfig", "ClusterConfig", "EngineConfig",
-    "ModelConfig", "ParallelConfig",
+    "LoRAConfig", "ModelConfig", "ParallelConfig",
     "RouterConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

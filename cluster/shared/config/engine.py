@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from cluster.shared.config.mapping import check_keys, read_mapping
+from cluster.shared.config.lora import LoRAConfig
 from cluster.shared.config.structured import StructuredOutputsConfig
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -297,6 +298,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -314,6 +316,8 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs with tensor_parallel_size 1 for now: use more replicas instead")
         if self.structured_outputs_config is not None:
             parsed = StructuredOutputsConfig.from_mapping(self.structured_outputs_config)
             object.__setattr__(self, "structured_outputs_config", dataclasses.asdict(parsed))
@@ -373,4 +377,4 @@ class EngineConfig:
 
 
 # The sections of EngineConfig, by field name, whose knobs are also given flat.
-ENGINE_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+ENGINE_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "lora": LoRAConfig}

@@ -1,0 +1,86 @@
+"""The LoRA side path of a linear layer, batched by adapter.
+
+Every targetable :class:`~workers.model.linear.Linear` gets a
+:class:`LoRALayer` that holds, per adapter slot, the shrink ``A`` and the
+expand ``B`` of that layer (``adapter.py``). The runner says once per step
+which rows of the flat batch belong to which slot (:class:`LoRABatch`); each
+layer then adds, for each slot in the step, ``B(A(x[rows]))`` to those rows
+of its output: one shrink and one expand per adapter, however many requests
+use it (SGMV's grouping), and nothing for the base model's rows.
+
+Exactness: with the native linear backend the shrink and expand are our
+batch-invariant GEMM (``gemm.py``), and the gather and the scatter-add touch
+each row once, so a request's result never depends on its batch-mates, as on
+the dense path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from workers.model import gemm
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LoRABatch:
+    """This step's rows per adapter slot (set by the runner before the forward)."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, Optional[torch.Tensor]]] = []  # (slot, rows; None: every row)
+
+    def set(self, row_slots: list[tuple[int, int]], num_rows: int, device: torch.device) -> None:
+        """``row_slots``: ``(slot, rows)`` runs in batch order (slot -1: the base model)."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in row_slots:
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        assert start == num_rows, (start, num_rows)
+        self.groups = [(slot, None if len(r) == num_rows else torch.tensor(r, dtype=torch.long, device=device))
+                       for slot, r in rows.items()]
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+class LoRALayer:
+    """One linear layer's side paths, one per loaded adapter that targets it."""
+
+    def __init__(self, batch: LoRABatch, native: bool) -> None:
+        self.batch = batch
+        self.native = native
+        self.slots: dict[int, tuple[Kernel, Kernel]] = {}
+
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Installs ``x @ a.T @ b.T`` as ``slot``'s side path."""
+        self.slots[slot] = (_kernel(a, self.native), _kernel(b, self.native))
+
+    def clear_slot(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus each of this step's adapters' delta on its rows (in place)."""
+        for slot, rows in self.batch.groups:
+            kernels = self.slots.get(slot)
+            if kernels is None:  # this adapter does not target this layer
+                continue
+            shrink, expand = kernels
+            if rows is None:
+                out.add_(expand(shrink(x)))
+            else:
+                out.index_add_(0, rows, expand(shrink(x.index_select(0, rows))))
+        return out
+
+
+def _kernel(weight: torch.Tensor, native: bool) -> Kernel:
+    weight = weight.contiguous()
+    if native:
+        lib = gemm.load()
+        if lib is not None:
+            return gemm.PackedWeight(weight, None, lib).matmul_no_bias
+    return lambda x: F.linear(x, weight)

@@ -1,0 +1,159 @@
+"""The engine's adapters: loaded on first use (or at start), kept in an LRU
+of ``max_cpu_loras``, each in a slot of every layer it targets.
+
+A request's adapter is resolved when the engine queues it
+(:meth:`LoRAManager.acquire`): loaded if it is not, and bound to the slot
+the runner names in each step. An adapter any unfinished request uses is
+never evicted; when every loaded adapter is in use the cache holds one more
+until requests finish (the limit on adapters *in a step*, ``max_loras``, is
+the scheduler's, ``workers/engine/lora_slots.py``).
+
+Adapters are told apart by ``(name, path)``; the prefix cache by content
+(``cluster.shared.hashing.lora_fingerprint``): two names for the same weights share blocks, and
+a name loaded again with other weights never reads the old ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from torch import nn
+
+from cluster.shared.config import LoRAConfig
+from cluster.shared.types import LoRARequest
+from workers.lora.adapter import TARGETS, LoRAAdapter, load_adapter
+from workers.lora.layers import LoRABatch, LoRALayer
+from workers.model.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActiveLoRA:
+    """A request's adapter as the scheduler and runner see it."""
+
+    slot: int
+    name: str
+    content_hash: str
+
+
+class LoRAManager:
+    """Loads adapters into a model's layers and hands out their slots.
+
+    Args:
+        model: The finalized model (its ``native_decoder`` / ``compiled``
+            paths are turned off: they bypass the layers' side paths).
+        config: ``max_lora_rank``, ``max_cpu_loras``, ``lora_modules``.
+        native: Use the native GEMM for the side paths (the linear backend
+            is ``native``).
+    """
+
+    def __init__(self, model: nn.Module, config: LoRAConfig, native: bool) -> None:
+        self.model = model
+        self.config = config
+        self.batch = LoRABatch()
+        self.layers: dict[str, LoRALayer] = {}
+        for name, module in model.named_modules():
+            if (isinstance(module, Linear) and name.rsplit(".", 1)[-1] in TARGETS and ".experts." not in name
+                    and ".shared_expert" not in name):
+                module.lora = self.layers[name] = LoRALayer(self.batch, native)
+        if getattr(model, "native_decoder", None) is not None:
+            model.native_decoder = None  # it runs the layers in C, past their side paths
+        if getattr(model, "compiled", None) is not None:
+            raise ValueError("enable_lora runs eagerly: drop enforce_eager=False")
+        self._loaded: OrderedDict[tuple[str, str], tuple[LoRAAdapter, int]] = OrderedDict()  # LRU first
+        self.num_loads = 0
+        self.num_evictions = 0
+        self.last_load_s = 0.0
+        for name, path in config.modules.items():
+            self.load(LoRARequest(name, 0, path))
+
+    @property
+    def capacity(self) -> int:
+        return self.config.cpu_capacity
+
+    def names(self) -> list[str]:
+        """Loaded adapters' names, most recently used last."""
+        return [key[0] for key in self._loaded]
+
+    def path_of(self, name: str) -> Optional[str]:
+        """The path of a loaded adapter called ``name`` (the most recent), or None."""
+        paths = [path for (n, path) in self._loaded if n == name]
+        return paths[-1] if paths else None
+
+    def load(self, request: LoRARequest, in_use: Iterable[int] = ()) -> tuple[LoRAAdapter, int]:
+        """The adapter of ``request`` and its slot, loaded if it is not
+        (evicting least recently used adapters no request uses).
+
+        Raises:
+            ValueError: The adapter cannot be loaded (``adapter.load_adapter``).
+        """
+        path = request.lora_path or self.path_of(request.lora_name) or ""
+        if not path:
+            known = ", ".join(self.names()) or "none"
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and has no path "
+                             f"(loaded: {known})")
+        key = (request.lora_name, path)
+        if key in self._loaded:
+            self._loaded.move_to_end(key)
+            return self._loaded[key]
+        started = time.perf_counter()
+        adapter = load_adapter(request.lora_name, path, self.model, self.config.max_lora_rank)
+        self._evict(set(in_use), room_for=1)
+        taken = {slot for _, slot in self._loaded.values()}
+        slot = next(i for i in range(len(taken) + 1) if i not in taken)
+        for module, delta in adapter.deltas.items():
+            self.layers[module].set_slot(slot, delta.a, delta.b)
+        self._loaded[key] = (adapter, slot)
+        self.num_loads += 1
+        self.last_load_s = time.perf_counter() - started
+        logger.info("LoRA adapter %s loaded from %s in %.0f ms: rank %d, %d layers, %.1f MiB, slot %d",
+                    adapter.name, path, self.last_load_s * 1e3, adapter.rank, len(adapter.deltas),
+                    adapter.nbytes / 2**20, slot)
+        return adapter, slot
+
+    def acquire(self, request: LoRARequest, in_use: Iterable[int]) -> ActiveLoRA:
+        """The request's adapter, loaded, as the scheduler and runner see it."""
+        adapter, slot = self.load(request, in_use)
+        return ActiveLoRA(slot, adapter.name, adapter.content_hash)
+
+    def unload(self, name: str, in_use: Iterable[int]) -> bool:
+        """Drops every loaded adapter called ``name`` (False: none was loaded).
+
+        Raises:
+            ValueError: A request still uses it.
+        """
+        keys = [key for key in self._loaded if key[0] == name]
+        busy = set(in_use)
+        if any(self._loaded[key][1] in busy for key in keys):
+            raise ValueError(f"LoRA adapter {name!r} is in use by running requests; unload it after they finish")
+        for key in keys:
+            self._drop(key)
+        return bool(keys)
+
+    @property
+    def over_capacity(self) -> bool:
+        """More adapters loaded than ``max_cpu_loras`` (all were in use when the last one came)."""
+        return len(self._loaded) > self.capacity
+
+    def trim(self, in_use: Iterable[int]) -> None:
+        """Evicts least recently used adapters no request uses, down to the capacity."""
+        self._evict(set(in_use), room_for=0)
+
+    def _evict(self, in_use: set[int], room_for: int) -> None:
+        for key in list(self._loaded):
+            if len(self._loaded) + room_for <= self.capacity:
+                return
+            if self._loaded[key][1] not in in_use:
+                self._drop(key)
+                self.num_evictions += 1
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        adapter, slot = self._loaded.pop(key)
+        for module in adapter.deltas:
+            self.layers[module].clear_slot(slot)
+        logger.info("LoRA adapter %s (%s) unloaded from slot %d", key[0], key[1], slot)
