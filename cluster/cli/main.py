@@ -84,6 +84,8 @@ COMMANDS = (
             "cluster.bench.spec", "add_spec_args", "run_spec"),
     Command(("bench", "moe"), "mixture-of-experts decode: routed experts against a dense loop over every expert",
             "cluster.bench.moe", "add_moe_args", "run_moe"),
+    Command(("bench", "lora"), "multi-LoRA decode (a different adapter per request) against the base model",
+            "cluster.bench.lora", "add_lora_args", "run_lora"),
     Command(("bench", "parallel"), "parallel sampling (n) against the same samples as separate requests",
             "cluster.bench.parallel", "add_parallel_args", "run_parallel"),
     Command(("bench", "structured"), "structured outputs: mask cost, jump-forward speedup, compile latency",
