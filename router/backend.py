@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Protocol
 
 from cluster.shared.config.cluster import REPLICA_TRANSPORTS
-from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, StreamChunk
+from cluster.shared.types import GenerationRequest, LoRARequest, ReplicaOverloadedError, StreamChunk
 from router.errors import NoReplicaError, OverloadedError
 from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_choices
 from router.tokenizer import RouterTokenizer
@@ -46,10 +46,32 @@ DRAINING_MESSAGE = "this router is draining (its pod is stopping): retry, anothe
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What front ends report about the served model."""
+    """What front ends report about the served model.
+
+    ``lora_modules``: its LoRA adapters (``name=path`` each, the engine's
+    ``lora_modules``) when the replicas serve adapters (``enable_lora``),
+    else None. A request names an adapter as ``model``: its name, or
+    ``<model>:<adapter>`` (Ray Serve LLM's form).
+    """
 
     name: str
     max_model_len: int
+    lora_modules: Optional[tuple[str, ...]] = None
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The adapters, name -> path (empty without LoRA)."""
+        return dict(m.split("=", 1) for m in self.lora_modules or ())
+
+    def adapter_of(self, asked: str) -> Optional[str]:
+        """The adapter that ``asked`` names, or None (the model itself, or not this model's)."""
+        name = asked.removeprefix(self.name + ":") if asked.startswith(self.name + ":") else asked
+        return name if name in self.adapters else None
+
+    def lora_request(self, asked: Optional[str]) -> Optional[LoRARequest]:
+        """The ``LoRARequest`` a request naming ``asked`` runs with (None: the base model)."""
+        adapter = self.adapter_of(asked) if asked else None
+        return None if adapter is None else LoRARequest(adapter, 0, self.adapters[adapter])
 
 
 class Backend(Protocol):

@@ -53,6 +53,8 @@ class ServedModel:
         namespace: The model's directory namespace.
         routing_policy: Its replicas' routing policy (the ``policy`` label
             of the router's metrics, served with the replicas' at ``/metrics``).
+        lora_modules: Its LoRA adapters (``name=path``) when its replicas
+            serve adapters, else None.
     """
 
     model_dir: str
@@ -60,6 +62,7 @@ class ServedModel:
     max_model_len: int
     namespace: str
     routing_policy: str = "prefix_cost"
+    lora_modules: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class FrontEndOptions:
             router replica, where they are mounted.
         more_models: The other models of a several-model cluster, after
             the first (which the fields above describe).
+        lora_modules: The first model's LoRA adapters (``ServedModel``).
     """
 
     model_dir: str
@@ -90,11 +94,13 @@ class FrontEndOptions:
     routing_policy: str = "prefix_cost"
     router: RouterConfig = field(default_factory=RouterConfig)
     more_models: tuple[ServedModel, ...] = ()
+    lora_modules: Optional[tuple[str, ...]] = None
 
     @property
     def models(self) -> list[ServedModel]:
         """Every served model, the first (the default) first."""
-        first = ServedModel(self.model_dir, self.model_name, self.max_model_len, self.namespace, self.routing_policy)
+        first = ServedModel(self.model_dir, self.model_name, self.max_model_len, self.namespace, self.routing_policy,
+                            self.lora_modules)
         return [first, *self.more_models]
 
 
@@ -219,7 +225,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
         if directory is not None and check_access:
             await directory.check_read_access()
         backends[model.model_name] = RouterBackend(
-            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len),
+            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora_modules),
             max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
             migration_limit=router.migration_limit, replica_transport=router.replica_transport,
             presence=ReplicaPresence(directory) if directory is not None else None)

@@ -10,6 +10,7 @@ front ends hold a ``ModelBackends`` and ask it for the request's::
     backends = ModelBackends({"smollm": backend_a, "tiny": backend_b})
     backends.pick("tiny")       # backend_b
     backends.pick(None)         # backend_a: a request that names no model gets the first
+    backends.pick("sql-lora")   # the backend of the model serving that LoRA adapter (also "smollm:sql-lora")
     backends.pick("gpt-4")      # ModelNotFoundError: 404 model_not_found / NOT_FOUND,
                                 # the message names the served models
 
@@ -73,8 +74,11 @@ class ModelBackends:
         if not isinstance(name, str):
             raise ValueError(f"model must be a string, got {name!r}")
         backend = self._backends.get(name)
+        if backend is None:  # a LoRA adapter's name, or <model>:<adapter>
+            backend = next((b for b in self if b.model.adapter_of(name) is not None), None)
         if backend is None:
-            served = ", ".join(repr(n) for n in self._backends)
+            served = ", ".join([repr(n) for n in self._backends]
+                               + [repr(a) for b in self for a in b.model.adapters])
             raise ModelNotFoundError(f"the model {name!r} does not exist: this server serves {served}; "
                                      "pass one of them as model")
         return backend

@@ -53,7 +53,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from cluster.shared.contract import CacheContract
 from cluster.shared.directory import Directory, DirectoryError, DirectoryUnavailable
 from cluster.shared.directory.follower import IndexFollower
-from cluster.shared.hashing import hash_block_chain, root_hash
+from cluster.shared.hashing import hash_block_chain, lora_fingerprint, root_hash
 from cluster.shared.types import GenerationRequest
 from router.metrics import get_router_metrics
 from router.decision import RoutingCore
@@ -136,8 +136,10 @@ class PrefixAwareRequestRouter(RequestRouter):
     async def _choose_for(self, request: GenerationRequest,
                           candidate_replicas: List[RunningReplica]) -> List[List[RunningReplica]]:
         began = time.perf_counter()
-        root = root_hash(self._fingerprint, request.cache_salt)
-        chain = hash_block_chain(request.prompt_token_ids, self._block_size, root)
+        fingerprint = self._fingerprint
+        if request.lora_request is not None:
+            fingerprint = self._adapter_fingerprint(request.lora_request.lora_name, candidate_replicas)
+        chain = hash_block_chain(request.prompt_token_ids, self._block_size, root_hash(fingerprint, request.cache_salt))
         counts = await self._lookup(chain)
         if counts is not None:
             await self._note_contracts(counts)
@@ -149,6 +151,16 @@ class PrefixAwareRequestRouter(RequestRouter):
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
+
+    def _adapter_fingerprint(self, name: str, candidates: List[RunningReplica]) -> str:
+        """What the replicas hash a LoRA adapter's blocks with: the model's fingerprint and
+        the adapter's content hash, which a replica that loaded it sends in its routing
+        stats (none has yet: a fingerprint that matches no block, so load decides)."""
+        for replica in candidates:
+            for held, content in (replica.routing_stats or {}).get("lora_adapters", ()):
+                if held == name:
+                    return lora_fingerprint(self._fingerprint, content)
+        return f"{self._fingerprint}/lora-not-loaded:{name}"
 
     def _live(self, candidates: List[RunningReplica], counts: Optional[dict[str, int]]) -> List[RunningReplica]:
         """The candidates the directory lists as live, when it can tell and lists

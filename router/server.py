@@ -135,6 +135,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine_request, tools = convert.request_and_tools_from_proto(request, backend.tokenizer,
                                                                      backend.model.max_model_len, limits)
         reasoning = convert.reasoning_mode_from_proto(request, backend.tokenizer, engine_request)
+        engine_request.lora_request = backend.model.lora_request(request.model)  # model names a LoRA adapter
         return engine_request, tools, reasoning, backend
 
     async def Generate(  # noqa: N802 - gRPC method name

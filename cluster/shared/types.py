@@ -329,3 +329,4 @@ class ReplicaStats:
     num_decode_tokens: int = 0  # context tokens of the decoding sequences (what each step's attention reads)
     num_kv_blocks: int = 0  # device KV blocks in the pool (kv_cache_usage * this = blocks in use)
     at: float = 0.0  # time.time() when the figures were read
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # loaded LoRA adapters: (name, content hash)

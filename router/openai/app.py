@@ -77,8 +77,12 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``."""
-        cards = [{"id": b.model.name, "object": "model", "created": 0, "owned_by": "prefixserve",
-                  "max_model_len": b.model.max_model_len} for b in self.backends]
+        cards = []
+        for b in self.backends:  # each model, then its LoRA adapters (vLLM's cards: parent, root)
+            card = {"object": "model", "created": 0, "owned_by": "prefixserve", "max_model_len": b.model.max_model_len}
+            cards.append({"id": b.model.name, **card, "root": b.model.name, "parent": None})
+            cards += [{"id": name, **card, "root": path, "parent": b.model.name}
+                      for name, path in b.model.adapters.items()]
         return JSONResponse({"object": "list", "data": cards})
 
     async def health(self, request: Request) -> Response:

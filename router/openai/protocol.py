@@ -79,7 +79,7 @@ def _check_model(body: dict, model: ModelInfo) -> str:
         return model.name
     if not isinstance(name, str):
         raise bad_request(f"model must be a string, got {name!r}", "model")
-    if name != model.name:
+    if name != model.name and model.adapter_of(name) is None:
         raise APIError(
             404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
             code="model_not_found",
@@ -343,7 +343,7 @@ def _parse_request(
         asked_logprobs = params.logprobs
         requests.append(GenerationRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling_params=_engine_params(params, echo),
-            priority=priority, cache_salt=salt, arrival_time=time.time(),
+            priority=priority, cache_salt=salt, arrival_time=time.time(), lora_request=model.lora_request(name),
         ))
     first = requests[0].sampling_params
     if first.structured_outputs is not None and reasoning is not None:

@@ -330,6 +330,7 @@ class LLMEngine:
             num_decode_tokens=self.scheduler.num_decode_tokens,
             num_kv_blocks=kv.num_device_blocks,
             at=time.time(),
+            lora_adapters=self.lora.published if self.lora is not None else (),
         )
 
 

@@ -66,6 +66,7 @@ class LoRAManager:
         if getattr(model, "compiled", None) is not None:
             raise ValueError("enable_lora runs eagerly: drop enforce_eager=False")
         self._loaded: OrderedDict[tuple[str, str], tuple[LoRAAdapter, int]] = OrderedDict()  # LRU first
+        self.published: tuple[tuple[str, str], ...] = ()  # (name, content hash), replaced whole: any thread reads
         self.num_loads = 0
         self.num_evictions = 0
         self.last_load_s = 0.0
@@ -92,7 +93,7 @@ class LoRAManager:
         Raises:
             ValueError: The adapter cannot be loaded (``adapter.load_adapter``).
         """
-        path = request.lora_path or self.path_of(request.lora_name) or ""
+        path = request.lora_path or self.path_of(request.lora_name) or self.config.modules.get(request.lora_name, "")
         if not path:
             known = ", ".join(self.names()) or "none"
             raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and has no path "
@@ -109,6 +110,7 @@ class LoRAManager:
         for module, delta in adapter.deltas.items():
             self.layers[module].set_slot(slot, delta.a, delta.b)
         self._loaded[key] = (adapter, slot)
+        self._publish()
         self.num_loads += 1
         self.last_load_s = time.perf_counter() - started
         logger.info("LoRA adapter %s loaded from %s in %.0f ms: rank %d, %d layers, %.1f MiB, slot %d",
@@ -144,6 +146,9 @@ class LoRAManager:
         """Evicts least recently used adapters no request uses, down to the capacity."""
         self._evict(set(in_use), room_for=0)
 
+    def _publish(self) -> None:
+        self.published = tuple((a.name, a.content_hash) for a, _ in self._loaded.values())
+
     def _evict(self, in_use: set[int], room_for: int) -> None:
         for key in list(self._loaded):
             if len(self._loaded) + room_for <= self.capacity:
@@ -156,4 +161,5 @@ class LoRAManager:
         adapter, slot = self._loaded.pop(key)
         for module in adapter.deltas:
             self.layers[module].clear_slot(slot)
+        self._publish()
         logger.info("LoRA adapter %s (%s) unloaded from slot %d", key[0], key[1], slot)

@@ -1,0 +1,129 @@
+"""LoRA adapters at the front ends: ``model`` names an adapter (its name or
+``<model>:<adapter>``) and the request carries its ``LoRARequest``, over HTTP
+and gRPC; ``/v1/models`` lists adapters with their parent; an unknown name is
+404 naming the adapters too; the request router hashes an adapter's blocks
+with the content hash its replicas publish, never the name alone."""
+
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+
+from cluster.shared.hashing import hash_block_chain, lora_fingerprint, root_hash
+from cluster.shared.types import GenerationRequest, LoRARequest, SamplingParams
+from router.backend import ModelInfo
+from router.models import ModelBackends, ModelNotFoundError
+from router.pb import generation_pb2 as pb
+from router.pb import generation_pb2_grpc as pb_grpc
+from tests.factories import make_router_tokenizer
+from tests.unit.grpc_server import serving_grpc
+from tests.unit.http_api.openai_server import TEMPLATE, FakeBackend, serving
+
+MODULES = ("sql=/adapters/sql", "chat=/adapters/chat")
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    tok = make_router_tokenizer(tmp_path_factory.mktemp("tok"), TEMPLATE)
+    base, other = FakeBackend(tok), FakeBackend(tok)
+    base.model = ModelInfo("base", 256, MODULES)
+    other.model = ModelInfo("other", 256)
+    return ModelBackends({"base": base, "other": other})
+
+
+@pytest.fixture(autouse=True)
+def _clear(backends):
+    for backend in backends:
+        backend.requests.clear()
+
+
+def test_model_info_resolves_adapters():
+    info = ModelInfo("base", 256, MODULES)
+    assert info.adapters == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert info.adapter_of("sql") == "sql" and info.adapter_of("base:chat") == "chat"
+    assert info.adapter_of("base") is None and info.adapter_of("other:sql") is None
+    assert info.lora_request("base:sql") == LoRARequest("sql", 0, "/adapters/sql")
+    assert info.lora_request("base") is None and ModelInfo("m", 8).adapters == {}
+
+
+def test_pick_finds_the_model_serving_an_adapter(backends):
+    base = list(backends)[0]
+    assert backends.pick("sql") is base and backends.pick("base:chat") is base
+    with pytest.raises(ModelNotFoundError, match="'base', 'other', 'sql', 'chat'"):
+        backends.pick("other:sql")
+
+
+def test_http_requests_carry_the_adapter_and_models_lists_them(backends):
+    base = list(backends)[0]
+    with serving(backends) as handle:
+        with openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=20) as client:
+            cards = client.models.list().data
+            assert [(c.id, c.parent) for c in cards] == [("base", None), ("sql", "base"), ("chat", "base"),
+                                                          ("other", None)]
+            assert cards[1].root == "/adapters/sql"
+            out = client.completions.create(model="sql", prompt="hello", max_tokens=2)
+            assert out.model == "sql"
+            client.chat.completions.create(model="base:chat", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=1)
+            client.completions.create(model="base", prompt="hello", max_tokens=1)
+            with pytest.raises(openai.NotFoundError, match="'sql', 'chat'"):
+                client.completions.create(model="nope", prompt="hello", max_tokens=1)
+    assert [r.lora_request for r in base.requests] == [LoRARequest("sql", 0, "/adapters/sql"),
+                                                       LoRARequest("chat", 0, "/adapters/chat"), None]
+
+
+def test_grpc_requests_carry_the_adapter(backends):
+    base = list(backends)[0]
+    with serving_grpc(backends) as address:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for model in ("chat", "base", "base:sql"):
+                list(stub.Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=1),
+                                                      model=model), timeout=20))
+    assert [r.lora_request and r.lora_request.lora_name for r in base.requests] == ["chat", None, "sql"]
+
+
+def test_the_request_router_hashes_adapter_blocks_by_content():
+    serve_common = pytest.importorskip("ray.serve._private.common")
+    from router.serve_router import PrefixAwareRequestRouter
+    from tests.unit.test_serve_router import FakeReplica
+
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=4, model_fingerprint="fp")
+    holder, other = FakeReplica("r0"), FakeReplica("r1")
+    holder.routing_stats = {"lora_adapters": (("chat", "c0ffee"), ("sql", "5eed"))}
+    assert router._adapter_fingerprint("sql", [other, holder]) == lora_fingerprint("fp", "5eed")
+    unknown = router._adapter_fingerprint("new", [other, holder])
+    assert unknown not in ("fp", lora_fingerprint("fp", "new"))
+    # The engine salts the same way (workers/engine/engine.py): same content, same chain.
+    prompt = list(range(12))
+    request = GenerationRequest("x", prompt, SamplingParams(), lora_request=LoRARequest("sql"))
+    assert request.lora_request.lora_name == "sql"
+    assert hash_block_chain(prompt, 4, root_hash(lora_fingerprint("fp", "5eed"), "")) != \
+        hash_block_chain(prompt, 4, root_hash("fp", ""))
+
+
+def test_lora_config_from_flags_and_from_a_config_file():
+    from cluster.cli.flags import Parser, add_engine_args, engine_kwargs
+    from cluster.shared.config import EngineConfig
+    from cluster.shared.config.loading import build_strict
+
+    parser = Parser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--enable-lora", "--max-loras", "2", "--lora-modules", "sql=/a", "chat=/b"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.lora.enable_lora and config.lora.max_loras == 2 and config.lora.cpu_capacity == 2
+    assert config.lora.modules == {"sql": "/a", "chat": "/b"}
+    filed = build_strict(EngineConfig, {"enable_lora": True, "lora_modules": {"sql": "/a"}, "max_lora_rank": 32})
+    assert filed.lora.lora_modules == ("sql=/a",) and filed.lora.max_lora_rank == 32
+    assert EngineConfig.from_kwargs(**filed.flat()) == filed
+    with pytest.raises(ValueError, match="needs enable_lora"):
+        EngineConfig.from_kwargs(lora_modules=["sql=/a"])
+    with pytest.raises(ValueError, match="name=path"):
+        EngineConfig.from_kwargs(enable_lora=True, lora_modules=["sql"])
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig.from_kwargs(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
