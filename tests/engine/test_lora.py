@@ -234,3 +234,24 @@ def test_other_families_match_peft(tmp_path, family):
     for name in ADAPTERS:
         assert case.expected[name] != case.expected[None], name
     assert run(llm, case, MIXED) == expected_for(case, MIXED)
+
+
+def test_draft_model_speculation_verifies_with_the_adapter(llama):
+    """The draft (the base model cut to one layer) knows no adapter; the
+    adapted target verifies its drafts, so the tokens stay PEFT's."""
+    llm = llama.llm(speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                        "draft_num_layers": 1, "adaptive": False})
+    assert run(llm, llama, MIXED) == expected_for(llama, MIXED)
+    assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_base_mixed_equals_each_alone(llama, quantization):
+    """On a quantized base (the adapter stays float) a request's tokens are
+    the same in a mixed batch as alone."""
+    llm = llama.llm(quantization=quantization)
+    mixed = run(llm, llama, MIXED)
+    alone = [llm.generate([p], greedy(n), lora_request=llama.request(name))[0].token_ids
+             for p, n, name in zip(llama.prompts, MAX_TOKENS, MIXED)]
+    assert mixed == alone
+    assert mixed != run(llm, llama, [None] * len(MIXED))  # the adapters still change the output
