@@ -8,10 +8,15 @@ layer then adds, for each slot in the step, ``B(A(x[rows]))`` to those rows
 of its output: one shrink and one expand per adapter, however many requests
 use it (SGMV's grouping), and nothing for the base model's rows.
 
-Exactness: with the native linear backend the shrink and expand are our
-batch-invariant GEMM (``gemm.py``), and the gather and the scatter-add touch
-each row once, so a request's result never depends on its batch-mates, as on
-the dense path.
+With the native linear backend a layer's side paths are one C call for every
+adapter of the step (``kernels.py``: grouped shrink and expand, the rows of
+one adapter sharing each weight load); otherwise, or for a side path wider
+than the kernel takes, one shrink and one expand per adapter (the native GEMM
+or ``F.linear``) with a gather and a scatter-add.
+
+Exactness: either way each element is an FMA chain over its own row only
+(our batch-invariant GEMM's order), so a request's result never depends on
+its batch-mates, as on the dense path.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from workers.lora import kernels
 from workers.model import gemm
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -31,6 +37,7 @@ class LoRABatch:
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, Optional[torch.Tensor]]] = []  # (slot, rows; None: every row)
+        self.rows = kernels.StepRows()  # the same groups as the native kernel reads them
 
     def set(self, row_slots: list[tuple[int, int]], num_rows: int, device: torch.device) -> None:
         """``row_slots``: ``(slot, rows)`` runs in batch order (slot -1: the base model)."""
@@ -43,33 +50,56 @@ class LoRABatch:
         assert start == num_rows, (start, num_rows)
         self.groups = [(slot, None if len(r) == num_rows else torch.tensor(r, dtype=torch.long, device=device))
                        for slot, r in rows.items()]
+        if self.groups and device.type == "cpu":
+            self.rows.set(list(rows.items()), num_rows)
 
     def clear(self) -> None:
         self.groups = []
 
 
 class LoRALayer:
-    """One linear layer's side paths, one per loaded adapter that targets it."""
+    """One linear layer's side paths, one per loaded adapter that targets it.
+
+    ``native``: the side paths are our kernels (the native linear backend):
+    ``kernels.NativeLayer`` when it builds, else the GEMM per adapter.
+    """
 
     def __init__(self, batch: LoRABatch, native: bool) -> None:
         self.batch = batch
         self.native = native
-        self.slots: dict[int, tuple[Kernel, Kernel]] = {}
+        self.slots: dict[int, tuple[Kernel, Kernel]] = {}  # side paths the grouped kernel does not run
+        self.grouped: Optional[kernels.NativeLayer] = None  # built with the first side path
+        self._lib = kernels.load() if native else None
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Installs ``x @ a.T @ b.T`` as ``slot``'s side path."""
-        self.slots[slot] = (_kernel(a, self.native), _kernel(b, self.native))
+        self.clear_slot(slot)
+        if self._lib is not None and kernels.NativeLayer.fits(a):
+            if self.grouped is None:
+                self.grouped = kernels.NativeLayer(self._lib, a.shape[1], b.shape[0])
+            self.grouped.set_slot(slot, a.contiguous(), b.contiguous())
+        else:
+            self.slots[slot] = (_kernel(a, self.native), _kernel(b, self.native))
 
     def clear_slot(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        if self.grouped is not None and slot in self.grouped.slots:
+            self.grouped.clear_slot(slot)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` plus each of this step's adapters' delta on its rows (in place)."""
+        if not self.batch.groups:
+            return out
+        if self.grouped is not None:
+            if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32:
+                x = x.reshape(-1, self.grouped.k).contiguous().float()
+            assert out.dim() == 2 and out.stride(1) == 1 and out.dtype == torch.float32, "float32 rows"
+            self.grouped.add_to(self.batch.rows, x, out)
         for slot, rows in self.batch.groups:
-            kernels = self.slots.get(slot)
-            if kernels is None:  # this adapter does not target this layer
+            pair = self.slots.get(slot)
+            if pair is None:  # grouped above, or this adapter does not target this layer
                 continue
-            shrink, expand = kernels
+            shrink, expand = pair
             if rows is None:
                 out.add_(expand(shrink(x)))
             else:

@@ -1,0 +1,113 @@
+"""The native LoRA kernel (``workers/lora/kernels.py``): each adapter's delta
+on its own rows, equal to torch's ``x @ A.T @ B.T`` (allclose), rows of no
+adapter untouched, and a row's result bit-identical whatever its batch-mates
+(alone, among rows of its adapter in blocks of four and a tail, among other
+adapters' rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.lora import kernels
+from workers.lora.layers import LoRABatch, LoRALayer
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the native LoRA kernel does not build here")
+
+K, N = 72, 100  # N not a multiple of the block width; K not a multiple of the vector width
+
+
+def fused_delta(ranks: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused layer's side path: A stacked, B block-diagonal over parts of N (as ``adapter.py`` builds it)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(sum(ranks), K, generator=gen)
+    b = torch.zeros(N, sum(ranks))
+    bounds = torch.linspace(0, N, len(ranks) + 1).long().tolist()
+    col = 0
+    for part, rank in enumerate(ranks):
+        b[bounds[part] : bounds[part + 1], col : col + rank] = torch.randn(bounds[part + 1] - bounds[part], rank,
+                                                                          generator=gen)
+        col += rank
+    return a, b
+
+
+ADAPTERS = {0: fused_delta([8, 8, 8], 1), 2: fused_delta([5], 2), 3: fused_delta([16, 16], 3)}
+
+
+def make_layer(native: bool) -> tuple[LoRABatch, LoRALayer]:
+    batch = LoRABatch()
+    layer = LoRALayer(batch, native)
+    for slot, (a, b) in ADAPTERS.items():
+        layer.set_slot(slot, a, b)
+    return batch, layer
+
+
+def run(layer: LoRALayer, batch: LoRABatch, x: torch.Tensor, out: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    batch.set([(s, 1) for s in slots], len(slots), torch.device("cpu"))
+    return layer.add_to(x, out.clone())
+
+
+def reference(x: torch.Tensor, out: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    expected = out.double().clone()
+    for row, slot in enumerate(slots):
+        if slot in ADAPTERS:
+            a, b = ADAPTERS[slot]
+            expected[row] += x[row].double() @ a.double().T @ b.double().T
+    return expected
+
+
+SLOTS = [0, 2, 0, -1, 3, 0, 0, 5, 2, 0, 3, 0, -1]  # 5: loaded elsewhere, this layer has no side path for it
+
+
+def test_grouped_kernel_matches_torch_and_leaves_base_rows():
+    batch, layer = make_layer(native=True)
+    assert layer.grouped is not None and not layer.slots
+    gen = torch.Generator().manual_seed(0)
+    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
+    got = run(layer, batch, x, out, SLOTS)
+    torch.testing.assert_close(got.double(), reference(x, out, SLOTS), rtol=1e-5, atol=1e-4)
+    for row, slot in enumerate(SLOTS):
+        if slot not in ADAPTERS:
+            assert torch.equal(got[row], out[row])
+
+
+def test_grouped_kernel_is_batch_invariant():
+    batch, layer = make_layer(native=True)
+    gen = torch.Generator().manual_seed(1)
+    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
+    full = run(layer, batch, x, out, SLOTS)
+    for row, slot in enumerate(SLOTS):
+        alone = run(layer, batch, x[row : row + 1], out[row : row + 1], [slot])
+        assert torch.equal(alone[0], full[row]), row
+        # among 6 rows of its own adapter (a block of four and a tail), at every position
+        for pos in range(6):
+            mates = torch.randn(6, K, generator=gen)
+            mates[pos] = x[row]
+            bases = torch.randn(6, N, generator=gen)
+            bases[pos] = out[row]
+            assert torch.equal(run(layer, batch, mates, bases, [slot] * 6)[pos], full[row]), (row, pos)
+
+
+def test_grouped_kernel_equals_per_adapter_gemm_path():
+    """The grouped kernel and the per-adapter GEMM path compute the same FMA chains: same bits."""
+    from workers.model import gemm
+
+    if gemm.load() is None:
+        pytest.skip("the native GEMM does not build here")
+    batch, layer = make_layer(native=True)
+    gen = torch.Generator().manual_seed(2)
+    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
+    got = run(layer, batch, x, out, SLOTS)
+    layer._lib = None  # the per-adapter path, the native GEMM
+    layer.grouped = None
+    for slot, (a, b) in ADAPTERS.items():
+        layer.set_slot(slot, a, b)
+    assert layer.grouped is None and set(layer.slots) == set(ADAPTERS)
+    assert torch.equal(run(layer, batch, x, out, SLOTS), got)
+
+
+def test_cleared_slot_adds_nothing():
+    batch, layer = make_layer(native=True)
+    layer.clear_slot(0)
+    x, out = torch.randn(3, K), torch.randn(3, N)
+    assert torch.equal(run(layer, batch, x, out, [0, 0, 0]), out)

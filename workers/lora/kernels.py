@@ -1,0 +1,138 @@
+"""The native LoRA kernel (``csrc/lora_f32.c``): every adapter's side path of
+one linear layer in one C call, SGMV's grouping without a Python loop.
+
+Layout, per layer and adapter slot (built once, at load)::
+
+    A [R, K]  ──▶  at: rank panels [K][w], w = BW (= 2 VL) but the last:
+                   R padded to the vector width VL, each panel streamed once
+    B [N, R]  ──▶  bt: output panels, one per BW outputs (N padded): [hi - lo][BW]
+                   for the ranks [lo, hi) whose B entries are not all zero
+                   there (ranges), at offsets offs
+
+A fused layer's B is block-diagonal (q/k/v, gate/up: ``adapter.py``), so an
+output panel holds only its part's ranks and a step reads no zero block; the
+products skipped are exact zeros (adding them leaves an FMA chain's value as
+it is).
+
+A step (:class:`StepRows`): the flat batch's rows grouped by slot, built once
+per step and shared by every layer. The kernel runs each group's shrink
+``t = A x`` and then its expand ``y += B t``, four rows of one adapter per
+weight load, the blocks split over the threads. Each element is one FMA chain
+in ascending order from zero (the expand's then added to ``y``), as our GEMM
+computes it, so a row's result never depends on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from workers.model import native
+
+_P, _L = ctypes.c_void_p, ctypes.c_long
+_SIGNATURES = {"lora_add_f32": [_P, _P, _P, _L, _P, _L]}
+MAX_RPAD = 1024  # ranks of one layer's side path (fused parts summed); larger ones run on torch
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The built kernel, or None (no compiler, no AVX2 + FMA, or a failed build)."""
+    lib = native.build("lora_f32", native.source("lora_f32.c"), signatures=_SIGNATURES)
+    if lib is not None:
+        lib.lora_vector_width.restype = ctypes.c_int
+        lib.lora_block_width.restype = ctypes.c_int
+    return lib
+
+
+class _LayerC(ctypes.Structure):
+    _fields_ = [("k", _L), ("n", _L), ("npad", _L), ("max_rpad", _L), ("num_slots", _L), ("at", _P), ("bt", _P),
+                ("rpad", _P), ("ranges", _P), ("offs", _P)]
+
+
+class _BatchC(ctypes.Structure):
+    _fields_ = [("num_groups", _L), ("group_slot", _P), ("group_start", _P), ("rows", _P), ("scratch", _P),
+                ("ldt", _L)]
+
+
+class StepRows:
+    """This step's rows per slot as the kernel reads them (one per step, every layer)."""
+
+    def __init__(self) -> None:
+        self.c = _BatchC()
+        self._keep: tuple = ()
+        self._scratch = torch.empty(0)
+
+    def set(self, groups: list[tuple[int, list[int]]], num_rows: int) -> None:
+        slots = torch.tensor([slot for slot, _ in groups], dtype=torch.long)
+        starts = torch.tensor([0] + [len(r) for _, r in groups], dtype=torch.long).cumsum(0)
+        rows = torch.tensor([i for _, r in groups for i in r], dtype=torch.long)
+        need = max(1, int(starts[-1])) * MAX_RPAD
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        self._keep = (slots, starts, rows)
+        self.c.num_groups = len(groups)
+        self.c.group_slot, self.c.group_start, self.c.rows = slots.data_ptr(), starts.data_ptr(), rows.data_ptr()
+        self.c.scratch, self.c.ldt = self._scratch.data_ptr(), MAX_RPAD
+
+
+class NativeLayer:
+    """One linear layer's side paths in the kernel's layout, by slot."""
+
+    def __init__(self, lib: ctypes.CDLL, in_features: int, out_features: int) -> None:
+        self.lib = lib
+        self.vl, self.bw = lib.lora_vector_width(), lib.lora_block_width()
+        self.k, self.n = in_features, out_features
+        self.npad = -(-out_features // self.bw) * self.bw
+        self.c = _LayerC(in_features, out_features, self.npad, 0, 0, None, None, None, None, None)
+        self.slots: dict[int, tuple[torch.Tensor, ...]] = {}  # slot -> (at, bt, ranges, offs, rpad)
+        self._arrays: tuple = ()
+
+    @staticmethod
+    def fits(a: torch.Tensor) -> bool:
+        return a.shape[0] <= MAX_RPAD
+
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        rank, k, bw = a.shape[0], self.k, self.bw
+        rpad = -(-rank // self.vl) * self.vl
+        padded = torch.zeros(rpad, k)
+        padded[:rank] = a
+        at = torch.cat([padded[c0 : c0 + bw].t().reshape(-1) for c0 in range(0, rpad, bw)])
+        bp = torch.zeros(self.npad, rank)
+        bp[: self.n] = b
+        panels = bp.view(-1, bw, rank)  # [blocks, BW, rank]
+        nonzero = (panels != 0).any(dim=1).to(torch.int8)  # [blocks, rank]
+        has = nonzero.any(dim=1)
+        lo = torch.where(has, nonzero.argmax(dim=1), 0)
+        hi = torch.where(has, rank - nonzero.flip(1).argmax(dim=1), 0)
+        ranges = torch.stack([lo, hi], dim=1).to(torch.int32).contiguous()
+        sizes = (hi - lo) * bw
+        offs = torch.cumsum(sizes, 0) - sizes
+        bt = torch.cat([panels[i, :, lo_i:hi_i].t().reshape(-1)
+                        for i, (lo_i, hi_i) in enumerate(zip(lo.tolist(), hi.tolist())) if hi_i > lo_i]
+                       or [torch.zeros(1)])
+        self.slots[slot] = (at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad)
+        self._publish()
+
+    def clear_slot(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Rebuilds the per-slot pointer arrays the C struct points at."""
+        num = max(self.slots, default=-1) + 1
+        at, bt, ranges, offs = ((_P * max(num, 1))() for _ in range(4))
+        rpad = (_L * max(num, 1))()
+        for slot, (a, b, r, o, rp) in self.slots.items():
+            at[slot], bt[slot], ranges[slot], offs[slot] = a.data_ptr(), b.data_ptr(), r.data_ptr(), o.data_ptr()
+            rpad[slot] = rp
+        self._arrays = (at, bt, rpad, ranges, offs)
+        self.c.num_slots = num
+        self.c.max_rpad = max((v[4] for v in self.slots.values()), default=0)
+        self.c.at, self.c.bt = ctypes.addressof(at), ctypes.addressof(bt)
+        self.c.rpad, self.c.ranges, self.c.offs = ctypes.addressof(rpad), ctypes.addressof(ranges), ctypes.addressof(offs)
+
+    def add_to(self, rows: StepRows, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[r] += B_s A_s x[r]`` for each row of each slot in ``rows`` (in place)."""
+        self.lib.lora_add_f32(ctypes.byref(self.c), ctypes.byref(rows.c), x.data_ptr(), x.stride(0),
+                              out.data_ptr(), out.stride(0))

@@ -1,0 +1,194 @@
+/* LoRA side paths of one linear layer for every adapter of a step, in one call
+   (workers/lora/kernels.py has the layout and the contract).
+
+   y[r, :] += B_s (A_s x[r, :]) for each row r of each group (slot s): the shrink
+   t = A_s x[r] [R] and the expand B_s t [n], both float32 FMA chains in ascending
+   order from zero, and the expand's chain added to y once. The chains of a row
+   never read another row, and the row, column and thread blocking only decides
+   which chains run together, so a row's result is the same whatever its
+   batch-mates (batch invariance). Phase 1 (every shrink) and phase 2 (every
+   expand) split their blocks over the threads; t passes between them in scratch. */
+
+#include <immintrin.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#else
+#error "the native LoRA kernel needs AVX2 and FMA"
+#endif
+#define RB 4  /* rows of one adapter sharing each weight load */
+#define CB 2  /* vectors of columns (rank in the shrink, outputs in the expand) per block */
+#define BW (CB * VL)
+#ifndef PF
+#define PF 16  /* software prefetch distance of the weights, in k steps (shrink) or ranks (expand) */
+#endif
+
+int lora_vector_width(void) { return VL; }
+int lora_block_width(void) { return BW; }
+
+/* One layer: per slot (NULL: the adapter does not target it) A in rank panels
+   (panel c of width w = min(BW, rpad - c BW) is [k][w], at offset k c BW) and B in
+   output panels (panel b holds the ranks [lo, hi) whose B entries are not all zero
+   on outputs b BW .. b BW + BW - 1, as [hi - lo][BW], at offset offs[b]; fused
+   layers are block-diagonal, and the skipped products are exact zeros). */
+typedef struct {
+    long k, n, npad, max_rpad, num_slots;
+    const float* const* at;
+    const float* const* bt;
+    const long* rpad;
+    const int* const* ranges;  /* per slot: 2 * (npad / BW) ints: lo, hi */
+    const long* const* offs;   /* per slot: npad / BW offsets into bt */
+} lora_layer_t;
+
+/* One step: group g runs slot group_slot[g] on rows[group_start[g] .. group_start[g + 1]). */
+typedef struct {
+    long num_groups;
+    const long* group_slot;
+    const long* group_start;
+    const long* rows;
+    float* scratch;  /* [len(rows)][max_rpad of any layer] */
+    long ldt;
+} lora_batch_t;
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* t[r, c0 : c0 + cb * VL] = A_s[c0 : ..] . x[rows[r]] for rb rows (rb, cb constant
+   at each call site, so the accumulators stay in registers). */
+INLINE void shrink_rows(const float* at, long k, const float* x, long ldx, const long* rows, const int rb,
+                        const int cb, float* t, long ldt) {
+    vec acc[RB][CB];
+    for (int r = 0; r < rb; ++r)
+        for (int v = 0; v < cb; ++v) acc[r][v] = VZERO();
+    for (long kk = 0; kk < k; ++kk) {
+        vec w[CB];
+        _mm_prefetch((const char*)(at + (kk + PF) * cb * VL), _MM_HINT_T0);
+        if (cb * VL * 4 > 64) _mm_prefetch((const char*)(at + (kk + PF) * cb * VL + 16), _MM_HINT_T0);
+        for (int v = 0; v < cb; ++v) w[v] = VLOAD(at + kk * cb * VL + v * VL);
+        for (int r = 0; r < rb; ++r) {
+            const vec xv = VSET1(x[rows[r] * ldx + kk]);
+            for (int v = 0; v < cb; ++v) acc[r][v] = VFMA(w[v], xv, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < rb; ++r)
+        for (int v = 0; v < cb; ++v) VSTORE(t + r * ldt + v * VL, acc[r][v]);
+}
+
+#define SHRINK(RBC, CBC) shrink_rows(at, L->k, x, ldx, rows, RBC, CBC, t + c0, ldt)
+
+static void shrink_block(const lora_layer_t* L, long s, const float* x, long ldx, const long* rows, int rb,
+                         long c0, float* t, long ldt) {
+    const float* at = L->at[s] + L->k * c0;
+    const long rp = L->rpad[s];
+    if (rp - c0 >= BW) {
+        switch (rb) {
+            case 1: SHRINK(1, CB); break;
+            case 2: SHRINK(2, CB); break;
+            case 3: SHRINK(3, CB); break;
+            default: SHRINK(RB, CB); break;
+        }
+    } else {  /* the last VL ranks */
+        switch (rb) {
+            case 1: SHRINK(1, 1); break;
+            case 2: SHRINK(2, 1); break;
+            case 3: SHRINK(3, 1); break;
+            default: SHRINK(RB, 1); break;
+        }
+    }
+}
+
+/* y[rows[r], c0 : c0 + BW] += B_s[c0 : ..] . t[r] over the ranks [lo, hi). */
+INLINE void expand_rows(const float* bt, int lo, int hi, const float* t, long ldt, const int rb,
+                        float* y, long ldy, const long* rows, long width) {
+    vec acc[RB][CB];
+    for (int r = 0; r < rb; ++r)
+        for (int v = 0; v < CB; ++v) acc[r][v] = VZERO();
+    for (int j = lo; j < hi; ++j) {
+        vec w[CB];
+        _mm_prefetch((const char*)(bt + (j - lo + PF) * BW), _MM_HINT_T0);
+        if (BW * 4 > 64) _mm_prefetch((const char*)(bt + (j - lo + PF) * BW + 16), _MM_HINT_T0);
+        for (int v = 0; v < CB; ++v) w[v] = VLOAD(bt + (j - lo) * BW + v * VL);
+        for (int r = 0; r < rb; ++r) {
+            const vec tv = VSET1(t[r * ldt + j]);
+            for (int v = 0; v < CB; ++v) acc[r][v] = VFMA(w[v], tv, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < rb; ++r) {
+        float* yr = y + rows[r] * ldy;
+        float buf[BW];
+        for (int v = 0; v < CB; ++v) VSTORE(buf + v * VL, acc[r][v]);
+        for (long c = 0; c < width; ++c) yr[c] += buf[c];
+    }
+}
+
+#define EXPAND(RBC) expand_rows(bt, lo, hi, t, ldt, RBC, y + c0, ldy, rows, width)
+
+static void expand_block(const lora_layer_t* L, long s, const float* t, long ldt, int rb, long blk,
+                         float* y, long ldy, const long* rows) {
+    const float* bt = L->bt[s] + L->offs[s][blk];
+    const int lo = L->ranges[s][2 * blk], hi = L->ranges[s][2 * blk + 1];
+    const long c0 = blk * BW;
+    const long width = L->n - c0 < BW ? L->n - c0 : BW;
+    if (lo >= hi) return;  /* B is zero on these outputs: nothing to add */
+    switch (rb) {
+        case 1: EXPAND(1); break;
+        case 2: EXPAND(2); break;
+        case 3: EXPAND(3); break;
+        default: EXPAND(RB); break;
+    }
+}
+
+/* The blocks of group g: (row blocks) x (column blocks). */
+static inline long group_rows(const lora_batch_t* B, long g) { return B->group_start[g + 1] - B->group_start[g]; }
+
+void lora_add_f32(const lora_layer_t* L, const lora_batch_t* B, const float* x, long ldx, float* y, long ldy) {
+    const long G = B->num_groups;
+    long shrink_items = 0, expand_items = 0;
+    for (long g = 0; g < G; ++g) {
+        const long s = B->group_slot[g];
+        if (s < 0 || s >= L->num_slots || !L->at[s]) continue;
+        const long row_blocks = (group_rows(B, g) + RB - 1) / RB;
+        shrink_items += row_blocks * ((L->rpad[s] + BW - 1) / BW);
+        expand_items += row_blocks * (L->npad / BW);
+    }
+    if (!shrink_items) return;
+    const int parallel = expand_items * L->k > 4096;
+    #pragma omp parallel if (parallel)
+    {
+        for (int phase = 0; phase < 2; ++phase) {
+            const long items = phase ? expand_items : shrink_items;
+            #pragma omp for schedule(static)
+            for (long item = 0; item < items; ++item) {
+                long rest = item, g = 0, s = 0, per_row_block = 0;
+                for (; g < G; ++g) {  /* find the group of this item (a handful of groups) */
+                    s = B->group_slot[g];
+                    if (s < 0 || s >= L->num_slots || !L->at[s]) continue;
+                    per_row_block = phase ? L->npad / BW : (L->rpad[s] + BW - 1) / BW;
+                    const long n_items = (group_rows(B, g) + RB - 1) / RB * per_row_block;
+                    if (rest < n_items) break;
+                    rest -= n_items;
+                }
+                const long rb0 = rest / per_row_block * RB, blk = rest % per_row_block;
+                const long first = B->group_start[g] + rb0;
+                const long left = group_rows(B, g) - rb0;
+                const int rb = (int)(left < RB ? left : RB);
+                float* t = B->scratch + first * B->ldt;
+                if (phase == 0) shrink_block(L, s, x, ldx, B->rows + first, rb, blk * BW, t, B->ldt);
+                else expand_block(L, s, t, B->ldt, rb, blk, y, ldy, B->rows + first);
+            }
+        }
+    }
+}
