@@ -135,7 +135,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine_request, tools = convert.request_and_tools_from_proto(request, backend.tokenizer,
                                                                      backend.model.max_model_len, limits)
         reasoning = convert.reasoning_mode_from_proto(request, backend.tokenizer, engine_request)
-        engine_request.lora_request = backend.model.lora_request(request.model)  # model names a LoRA adapter
+        asked = request.lora_adapter or request.model  # model may name a LoRA adapter too
+        engine_request.lora_request = backend.model.lora_request(asked)
+        if request.lora_adapter and engine_request.lora_request is None:
+            raise ModelNotFoundError(f"the LoRA adapter {request.lora_adapter!r} does not exist: the model "
+                                     f"{backend.model.name!r} serves {sorted(backend.model.adapters) or 'none'}")
         return engine_request, tools, reasoning, backend
 
     async def Generate(  # noqa: N802 - gRPC method name
@@ -234,6 +238,7 @@ def _replica_info(replica_id: str, stats: dict) -> pb.ReplicaInfo:
         prefix_cache_hit_rate=min(number("prefix_cache_hit_rate", float), 1.0),
         model=str(stats.get("model", "")),
         node=str(stats.get("node", "")),
+        lora_adapters=[name for name in str(stats.get("lora_adapters", "")).split(",") if name],
     )
 
 

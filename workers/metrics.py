@@ -22,6 +22,11 @@ Where the figures come from::
     counters    structured_output_{requests,grammar_cache_hits,grammar_failures,
                 jump_forward_tokens}_total; histogram structured_output_compile_seconds
                 <- the grammar backend's stats            (record_structured, ditto)
+    gauges      lora_loaded_adapters, lora_active_adapters; counters lora_loads_total,
+                lora_evictions_total; histogram lora_load_seconds
+                <- the engine's LoRA manager              (record_lora, ditto)
+    counters    lora_requests_total{lora_name}, lora_generation_tokens_total{lora_name}
+                (at most MAX_LORA_NAMES names, the rest as "_other")
     counters    prompt_tokens_total, generation_tokens_total
     histograms  time_to_first_token_seconds, inter_token_latency_seconds,
                 e2e_request_latency_seconds, request_queue_time_seconds
@@ -37,7 +42,7 @@ heartbeats; the router's ``GET /metrics`` merges the live replicas' texts
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -47,6 +52,8 @@ from cluster.shared.types import ReplicaStats
 from workers.engine.outputs import RequestOutput
 
 LABELS = ("replica", "model")
+MAX_LORA_NAMES = 64  # lora_name label values per replica; later adapters count as "_other"
+LORA_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so quantiles compare.
 COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -132,6 +139,19 @@ class ReplicaMetrics:
         self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes of the device KV cache.")
         self._info = Gauge(PREFIX + "model_info", "How the model runs: quantization and KV cache dtype (value 1).",
                            (*LABELS, "quantization", "kv_cache_dtype"), registry=self.registry)
+        self.lora_loaded = gauge("lora_loaded_adapters", "LoRA adapters loaded (max_cpu_loras bounds them).")
+        self.lora_active = gauge("lora_active_adapters",
+                                 "LoRA adapters of the running requests (max_loras bounds them).")
+        self.lora_loads = counter("lora_loads_total", "LoRA adapters loaded from their folders.")
+        self.lora_evictions = counter("lora_evictions_total", "LoRA adapters evicted to make room (LRU).")
+        self.lora_load_seconds = histogram("lora_load_seconds", "Time to read and install a LoRA adapter.",
+                                           LORA_LOAD_BUCKETS)
+        self._lora_requests = Counter(PREFIX + "lora_requests", "Requests that ran with a LoRA adapter.",
+                                      (*LABELS, "lora_name"), registry=self.registry)
+        self._lora_tokens = Counter(PREFIX + "lora_generation_tokens", "Tokens generated with a LoRA adapter.",
+                                    (*LABELS, "lora_name"), registry=self.registry)
+        self._lora_names: set[str] = set()
+        self._lora_counts = {"loads": 0, "evictions": 0}
         self._labels = labels
         self._engine_counts = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                                "model_compilations": 0}
@@ -197,11 +217,64 @@ class ReplicaMetrics:
         for seconds in compile_seconds:
             self.structured_compile_seconds.observe(seconds)
 
-    def start_request(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
-        """A timer for one request, started now."""
-        return RequestTimer(self, clock)
+    def record_lora(self, *, num_loaded: int, num_active: int, num_loads: int, num_evictions: int,
+                    last_load_s: float) -> None:
+        """Sets the adapter gauges and advances the counters to the manager's
+        cumulative values (the load time observed is the latest load's)."""
+        self.lora_loaded.set(num_loaded)
+        self.lora_active.set(num_active)
+        for name, value, counter in (("loads", num_loads, self.lora_loads),
+                                     ("evictions", num_evictions, self.lora_evictions)):
+            delta = value - self._lora_counts[name]
+            if delta > 0:
+                counter.inc(delta)
+                self._lora_counts[name] = value
+                if name == "loads":
+                    self.lora_load_seconds.observe(last_load_s)
+
+    def lora_label(self, name: str) -> str:
+        """``name`` as a ``lora_name`` label value (bounded: ``_other`` past ``MAX_LORA_NAMES``)."""
+        if name not in self._lora_names and len(self._lora_names) >= MAX_LORA_NAMES:
+            return "_other"
+        self._lora_names.add(name)
+        return name
+
+    def start_request(self, clock: Callable[[], float] = time.monotonic,
+                      lora_name: Optional[str] = None) -> "RequestTimer":
+        """A timer for one request, started now (``lora_name``: its adapter)."""
+        return RequestTimer(self, clock, lora_name)
 
     # ----------------------------------------------------------- exposition
+    def record_engine(self, engine: Any, runner: Any) -> None:
+        """Every cumulative figure of ``engine`` (an ``LLMEngine``) into the
+        metrics: its counters, speculation's, structured outputs', LoRA's.
+        Engine thread, after each step."""
+        scheduler = engine.scheduler
+        self.record_engine_counters(
+            num_preemptions=scheduler.num_preemptions_total,
+            prefix_cache_queries=scheduler.kv_manager.prefix_cache_queries,
+            prefix_cache_hits=scheduler.kv_manager.prefix_cache_hits,
+            model_compilations=getattr(runner, "num_compilations", 0) if runner is not None else 0,
+        )
+        if scheduler.speculator is not None:
+            stats = scheduler.speculator.stats
+            self.record_spec_decode(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+                                    num_accepted_tokens=stats.num_accepted_tokens,
+                                    accepted_per_position=stats.accepted_per_position)
+        structured = getattr(engine, "structured", None)
+        if structured is not None:
+            grammar = structured.stats
+            proposer = getattr(scheduler.speculator, "proposer", None)
+            self.record_structured(
+                num_requests=grammar.num_constrained_requests, num_cache_hits=grammar.num_cache_hits,
+                num_failures=grammar.num_failures, compile_seconds=grammar.take_compile_seconds(),
+                num_jump_forward_tokens=getattr(proposer, "num_proposed_tokens", 0))
+        lora = getattr(engine, "lora", None)
+        if lora is not None:
+            active = {s.lora.slot for s in scheduler.queue.running if s.lora is not None}
+            self.record_lora(num_loaded=len(lora.published), num_active=len(active), num_loads=lora.num_loads,
+                             num_evictions=lora.num_evictions, last_load_s=lora.last_load_s)
+
     def render(self) -> bytes:
         """The registry in Prometheus text format (without ``*_created`` series)."""
         return render_registry(self.registry)
@@ -213,9 +286,15 @@ class RequestTimer:
     Call ``on_output`` with every ``RequestOutput`` as it arrives.
     """
 
-    def __init__(self, metrics: ReplicaMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, metrics: ReplicaMetrics, clock: Callable[[], float] = time.monotonic,
+                 lora_name: Optional[str] = None) -> None:
         self._metrics = metrics
         self._clock = clock
+        self._lora = None
+        if lora_name is not None:
+            label = metrics.lora_label(lora_name)
+            metrics._lora_requests.labels(**metrics._labels, lora_name=label).inc()
+            self._lora = metrics._lora_tokens.labels(**metrics._labels, lora_name=label)
         self._start = clock()
         self._last_token: Optional[float] = None
         self._queue_time_seen = False
@@ -235,6 +314,8 @@ class RequestTimer:
                     m.inter_token_latency.observe(share)
             self._last_token = now
             m.generation_tokens.inc(len(out.new_token_ids))
+            if self._lora is not None:
+                self._lora.inc(len(out.new_token_ids))
         if out.queue_time is not None and not self._queue_time_seen:
             m.request_queue_time.observe(out.queue_time)
             self._queue_time_seen = True

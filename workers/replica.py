@@ -181,7 +181,7 @@ class ReplicaServer:
         Raises:
             ValueError: The request is invalid (says what to change).
         """
-        timer = self.metrics.start_request()
+        timer = self.metrics.start_request(lora_name=request.lora_request.lora_name if request.lora_request else None)
         async for out in self._tracked(request):
             timer.on_output(out)
             yield StreamChunk(
@@ -289,26 +289,7 @@ class ReplicaServer:
     def _after_step(self) -> None:
         """Engine thread, after each step: KV events out, engine counters into the metrics."""
         self._collect_events()
-        scheduler = self.engine.scheduler
-        self.metrics.record_engine_counters(
-            num_preemptions=scheduler.num_preemptions_total,
-            prefix_cache_queries=scheduler.kv_manager.prefix_cache_queries,
-            prefix_cache_hits=scheduler.kv_manager.prefix_cache_hits,
-            model_compilations=getattr(self._parts.runner, "num_compilations", 0) if self._parts else 0,
-        )
-        if scheduler.speculator is not None:
-            stats = scheduler.speculator.stats
-            self.metrics.record_spec_decode(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
-                                            num_accepted_tokens=stats.num_accepted_tokens,
-                                            accepted_per_position=stats.accepted_per_position)
-        structured = getattr(self.engine, "structured", None)
-        if structured is not None:
-            grammar = structured.stats
-            proposer = getattr(scheduler.speculator, "proposer", None)
-            self.metrics.record_structured(
-                num_requests=grammar.num_constrained_requests, num_cache_hits=grammar.num_cache_hits,
-                num_failures=grammar.num_failures, compile_seconds=grammar.take_compile_seconds(),
-                num_jump_forward_tokens=getattr(proposer, "num_proposed_tokens", 0))
+        self.metrics.record_engine(self.engine, self._parts.runner if self._parts else None)
 
     def _collect_events(self) -> None:
         """Engine thread: drain this step's KV events for the publisher."""
@@ -390,6 +371,7 @@ class ReplicaServer:
             "kv_cache_usage": float(stats.kv_cache_usage),
             "num_cached_blocks": int(stats.num_cached_blocks), "num_swapped": int(stats.num_swapped),
             "node": ray_node_ip(),  # where it runs (prefixserve status), text among the numbers
+            "lora_adapters": ",".join(name for name, _ in stats.lora_adapters),  # text too
             # Read without the engine thread: a float written by it, stale by at most a step.
             "prefix_cache_hit_rate": float(self.engine.scheduler.kv_manager.prefix_cache_hit_rate),
         }

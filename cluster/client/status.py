@@ -62,6 +62,7 @@ class ReplicaRow:
     cached_blocks: Optional[int] = None
     hit_rate: Optional[float] = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it has loaded
 
 
 def add_status_args(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +129,7 @@ async def fetch_rows(url: str, timeout: float, api_key: Optional[str] = None) ->
     return {
         r.replica_id: ReplicaRow(r.replica_id, model=r.model, node=r.node, kv_use=r.kv_cache_usage, running=r.num_running,
                                  waiting=r.num_waiting, cached_blocks=r.num_cached_blocks, swapped=r.num_swapped,
-                                 hit_rate=r.prefix_cache_hit_rate)
+                                 hit_rate=r.prefix_cache_hit_rate, lora_adapters=tuple(r.lora_adapters))
         for r in reply.replicas
     }
 
@@ -220,6 +221,9 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
         header += ["prompt tok/s", "gen tok/s", "quantization", "weights"]
     if speculating:
         header += ["spec accept"]  # accepted / proposed tokens since the replica started
+    with_lora = any(r.lora_adapters for r in rows.values())
+    if with_lora:
+        header += ["LoRA adapters"]
     table: list[tuple[str, ...]] = [tuple(header)]
     for replica_id in sorted(rows, key=lambda rid: (rows[rid].model, rid)):
         row = rows[replica_id]
@@ -236,6 +240,8 @@ def format_status(rows: dict[str, ReplicaRow], rates: dict[str, tuple[float, flo
         if speculating:
             drafted = row.metrics.get("spec_draft_tokens")
             line.append(_pct(row.metrics.get("spec_accepted_tokens", 0.0) / drafted) if drafted else "-")
+        if with_lora:
+            line.append(",".join(row.lora_adapters) or "-")
         table.append(tuple(line))
     lines = format_table(table)
     running = sum(r.running or 0 for r in rows.values())

@@ -132,7 +132,7 @@ class ChoiceList(_message.Message):
     def __init__(self, items: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "request_id", "priority", "cache_salt", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "model", "chat_template_kwargs_json")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "request_id", "priority", "cache_salt", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "model", "chat_template_kwargs_json", "lora_adapter")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class GenerateRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     messages: ChatMessages
@@ -159,7 +160,8 @@ class GenerateRequest(_message.Message):
     parallel_tool_calls: bool
     model: str
     chat_template_kwargs_json: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., model: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., model: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs")
@@ -218,7 +220,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "num_running", "num_waiting", "kv_cache_usage", "num_cached_blocks", "num_swapped", "prefix_cache_hit_rate", "model", "node")
+    __slots__ = ("replica_id", "num_running", "num_waiting", "kv_cache_usage", "num_cached_blocks", "num_swapped", "prefix_cache_hit_rate", "model", "node", "lora_adapters")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +230,7 @@ class ReplicaInfo(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     num_running: int
     num_waiting: int
@@ -237,7 +240,8 @@ class ReplicaInfo(_message.Message):
     prefix_cache_hit_rate: float
     model: str
     node: str
-    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., node: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)

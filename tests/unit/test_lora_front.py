@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from cluster.shared.hashing import hash_block_chain, lora_fingerprint, root_hash
-from cluster.shared.types import GenerationRequest, LoRARequest, SamplingParams
+from cluster.shared.types import FinishReason, GenerationRequest, LoRARequest, SamplingParams
 from router.backend import ModelInfo
 from router.models import ModelBackends, ModelNotFoundError
 from router.pb import generation_pb2 as pb
@@ -125,5 +125,49 @@ def test_lora_config_from_flags_and_from_a_config_file():
         EngineConfig.from_kwargs(enable_lora=True, lora_modules=["sql"])
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig.from_kwargs(enable_lora=True, max_loras=4, max_cpu_loras=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
+    # Adapters shard with the model (tests/engine/test_lora_tp.py).
+    assert EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+
+
+def test_grpc_lora_adapter_field(backends):
+    base = list(backends)[0]
+    with serving_grpc(backends) as address:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            list(stub.Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=1),
+                                                  model="base", lora_adapter="sql"), timeout=20))
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(pb.GenerateRequest(prompt="hello", model="base", lora_adapter="nope"),
+                                   timeout=20))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'chat', 'sql'" in err.value.details()
+    assert base.requests[-1].lora_request == LoRARequest("sql", 0, "/adapters/sql")
+
+
+def test_list_replicas_and_status_show_the_loaded_adapters():
+    from cluster.client.status import ReplicaRow, format_status
+    from router.server import _replica_info
+
+    info = _replica_info("r0", {"num_running": 1, "lora_adapters": "sql,chat"})
+    assert list(info.lora_adapters) == ["sql", "chat"]
+    assert list(_replica_info("r1", {"lora_adapters": ""}).lora_adapters) == []
+    lines = format_status({"r0": ReplicaRow("r0", lora_adapters=tuple(info.lora_adapters)), "r1": ReplicaRow("r1")},
+                          {}, show_metrics=False)
+    assert "LoRA adapters" in lines[0] and "sql,chat" in lines[1] and lines[2].rstrip().endswith("-")
+
+
+def test_replica_metrics_count_requests_and_tokens_per_adapter():
+    from workers.engine.outputs import RequestOutput
+    from workers.metrics import MAX_LORA_NAMES, ReplicaMetrics
+
+    metrics = ReplicaMetrics("r0", "base")
+    for name in ["sql", "sql", *[f"a{i}" for i in range(MAX_LORA_NAMES + 3)]]:
+        timer = metrics.start_request(lora_name=name)
+        timer.on_output(RequestOutput("x", [1, 2], "", FinishReason.STOP, num_prompt_tokens=3, num_output_tokens=2,
+                                      num_cached_tokens=0))
+    metrics.record_lora(num_loaded=3, num_active=2, num_loads=5, num_evictions=2, last_load_s=0.02)
+    text = metrics.render().decode()
+    assert 'prefixserve:lora_requests_total{lora_name="sql",model="base",replica="r0"} 2.0' in text
+    assert 'prefixserve:lora_generation_tokens_total{lora_name="sql",model="base",replica="r0"} 4.0' in text
+    assert 'lora_name="_other"' in text and text.count("prefixserve:lora_requests_total{") == MAX_LORA_NAMES + 1
+    assert 'prefixserve:lora_loads_total{model="base",replica="r0"} 5.0' in text
+    assert 'prefixserve:lora_loaded_adapters{model="base",replica="r0"} 3.0' in text

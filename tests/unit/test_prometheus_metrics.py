@@ -132,7 +132,8 @@ def test_rendered_text_has_every_series_with_labels_and_no_created_samples():
                 "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
                 "structured_output_requests", "structured_output_grammar_cache_hits",
                 "structured_output_grammar_failures", "structured_output_jump_forward_tokens",
-                "structured_output_compile_seconds"}
+                "structured_output_compile_seconds", "lora_loaded_adapters", "lora_active_adapters", "lora_loads",
+                "lora_evictions", "lora_load_seconds", "lora_requests", "lora_generation_tokens"}
     assert set(families) == {"prefixserve:" + name for name in expected}
     for family in families.values():
         assert all(s.labels["replica"] == "r1" and s.labels["model"] == "tiny" for s in family.samples)

@@ -29,7 +29,7 @@ from cluster.shared.directory.errors import DirectoryAuthError, DirectoryError, 
 
 logger = logging.getLogger(__name__)
 # Stats kept as text (the rest are numbers): the Ray node IP a replica runs on.
-TEXT_STATS = frozenset({"node"})
+TEXT_STATS = frozenset({"node", "lora_adapters"})
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_TTL_S", "Directory", "check_block_hashes", "pairs_to_dict"]
 
@@ -121,7 +121,8 @@ class Directory(DirectoryConnection):
 
         The figures are those of its last heartbeat with stats (``{}`` before
         the first one); values are parsed as int when integral, else float,
-        except the text of ``TEXT_STATS`` (``node``: the replica's Ray node IP).
+        except the text of ``TEXT_STATS`` (``node``: the replica's Ray node IP;
+        ``lora_adapters``: its loaded adapters' names, comma-separated).
         One round trip; no mutation.
         """
         keys = [lua.replicas_key(self.prefix)]
