@@ -115,12 +115,15 @@ def attach_medusa_heads(runner: Union[ModelRunner, "TensorParallelRunner"], fold
 
 
 def attach_lora(runner: Union[ModelRunner, "TensorParallelRunner"], config: EngineConfig) -> "LoRAManager":
-    """Gives the model's layers LoRA side paths and loads ``lora_modules``."""
+    """Gives the model's layers LoRA side paths (every rank's, with tensor
+    parallelism) and loads ``lora_modules``."""
     from workers.lora.manager import LoRAManager
+    from workers.lora.side_paths import AdapterSlots
 
-    assert isinstance(runner, ModelRunner), "EngineConfig refuses enable_lora with tensor parallelism"
-    native = any(getattr(m, "backend", "") == "native" for m in runner.model.modules())
-    return LoRAManager(runner.model, config.lora, native)
+    if isinstance(runner, ModelRunner):
+        native = any(getattr(m, "backend", "") == "native" for m in runner.model.modules())
+        return LoRAManager(AdapterSlots(runner.model, config.lora.max_lora_rank, native), config.lora)
+    return LoRAManager(runner.attach_lora(config.lora.max_lora_rank), config.lora)
 
 
 def _tokenizer_file(model_dir: Path, tokenizer: Optional[str]) -> Optional[Path]:

@@ -24,6 +24,10 @@ every rank, and the ranks allocate their KV and swap tensors.
 
 Placement and threads: ``workers/placement.py``.
 
+LoRA: the driver's ``LoRAManager`` decides which adapter is in which slot;
+every rank installs its own shard of it in that slot (``call_ranks``,
+``workers/lora/side_paths.py``), so the ranks hold the same adapters.
+
 Sampling happens on rank 0 only, over the gathered full logits, with the
 engine seed: outputs and seeded draws do not depend on the TP size.
 """
@@ -47,6 +51,7 @@ import torch.distributed as dist
 from cluster.shared.config import EngineConfig
 from cluster.shared.ray_local import LOOPBACK, init_local_ray
 from workers.engine.outputs import ModelOutput, SchedulerOutput
+from workers.lora.side_paths import AdapterSlots, RankAdapterSlots
 from workers.model.config import ModelArchConfig
 from workers.model.linear import weight_bytes
 from workers.model.loader import read_arch
@@ -103,6 +108,7 @@ class RankWorker:
         self.dtype: Optional[torch.dtype] = None
         self._execute_seconds = 0.0
         self._num_steps = 0
+        self.lora: Optional[AdapterSlots] = None  # this rank's LoRA side paths, with enable_lora
 
     def pick_port(self) -> int:
         """A free TCP port on loopback for the group's rendezvous (rank 0)."""
@@ -160,6 +166,17 @@ class RankWorker:
             seed=self.config.seed,
             kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
+
+    def attach_lora(self, max_lora_rank: int) -> None:
+        """Gives this rank's layers LoRA side paths (``workers/lora/side_paths.py``)."""
+        assert self.runner is not None and self.model is not None, "init_cache() first"
+        native = any(getattr(m, "backend", "") == "native" for m in self.model.modules())
+        self.lora = self.runner.lora = AdapterSlots(self.model, max_lora_rank, native)
+
+    def call_lora(self, method: str, *args: Any) -> Any:
+        """``AdapterSlots.<method>(*args)`` on this rank (stage, commit, drop): the driver's manager decides."""
+        assert self.lora is not None, "attach_lora() first"
+        return getattr(self.lora, method)(*args)
 
     def execute(self, sched: SchedulerOutput) -> Optional[ModelOutput]:
         """Runs one step; rank 0 returns the sampled tokens, the others None."""
@@ -294,6 +311,25 @@ class TensorParallelRunner:
             raise RuntimeError(f"a tensor-parallel rank failed; the ranks are stopped: {exc}") from exc
         self.execute_seconds += time.perf_counter() - start
         return out
+
+    def attach_lora(self, max_lora_rank: int) -> RankAdapterSlots:
+        """Gives every rank's layers LoRA side paths; the handle that drives them as one."""
+        self.call_ranks("attach_lora", max_lora_rank)
+        return RankAdapterSlots(self)
+
+    def call_ranks(self, method: str, *args: Any) -> list[Any]:
+        """``RankWorker.<method>(*args)`` on every rank, their results in rank order.
+
+        Raises:
+            ValueError: A rank refused (its message, e.g. a bad LoRA adapter).
+        """
+        assert self._ranks is not None, "shut down"
+        try:
+            return _get_all([getattr(rank, method).remote(*args) for rank in self._ranks])
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):
+                raise ValueError(str(exc.cause)) from None
+            raise
 
     def take_timings(self) -> list[dict[str, float]]:
         """Per rank: seconds in ``execute`` and in collectives, steps and collectives since the last call."""

@@ -11,6 +11,11 @@ the scheduler's, ``workers/engine/lora_slots.py``).
 Adapters are told apart by ``(name, path)``; the prefix cache by content
 (``cluster.shared.hashing.lora_fingerprint``): two names for the same weights share blocks, and
 a name loaded again with other weights never reads the old ones.
+
+The manager keeps the bookkeeping (the LRU, slots, content hashes) and no
+tensor: its ``slots`` (``side_paths.py``) hold the side paths, in this
+process's layers or, with tensor parallelism, in every rank's, each the
+same adapters in the same slots.
 """
 
 from __future__ import annotations
@@ -19,15 +24,12 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
-
-from torch import nn
+from typing import Iterable, Optional, Union
 
 from cluster.shared.config import LoRAConfig
 from cluster.shared.types import LoRARequest
-from workers.lora.adapter import TARGETS, LoRAAdapter, load_adapter
-from workers.lora.layers import LoRABatch, LoRALayer
-from workers.model.linear import Linear
+from workers.lora.adapter import LoRAAdapter
+from workers.lora.side_paths import AdapterSlots, RankAdapterSlots
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +44,19 @@ class ActiveLoRA:
 
 
 class LoRAManager:
-    """Loads adapters into a model's layers and hands out their slots.
+    """Loads adapters into the model's layers and hands out their slots.
 
     Args:
-        model: The finalized model (its ``native_decoder`` / ``compiled``
-            paths are turned off: they bypass the layers' side paths).
-        config: ``max_lora_rank``, ``max_cpu_loras``, ``lora_modules``.
-        native: Use the native GEMM for the side paths (the linear backend
-            is ``native``).
+        slots: Where the side paths live: this process's layers
+            (``AdapterSlots``) or every tensor-parallel rank's
+            (``RankAdapterSlots``).
+        config: ``max_cpu_loras``, ``lora_modules``.
     """
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, native: bool) -> None:
-        self.model = model
+    def __init__(self, slots: Union[AdapterSlots, RankAdapterSlots], config: LoRAConfig) -> None:
+        self.slots = slots
         self.config = config
-        self.batch = LoRABatch()
-        self.layers: dict[str, LoRALayer] = {}
-        for name, module in model.named_modules():
-            if (isinstance(module, Linear) and name.rsplit(".", 1)[-1] in TARGETS and ".experts." not in name
-                    and ".shared_expert" not in name):
-                module.lora = self.layers[name] = LoRALayer(self.batch, native)
-        if getattr(model, "native_decoder", None) is not None:
-            model.native_decoder = None  # it runs the layers in C, past their side paths
-        if getattr(model, "compiled", None) is not None:
-            raise ValueError("enable_lora runs eagerly: drop enforce_eager=False")
+        self.batch = getattr(slots, "batch", None)  # the runner's, in one process (the ranks hold their own)
         self._loaded: OrderedDict[tuple[str, str], tuple[LoRAAdapter, int]] = OrderedDict()  # LRU first
         self.published: tuple[tuple[str, str], ...] = ()  # (name, content hash), replaced whole: any thread reads
         self.num_loads = 0
@@ -103,19 +95,20 @@ class LoRAManager:
             self._loaded.move_to_end(key)
             return self._loaded[key]
         started = time.perf_counter()
-        adapter = load_adapter(request.lora_name, path, self.model, self.config.max_lora_rank)
-        self._evict(set(in_use), room_for=1)
-        taken = {slot for _, slot in self._loaded.values()}
+        adapter = self.slots.stage(request.lora_name, path)  # refused: nothing changed
+        victims = self._victims(set(in_use), room_for=1)
+        taken = {slot for k, (_, slot) in self._loaded.items() if k not in victims}
         slot = next(i for i in range(len(taken) + 1) if i not in taken)
-        for module, delta in adapter.deltas.items():
-            self.layers[module].set_slot(slot, delta.a, delta.b)
+        self.slots.commit(slot, [self._loaded[k][1] for k in victims])
+        for victim in victims:
+            self._forget(victim)
+            self.num_evictions += 1
         self._loaded[key] = (adapter, slot)
         self._publish()
         self.num_loads += 1
         self.last_load_s = time.perf_counter() - started
-        logger.info("LoRA adapter %s loaded from %s in %.0f ms: rank %d, %d layers, %.1f MiB, slot %d",
-                    adapter.name, path, self.last_load_s * 1e3, adapter.rank, len(adapter.deltas),
-                    adapter.nbytes / 2**20, slot)
+        logger.info("LoRA adapter %s loaded from %s in %.0f ms: rank %d, slot %d", adapter.name, path,
+                    self.last_load_s * 1e3, adapter.rank, slot)
         return adapter, slot
 
     def acquire(self, request: LoRARequest, in_use: Iterable[int]) -> ActiveLoRA:
@@ -133,8 +126,9 @@ class LoRAManager:
         busy = set(in_use)
         if any(self._loaded[key][1] in busy for key in keys):
             raise ValueError(f"LoRA adapter {name!r} is in use by running requests; unload it after they finish")
+        self.slots.drop([self._loaded[key][1] for key in keys])
         for key in keys:
-            self._drop(key)
+            self._forget(key)
         return bool(keys)
 
     @property
@@ -144,22 +138,26 @@ class LoRAManager:
 
     def trim(self, in_use: Iterable[int]) -> None:
         """Evicts least recently used adapters no request uses, down to the capacity."""
-        self._evict(set(in_use), room_for=0)
+        victims = self._victims(set(in_use), room_for=0)
+        self.slots.drop([self._loaded[key][1] for key in victims])
+        for key in victims:
+            self._forget(key)
+            self.num_evictions += 1
 
     def _publish(self) -> None:
         self.published = tuple((a.name, a.content_hash) for a, _ in self._loaded.values())
 
-    def _evict(self, in_use: set[int], room_for: int) -> None:
-        for key in list(self._loaded):
-            if len(self._loaded) + room_for <= self.capacity:
-                return
-            if self._loaded[key][1] not in in_use:
-                self._drop(key)
-                self.num_evictions += 1
+    def _victims(self, in_use: set[int], room_for: int) -> list[tuple[str, str]]:
+        """Least recently used adapters no request uses, enough to leave ``room_for`` below the capacity."""
+        victims: list[tuple[str, str]] = []
+        for key, (_, slot) in self._loaded.items():
+            if len(self._loaded) - len(victims) + room_for <= self.capacity:
+                break
+            if slot not in in_use:
+                victims.append(key)
+        return victims
 
-    def _drop(self, key: tuple[str, str]) -> None:
-        adapter, slot = self._loaded.pop(key)
-        for module in adapter.deltas:
-            self.layers[module].clear_slot(slot)
+    def _forget(self, key: tuple[str, str]) -> None:
+        _, slot = self._loaded.pop(key)
         self._publish()
         logger.info("LoRA adapter %s (%s) unloaded from slot %d", key[0], key[1], slot)

@@ -316,8 +316,6 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("enable_lora runs with tensor_parallel_size 1 for now: use more replicas instead")
         if self.structured_outputs_config is not None:
             parsed = StructuredOutputsConfig.from_mapping(self.structured_outputs_config)
             object.__setattr__(self, "structured_outputs_config", dataclasses.asdict(parsed))
