@@ -111,3 +111,63 @@ def test_cleared_slot_adds_nothing():
     layer.clear_slot(0)
     x, out = torch.randn(3, K), torch.randn(3, N)
     assert torch.equal(run(layer, batch, x, out, [0, 0, 0]), out)
+
+
+def attach_side_paths(model, num_slots: int, seed: int) -> LoRABatch:
+    """Random side paths (rank 8) on every targetable layer of ``model`` in ``num_slots`` slots, as the
+    engine's adapter slots attach them."""
+    from workers.lora.adapter import TARGETS
+    from workers.model.linear import Linear
+
+    batch = LoRABatch()
+    gen = torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in TARGETS:
+            module.lora = LoRALayer(batch, native=True)
+            for slot in range(num_slots):
+                a = torch.randn(8, module.in_features, generator=gen) * 0.1
+                b = torch.randn(module.out_features, 8, generator=gen) * 0.1
+                module.lora.set_slot(slot, a, b)
+    return batch
+
+
+def test_native_decoder_runs_the_side_paths_bitwise(tmp_path):
+    """The native decoder (its per-layer loop with prefill chunks, its one-call step for decodes) adds the
+    side paths where the module path's ``Linear.forward`` does: the same logits, bit for bit, and not the
+    base model's."""
+    import random
+
+    from tests.factories import make_hf_config, make_hf_model
+    from tests.models.conftest import PagedDriver, save_hf_model
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+    from workers.model.loader import load_model
+
+    folder = save_hf_model(make_hf_model(make_hf_config("llama")), tmp_path)
+    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
+    fast = model.native_decoder
+    if fast is None or fast._driver is None:
+        pytest.skip("a native kernel did not build here")
+    batch = attach_side_paths(model, num_slots=3, seed=0)
+    adapter = {"r0": 0, "r1": -1, "r2": 2, "r3": 0}  # r1: the base model
+    rng = random.Random(3)
+    prompts = {rid: [rng.randrange(3, 500) for _ in range(n)] for rid, n in zip(adapter, [5, 13, 1, 22])}
+    drivers = [PagedDriver(model, block_size=4) for _ in range(3)]
+    steps = [
+        {"r0": prompts["r0"], "r1": prompts["r1"][:6]},
+        {"r0": [7], "r1": prompts["r1"][6:], "r2": prompts["r2"]},
+        {"r0": [8], "r1": [9], "r2": [10]},  # decode only: the one-call step
+        {"r0": [11], "r1": [12], "r2": [13], "r3": prompts["r3"]},
+        {"r0": [14], "r1": [15], "r2": [16], "r3": [17]},
+    ]
+    for chunks in steps:
+        order = sorted(chunks, key=lambda rid: len(chunks[rid]) != 1)  # PagedDriver's row order
+        rows = [(adapter[rid], len(chunks[rid])) for rid in order]
+        outs = []
+        for decoder, driver, lora in ((fast, drivers[0], True), (None, drivers[1], True), (None, drivers[2], False)):
+            model.native_decoder = decoder
+            batch.set(rows if lora else [(-1, n) for _, n in rows], sum(n for _, n in rows), torch.device("cpu"))
+            outs.append(driver.step(chunks))
+        for rid in chunks:
+            assert torch.equal(outs[0][rid], outs[1][rid]), rid
+            assert torch.equal(outs[0][rid], outs[2][rid]) == (adapter[rid] < 0), rid
+    model.native_decoder = fast

@@ -20,6 +20,12 @@ per-kernel Python loop, whose timers it needs.
 Steps with prefill chunks take the module path's attention for those layers'
 attention (views of the q/k/v rows into the backend); everything else stays
 here.
+
+LoRA (``workers/lora/``): a layer's side paths are added where
+``Linear.forward`` adds them, right after its GEMM: in the per-layer loop by
+the layer's ``add_to``, in the one-call step by the same grouped kernel
+(``lora_add_f32``) through a function pointer; a step with no adapter rows
+skips them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 
+from workers.lora import kernels as lora_kernels
 from workers.model import cpu_ops, gemm, i8gemm, native, qgemm
 from workers.model.attention import cpu_decode
 
@@ -38,7 +45,7 @@ class _Layer:
     """One decoder layer's pointers and sizes."""
 
     __slots__ = ("norm1", "norm2", "eps", "qkv", "o", "gate_up", "down", "num_heads", "num_kv_heads", "head_dim",
-                 "scale", "window", "attn")
+                 "scale", "window", "attn", "linears")
 
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -51,6 +58,7 @@ class _Layer:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
         self.attn = attn
+        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)  # their .lora: side paths
 
 
 def _weight(linear: Any) -> tuple:
@@ -79,12 +87,12 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 class _Fns(ctypes.Structure):
     _fields_ = [("gemm", _P), ("qgemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P),
-                ("i8gemm", _P)]
+                ("i8gemm", _P), ("lora", _P), ("lora_rows", _P)]
 
 
 class _Lin(ctypes.Structure):
     _fields_ = [("kind", _L), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("bits", _L), ("group", _L),
-                ("n", _L), ("k", _L)]
+                ("n", _L), ("k", _L), ("lora", _P)]
 
 
 class _LayerC(ctypes.Structure):
@@ -161,6 +169,8 @@ class NativeDecoder:
         self._fns = _Fns(_address(self._gemm), _address(self._qgemm) if self._qgemm is not None else None,
                          _address(self._norm), _address(self._rotary), _address(self._silu), _address(self._decode),
                          _address(i8lib.i8gemm_f32) if i8lib is not None else None)
+        lora_lib = lora_kernels.load()
+        self._fns.lora = _address(lora_lib.lora_add_f32) if lora_lib is not None else None
         self._layers_c = (_LayerC * len(self.layers))(*[
             _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale)
             for layer, row in zip(self.layers, lins, strict=True)])
@@ -206,7 +216,7 @@ class NativeDecoder:
         return cls(model, ops, gemm_lib, attn_lib)
 
     # ------------------------------------------------------------------ kernels
-    def _linear(self, x: torch.Tensor, weight: tuple) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: tuple, lora: Any = None) -> torch.Tensor:
         n, k = weight[-2], weight[-1]
         y = torch.empty(x.shape[0], n)
         if self.timers is not None:
@@ -220,6 +230,8 @@ class NativeDecoder:
             quant, q, scales, mins, bias, n, k = weight
             self._qgemm(x.data_ptr(), x.shape[0], k, x.stride(0), q, scales, mins or None, quant.bits,
                         quant.group_size, n, bias or None, y.data_ptr(), n)
+        if lora is not None:
+            lora.add_to(x, y)
         if self.timers is not None:
             self.timers["linear"] += time.perf_counter() - begin
         return y
@@ -253,14 +265,14 @@ class NativeDecoder:
                     meta.seq_lens.data_ptr(), meta.num_requests,
                     *((tails[0].data_ptr(), tails[1].data_ptr(), tails[1].shape[1]) if tails else (None, None, 0)))
         cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
-        if decode_only and self._driver is not None and self.timers is None:
+        if decode_only and self._driver is not None and self.timers is None and self._lora_in_driver():
             return self._decode_step(x, kv_caches, decode_fn, cos_p, sin_p, step)
         residual = x
         hidden = self._add_norm(None, residual, self.layers[0].norm1, self.layers[0].eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i:
                 hidden = self._add_norm(hidden, residual, layer.norm1, layer.eps)
-            qkv = self._linear(hidden, layer.qkv)
+            qkv = self._linear(hidden, layer.qkv, layer.linears[0].lora)
             hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
             ld = qkv.stride(0)
             self._rotary(qkv.data_ptr(), tokens, hq + hkv, d, ld, cos_p, sin_p)
@@ -284,13 +296,32 @@ class NativeDecoder:
                                                        layer.window or None).reshape(tokens, hq * d)
             if self.timers is not None:
                 self.timers["attention"] += time.perf_counter() - begin
-            out = self._linear(attn, layer.o)
+            out = self._linear(attn, layer.o, layer.linears[1].lora)
             hidden = self._add_norm(out, residual, layer.norm2, layer.eps)
-            gate_up = self._linear(hidden, layer.gate_up)
+            gate_up = self._linear(hidden, layer.gate_up, layer.linears[2].lora)
             act = torch.empty(tokens, gate_up.shape[1] // 2)
             self._silu(gate_up.data_ptr(), act.data_ptr(), tokens, gate_up.shape[1] // 2)
-            hidden = self._linear(act, layer.down)
+            hidden = self._linear(act, layer.down, layer.linears[3].lora)
         return self._add_norm(hidden, residual, self.final_norm, self.final_eps)
+
+    def _lora_in_driver(self) -> bool:
+        """Points the one-call step at this step's adapter rows (none: it skips
+        the side paths) and each linear at its side paths; False when one is
+        not the grouped kernel's (the per-layer loop then runs the step)."""
+        batch = next((lin.lora.batch for layer in self.layers for lin in layer.linears if lin.lora is not None), None)
+        self._fns.lora_rows = None
+        if batch is None or not batch.groups:
+            return True
+        if not self._fns.lora:
+            return False
+        for layer, layer_c in zip(self.layers, self._layers_c, strict=True):
+            for lin, lin_c in zip(layer.linears, (layer_c.qkv, layer_c.o, layer_c.gate_up, layer_c.down), strict=True):
+                if lin.lora is not None and lin.lora.slots:  # side paths the grouped kernel does not take
+                    return False
+                grouped = lin.lora.grouped if lin.lora is not None else None
+                lin_c.lora = ctypes.addressof(grouped.c) if grouped is not None else None
+        self._fns.lora_rows = ctypes.addressof(batch.rows.c)
+        return True
 
     def _decode_step(self, x: torch.Tensor, kv_caches: list[torch.Tensor], decode_fn: Any, cos_p: int, sin_p: int,
                      step: tuple) -> torch.Tensor:

@@ -13,12 +13,14 @@ typedef void (*decode_fn)(const float*, long, const float*, long, const float*, 
 typedef void (*i8gemm_fn)(const float*, long, long, long, const signed char*, const float*, const int*, long,
                           const float*, float*, long);
 
+/* LoRA (workers/lora/kernels.py): lora_add_f32(layer's side paths, this step's rows, x, ldx, y, ldy) */
+typedef void (*lora_fn)(const void*, const void*, const float*, long, float*, long);
 typedef struct { gemm_fn gemm; qgemm_fn qgemm; norm_fn norm; rotary_fn rotary; silu_fn silu; decode_fn decode;
-                 i8gemm_fn i8gemm; } fns_t;
+                 i8gemm_fn i8gemm; lora_fn lora; const void* lora_rows; /* NULL: no adapter rows this step */ } fns_t;
 /* kind 0: packed float panels in w (bias may be NULL); kind 1: quantized (qgemm.py; mins may be NULL);
    kind 2: w8a8 int8 panels (i8gemm.py; scales, and the column sums in mins) */
 typedef struct { long kind; const void* w; const float* scales; const float* mins; const float* bias;
-                 long bits; long group; long n; long k; } lin_t;
+                 long bits; long group; long n; long k; const void* lora; /* NULL: no side paths */ } lin_t;
 typedef struct { const float* norm1; const float* norm2; lin_t qkv, o, gate_up, down;
                  void* k_cache; void* v_cache; long window; float eps; float scale; } layer_t;
 
@@ -28,6 +30,7 @@ static void linear(const fns_t* f, const lin_t* w, const float* x, long T, float
                                     w->group, w->n, w->bias, y, w->n);
     else f->i8gemm(x, T, w->k, w->k, (const signed char*)w->w, w->scales, (const int*)w->mins, w->n, w->bias, y,
                    w->n);
+    if (w->lora && f->lora_rows) f->lora(w->lora, f->lora_rows, x, w->k, y, w->n);  /* Linear.forward's add_to */
 }
 
 /* Every layer of a decode-only step, in NativeDecoder.forward's order: residual
