@@ -28,6 +28,7 @@ KERNELS = [
     ("i8gemm_f32.c", native.FLAGS, [()]),
     ("qgemm_f32.c", native.FLAGS, [()]),
     ("decoder_step.c", native.FLAGS, [()]),
+    ("lora_f32.c", native.FLAGS, [()]),
     ("paged_decode.c", cpu_decode._FLAGS, [(), ("-DKV_INT8",)]),
     ("paged_prefill.c", cpu_prefill._FLAGS, [()]),
 ]
