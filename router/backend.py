@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Protocol
 
+from cluster.shared.config import LoRAConfig
 from cluster.shared.config.cluster import REPLICA_TRANSPORTS
 from cluster.shared.types import GenerationRequest, LoRARequest, ReplicaOverloadedError, StreamChunk
 from router.errors import NoReplicaError, OverloadedError
@@ -48,30 +50,54 @@ DRAINING_MESSAGE = "this router is draining (its pod is stopping): retry, anothe
 class ModelInfo:
     """What front ends report about the served model.
 
-    ``lora_modules``: its LoRA adapters (``name=path`` each, the engine's
-    ``lora_modules``) when the replicas serve adapters (``enable_lora``),
-    else None. A request names an adapter as ``model``: its name, or
-    ``<model>:<adapter>`` (Ray Serve LLM's form).
+    ``lora``: the replicas' LoRA settings when they serve adapters
+    (``enable_lora``), else None. A request names an adapter as ``model``:
+    its name, or ``<model>:<adapter>`` (Ray Serve LLM's form): one of
+    ``lora_modules``, or a sub-folder of ``dynamic_lora_loading_path`` (when
+    this process sees that folder, the sub-folder must hold an
+    ``adapter_config.json``; when it does not, the replica loading it says).
     """
 
     name: str
     max_model_len: int
-    lora_modules: Optional[tuple[str, ...]] = None
+    lora: Optional[LoRAConfig] = None
 
     @property
     def adapters(self) -> dict[str, str]:
-        """The adapters, name -> path (empty without LoRA)."""
-        return dict(m.split("=", 1) for m in self.lora_modules or ())
+        """The adapters it lists, name -> path: ``lora_modules``, then the
+        dynamic folder's adapters this process can see (empty without LoRA)."""
+        if self.lora is None:
+            return {}
+        found = dict(self.lora.modules)
+        folder = self.lora.dynamic_lora_loading_path
+        if folder and os.path.isdir(folder):
+            for name in sorted(os.listdir(folder)):
+                path = self.lora.dynamic_path(name)
+                if path and name not in found and os.path.isfile(os.path.join(path, "adapter_config.json")):
+                    found[name] = path
+        return found
 
     def adapter_of(self, asked: str) -> Optional[str]:
         """The adapter that ``asked`` names, or None (the model itself, or not this model's)."""
+        if self.lora is None:
+            return None
         name = asked.removeprefix(self.name + ":") if asked.startswith(self.name + ":") else asked
-        return name if name in self.adapters else None
+        if name in self.lora.modules:
+            return name
+        path = self.lora.dynamic_path(name)
+        if path is None:
+            return None
+        if os.path.isdir(self.lora.dynamic_lora_loading_path or ""):
+            return name if os.path.isfile(os.path.join(path, "adapter_config.json")) else None
+        return name  # a folder only the replicas mount: they load it or say why not
 
     def lora_request(self, asked: Optional[str]) -> Optional[LoRARequest]:
         """The ``LoRARequest`` a request naming ``asked`` runs with (None: the base model)."""
         adapter = self.adapter_of(asked) if asked else None
-        return None if adapter is None else LoRARequest(adapter, 0, self.adapters[adapter])
+        if adapter is None:
+            return None
+        assert self.lora is not None
+        return LoRARequest(adapter, 0, self.lora.modules.get(adapter) or self.lora.dynamic_path(adapter) or "")
 
 
 class Backend(Protocol):

@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.shared.config import RouterConfig
+from cluster.shared.config import LoRAConfig, RouterConfig
 from router.backend import ModelInfo, RouterBackend
 from router.models import ModelBackends
 from router.tokenizer import RouterTokenizer
@@ -53,8 +53,7 @@ class ServedModel:
         namespace: The model's directory namespace.
         routing_policy: Its replicas' routing policy (the ``policy`` label
             of the router's metrics, served with the replicas' at ``/metrics``).
-        lora_modules: Its LoRA adapters (``name=path``) when its replicas
-            serve adapters, else None.
+        lora: Its replicas' LoRA settings when they serve adapters, else None.
     """
 
     model_dir: str
@@ -62,7 +61,7 @@ class ServedModel:
     max_model_len: int
     namespace: str
     routing_policy: str = "prefix_cost"
-    lora_modules: Optional[tuple[str, ...]] = None
+    lora: Optional[LoRAConfig] = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class FrontEndOptions:
             router replica, where they are mounted.
         more_models: The other models of a several-model cluster, after
             the first (which the fields above describe).
-        lora_modules: The first model's LoRA adapters (``ServedModel``).
+        lora: The first model's LoRA settings (``ServedModel``).
     """
 
     model_dir: str
@@ -94,13 +93,13 @@ class FrontEndOptions:
     routing_policy: str = "prefix_cost"
     router: RouterConfig = field(default_factory=RouterConfig)
     more_models: tuple[ServedModel, ...] = ()
-    lora_modules: Optional[tuple[str, ...]] = None
+    lora: Optional[LoRAConfig] = None
 
     @property
     def models(self) -> list[ServedModel]:
         """Every served model, the first (the default) first."""
         first = ServedModel(self.model_dir, self.model_name, self.max_model_len, self.namespace, self.routing_policy,
-                            self.lora_modules)
+                            self.lora)
         return [first, *self.more_models]
 
 
@@ -225,7 +224,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
         if directory is not None and check_access:
             await directory.check_read_access()
         backends[model.model_name] = RouterBackend(
-            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora_modules),
+            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora),
             max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
             migration_limit=router.migration_limit, replica_transport=router.replica_transport,
             presence=ReplicaPresence(directory) if directory is not None else None)

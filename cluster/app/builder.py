@@ -199,12 +199,12 @@ def build_app(config: ClusterConfig, with_router: bool = False, model_name: Opti
     for name, model in models.items():
         model_dir, _, max_len = model_info(model)
         served.append(ServedModel(model_dir, name, max_len, model.namespace, model.routing_policy,
-                                  model.engine.lora.lora_modules if model.engine.lora.enable_lora else None))
+                                  model.engine.lora if model.engine.lora.enable_lora else None))
     first = served[0]
     front = FrontEndOptions(model_dir=first.model_dir, model_name=first.model_name,
                             max_model_len=first.max_model_len, redis_url=config.router_redis_url,
                             namespace=first.namespace, routing_policy=first.routing_policy, router=config.router,
-                            more_models=tuple(served[1:]), lora_modules=first.lora_modules)
+                            more_models=tuple(served[1:]), lora=first.lora)
     handles = replicas if config.multi_model else replicas[first.model_name]
     return serve.deployment(RouterDeployment).options(**router_options(config)).bind(handles, front)
 

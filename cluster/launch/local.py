@@ -167,7 +167,7 @@ class LocalCluster:
         for model_name, model in self.config.models_by_name().items():
             model_dir, _, max_len = model_info(model)
             served.append(ServedModel(model_dir, model_name, max_len, model.namespace, model.routing_policy,
-                                      model.engine.lora.lora_modules if model.engine.lora.enable_lora else None))
+                                      model.engine.lora if model.engine.lora.enable_lora else None))
         limits = self.limits or Limits()
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="grpc-router", daemon=True)

@@ -10,6 +10,7 @@ import grpc
 import openai
 import pytest
 
+from cluster.shared.config import LoRAConfig
 from cluster.shared.hashing import hash_block_chain, lora_fingerprint, root_hash
 from cluster.shared.types import FinishReason, GenerationRequest, LoRARequest, SamplingParams
 from router.backend import ModelInfo
@@ -20,7 +21,7 @@ from tests.factories import make_router_tokenizer
 from tests.unit.grpc_server import serving_grpc
 from tests.unit.http_api.openai_server import TEMPLATE, FakeBackend, serving
 
-MODULES = ("sql=/adapters/sql", "chat=/adapters/chat")
+MODULES = LoRAConfig(enable_lora=True, lora_modules=("sql=/adapters/sql", "chat=/adapters/chat"))
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_lora_config_from_flags_and_from_a_config_file():
     filed = build_strict(EngineConfig, {"enable_lora": True, "lora_modules": {"sql": "/a"}, "max_lora_rank": 32})
     assert filed.lora.lora_modules == ("sql=/a",) and filed.lora.max_lora_rank == 32
     assert EngineConfig.from_kwargs(**filed.flat()) == filed
-    with pytest.raises(ValueError, match="needs enable_lora"):
+    with pytest.raises(ValueError, match="need enable_lora"):
         EngineConfig.from_kwargs(lora_modules=["sql=/a"])
     with pytest.raises(ValueError, match="name=path"):
         EngineConfig.from_kwargs(enable_lora=True, lora_modules=["sql"])
@@ -171,3 +172,19 @@ def test_replica_metrics_count_requests_and_tokens_per_adapter():
     assert 'lora_name="_other"' in text and text.count("prefixserve:lora_requests_total{") == MAX_LORA_NAMES + 1
     assert 'prefixserve:lora_loads_total{model="base",replica="r0"} 5.0' in text
     assert 'prefixserve:lora_loaded_adapters{model="base",replica="r0"} 3.0' in text
+
+
+def test_adapters_by_name_from_the_dynamic_folder(tmp_path):
+    (tmp_path / "dyn1").mkdir()
+    (tmp_path / "dyn1" / "adapter_config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()  # a folder without an adapter is not one
+    info = ModelInfo("base", 256, LoRAConfig(enable_lora=True, lora_modules=("sql=/a",),
+                                             dynamic_lora_loading_path=str(tmp_path)))
+    assert info.adapters == {"sql": "/a", "dyn1": str(tmp_path / "dyn1")}
+    assert info.lora_request("base:dyn1") == LoRARequest("dyn1", 0, str(tmp_path / "dyn1"))
+    for name in ("notes", "missing", "../dyn1", ".hidden", "a/b"):
+        assert info.adapter_of(name) is None, name
+    # A folder only the replicas mount: the router passes a plain name on, the replica loads it or says why.
+    remote = ModelInfo("base", 256, LoRAConfig(enable_lora=True, dynamic_lora_loading_path="/mnt/not-here"))
+    assert remote.lora_request("team-a") == LoRARequest("team-a", 0, "/mnt/not-here/team-a")
+    assert remote.adapter_of("../etc") is None and remote.adapters == {}

@@ -5,8 +5,13 @@ name=path ...``); given flat to ``LLM(...)`` and the CLI like the other sections
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
+
+
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,10 @@ class LoRAConfig:
             first, never one a request still uses); None: ``max_loras``.
         lora_modules: Adapters loaded at start, ``name=path`` each (vLLM's
             ``--lora-modules``; a mapping in a config file).
+        dynamic_lora_loading_path: A folder whose sub-folders are adapters:
+            a request naming ``<name>`` runs ``<folder>/<name>``, loaded on
+            first use (Ray Serve LLM's knob; a local or mounted path that the
+            replicas read).
     """
 
     enable_lora: bool = False
@@ -30,6 +39,7 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
     lora_modules: tuple[str, ...] = ()
+    dynamic_lora_loading_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -40,8 +50,9 @@ class LoRAConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         modules = tuple(f"{n}={p}" for n, p in parse_lora_modules(self.lora_modules).items())
         object.__setattr__(self, "lora_modules", modules)
-        if modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora: add --enable-lora (enable_lora=True)")
+        if (modules or self.dynamic_lora_loading_path) and not self.enable_lora:
+            raise ValueError("lora_modules and dynamic_lora_loading_path need enable_lora: add --enable-lora "
+                             "(enable_lora=True)")
 
     @property
     def cpu_capacity(self) -> int:
@@ -52,6 +63,13 @@ class LoRAConfig:
     def modules(self) -> dict[str, str]:
         """``lora_modules`` as name -> path."""
         return parse_lora_modules(self.lora_modules)
+
+    def dynamic_path(self, name: str) -> Optional[str]:
+        """``<dynamic_lora_loading_path>/<name>``, or None (no folder, or a
+        name that is not one plain folder name: no separators, no leading dot)."""
+        if not self.dynamic_lora_loading_path or not _FOLDER_NAME.fullmatch(name):
+            return None
+        return os.path.join(self.dynamic_lora_loading_path, name)
 
 
 def parse_lora_modules(value: Any) -> dict[str, str]:
