@@ -2,17 +2,24 @@
 CPU): each rank holds its shard of every side path (``workers/lora/side_paths.py``),
 and greedy tokens stay identical to transformers running PEFT's unmerged
 forward, for three adapters mixed with base requests in one batch, and when
-``max_cpu_loras=1`` evicts and reloads them; the driver's manager decides the
-slots and every rank holds the same adapters in them."""
+``max_cpu_loras=1`` evicts and reloads them, on uneven shards (3 KV heads
+and 129 intermediate rows over 2 ranks, with biases) and on Phi-3's fused
+qkv_proj / gate_up_proj targets; the driver's manager decides the slots and
+every rank holds the same adapters in them."""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 import ray
+import torch
 
 from cluster.shared.ray_local import init_local_ray
 from cluster.shared.types import LoRARequest
-from tests.engine.test_lora import MIXED, LoRACase, expected_for, greedy, run, save_adapter
+from tests.engine.test_lora import (MAX_TOKENS, MIXED, PROMPT_LENS, LoRACase, expected_for, greedy, peft_greedy,
+                                    run, save_adapter)
 from tests.factories import make_hf_config, make_hf_model
 
 
@@ -29,6 +36,26 @@ def ray_local():
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, ray_local) -> LoRACase:
     return LoRACase(tmp_path_factory.mktemp("lora-tp-llama"), "llama")
+
+
+class ShardCase(LoRACase):
+    """A ``LoRACase`` on a model with other sizes and its own adapters (name -> LoRACase.ADAPTERS' spec)."""
+
+    def __init__(self, root: Path, family: str, adapters: dict, **sizes) -> None:
+        config = make_hf_config(family, **sizes)
+        model = make_hf_model(config, seed=3)
+        with torch.no_grad():  # HF starts biases at 0: random ones make a bias added twice (or never) show
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.2)
+        self.base = root / "base"
+        model.save_pretrained(self.base)
+        rng = random.Random(11)
+        self.prompts = [[rng.randrange(3, config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+        self.adapters = {name: save_adapter(self.base, root / name, *spec, seed=i)
+                         for i, (name, spec) in enumerate(adapters.items())}
+        self.expected = {name: peft_greedy(self.base, path, self.prompts, MAX_TOKENS)
+                         for name, path in [(None, None), *self.adapters.items()]}
 
 
 def layers_holding(llm, slot: int) -> list[list[str]]:
@@ -76,3 +103,28 @@ def test_eviction_and_reload_stay_exact_with_two_ranks(llama):
         assert run(llm, llama, again) == expected_for(llama, again)
         assert manager.num_loads >= loads + 2 and len(manager.names()) == 1
 
+
+
+SHARD_CASES = {
+    # Uneven shards: 3 KV heads and 129 intermediate rows over 2 ranks (rank 0 takes the extra), with biases.
+    "uneven": ("llama", {"every": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"], False),
+                         "od16": (16, 8, ["o_proj", "down_proj", "up_proj"], True)},
+               dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=129,
+                    vocab_size=511, attention_bias=True, mlp_bias=True)),
+    # Phi-3's fused checkpoint: the adapter targets qkv_proj and gate_up_proj whole; each rank cuts every part.
+    "phi3_fused": ("phi3", {"fused": (8, 16, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False),
+                            "qkv4": (4, 8, ["qkv_proj"], False)}, {}),
+}
+
+
+@pytest.mark.parametrize("which", SHARD_CASES)
+def test_uneven_and_fused_shards_match_peft(tmp_path, ray_local, which):
+    family, adapters, sizes = SHARD_CASES[which]
+    case = ShardCase(tmp_path, family, adapters, **sizes)
+    first, second = adapters
+    for name in adapters:
+        assert case.expected[name] != case.expected[None], name
+    names = [first, None, second, first, second, None]
+    with case.llm(tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=8) as llm:
+        assert run(llm, case, names) == expected_for(case, names)
