@@ -15,6 +15,8 @@ Kubernetes a mounted Secret) maps keys to tenants::
         burst: 40                     #   max(1, requests_per_s))
         max_concurrent_streams: 16    # per router, both front ends together
         max_tokens_per_request: 1024  # cap on max_tokens (below the server's max_output_tokens)
+        lora_adapters: [sql-lora]     # the LoRA adapters its keys may use (default: every one);
+                                      # another is 404 model_not_found / NOT_FOUND. [] : base model only
 
 What a tenant's request becomes (``Tenant.apply``):
 
@@ -49,12 +51,13 @@ from typing import Any, AsyncIterator, Callable, Optional
 from cluster.shared.types import GenerationRequest, StreamChunk
 from router.errors import OverloadedError
 from router.limits import Limits
+from router.models import ModelNotFoundError
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_TENANT_NAME = "default"
 SALT_PREFIX = "tenant:"
 _FIELDS = ("name", "keys", "key_sha256", "cache_namespace", "max_priority", "requests_per_s", "burst",
-           "max_concurrent_streams", "max_tokens_per_request")
+           "max_concurrent_streams", "max_tokens_per_request", "lora_adapters")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Tenant:
         burst: Size of the request token bucket (default ``max(1, requests_per_s)``).
         max_concurrent_streams: Streams at once per router; None: unlimited.
         max_tokens_per_request: Cap on ``max_tokens``; None: the server's limits only.
+        lora_adapters: The LoRA adapters its requests may run; None: any.
     """
 
     name: str
@@ -80,6 +84,7 @@ class Tenant:
     burst: Optional[int] = None
     max_concurrent_streams: Optional[int] = None
     max_tokens_per_request: Optional[int] = None
+    lora_adapters: Optional[frozenset[str]] = None
 
     def cache_salt(self, client_salt: str) -> str:
         """The salt a request of this tenant runs with (see the module doc)."""
@@ -100,7 +105,16 @@ class Tenant:
         return dataclasses.replace(limits, max_output_tokens=cap)
 
     def apply(self, request: GenerationRequest) -> GenerationRequest:
-        """The request as this tenant may run it (salt and priority; see the module doc)."""
+        """The request as this tenant may run it (salt and priority; see the module doc).
+
+        Raises:
+            ModelNotFoundError: The request's LoRA adapter is not one this tenant may use.
+        """
+        lora = request.lora_request
+        if lora is not None and self.lora_adapters is not None and lora.lora_name not in self.lora_adapters:
+            allowed = ", ".join(repr(a) for a in sorted(self.lora_adapters)) or "none"
+            raise ModelNotFoundError(f"the model {lora.lora_name!r} does not exist for this API key (its tenant "
+                                     f"{self.name!r} may use the LoRA adapters {allowed} and the base model)")
         salt, priority = self.cache_salt(request.cache_salt), self.priority(request.priority)
         if salt == request.cache_salt and priority == request.priority:
             return request
@@ -199,9 +213,12 @@ def _tenant_from(entry: dict, name: str, where: str) -> Tenant:
     max_priority = number("max_priority", int, None)
     if max_priority is not None and not -2**31 <= max_priority < 2**31:
         raise ValueError(f"{where}: max_priority must fit an int32, got {max_priority}")
+    adapters = entry.get("lora_adapters")
+    if adapters is not None:
+        adapters = frozenset(_strings(entry, "lora_adapters", where)) if adapters else frozenset()
     return Tenant(name=name, cache_namespace=namespace, max_priority=max_priority, requests_per_s=rate,
                   burst=number("burst", int, 1), max_concurrent_streams=number("max_concurrent_streams", int, 1),
-                  max_tokens_per_request=number("max_tokens_per_request", int, 1))
+                  max_tokens_per_request=number("max_tokens_per_request", int, 1), lora_adapters=adapters)
 
 
 class _Account:

@@ -179,9 +179,10 @@ class OpenAIServer:
                 parsed, backend = await asyncio.to_thread(self._parse, raw, chat, limits)
             else:
                 parsed, backend = self._parse(raw, chat, limits)
-            if tenant is not None:
-                parsed = dataclasses.replace(parsed, request=tenant.apply(parsed.request))
-        except (APIError, OverloadedError, PermissionError) as err:
+            if tenant is not None:  # every prompt's request, not only the first
+                parsed = dataclasses.replace(parsed, request=tenant.apply(parsed.request),
+                                             requests=[tenant.apply(r) for r in parsed.requests])
+        except (APIError, OverloadedError, PermissionError, ModelNotFoundError) as err:
             if admission is not None:
                 admission.release()
             if isinstance(err, PermissionError):

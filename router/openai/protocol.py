@@ -23,6 +23,7 @@ from cluster.shared.types import GenerationRequest, SamplingParams
 from router.backend import ModelInfo
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import LimitError, Limits
+from router.models import ModelNotFoundError
 from router.openai.errors import APIError, bad_request, is_ids, number, param_of
 from router.openai.request_fields import choice_fields, processor_fields, template_kwargs
 from router.reasoning import ReasoningMode
@@ -384,4 +385,6 @@ def backend_error(exc: BaseException) -> Optional[APIError]:
                         headers={"Retry-After": retry_after})
     if isinstance(exc, NoReplicaError):
         return APIError(503, str(exc), type_="service_unavailable", code="no_replica")
+    if isinstance(exc, ModelNotFoundError):  # e.g. a LoRA adapter the caller's API key may not use
+        return APIError(404, str(exc), "model", code="model_not_found")
     return None

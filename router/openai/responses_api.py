@@ -133,7 +133,7 @@ class ResponsesAPI:
             if admission is not None:
                 admission.release()
             return error_response(conv.bad_request(f"the request body is not valid JSON ({exc})"))
-        except (APIError, StoreUnavailable, PermissionError, ValueError, RuntimeError) as err:
+        except (APIError, StoreUnavailable, PermissionError, ValueError, RuntimeError, LookupError) as err:
             if admission is not None:
                 admission.release()
             return error_response(self._api_error(err))

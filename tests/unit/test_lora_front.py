@@ -188,3 +188,25 @@ def test_adapters_by_name_from_the_dynamic_folder(tmp_path):
     remote = ModelInfo("base", 256, LoRAConfig(enable_lora=True, dynamic_lora_loading_path="/mnt/not-here"))
     assert remote.lora_request("team-a") == LoRARequest("team-a", 0, "/mnt/not-here/team-a")
     assert remote.adapter_of("../etc") is None and remote.adapters == {}
+
+
+def test_an_api_key_bound_to_adapters(tmp_path):
+    from router.tenants import load_tenants
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - name: team-a\n    keys: [sk-a]\n    lora_adapters: [sql]\n"
+                    "  - name: base-only\n    keys: [sk-b]\n    lora_adapters: []\n"
+                    "  - name: any\n    keys: [sk-c]\n")
+    tenants = {t.name: t for _, t in load_tenants(str(path))}
+    sql = GenerationRequest("r", [1], SamplingParams(), lora_request=LoRARequest("sql"))
+    chat = GenerationRequest("r", [1], SamplingParams(), lora_request=LoRARequest("chat"))
+    plain = GenerationRequest("r", [1], SamplingParams())
+    assert tenants["team-a"].apply(sql).lora_request == LoRARequest("sql")
+    for name, request in (("team-a", chat), ("base-only", sql)):
+        with pytest.raises(ModelNotFoundError, match="does not exist for this API key"):
+            tenants[name].apply(request)
+    assert tenants["base-only"].apply(plain).cache_salt == "tenant:base-only"
+    assert tenants["any"].apply(chat).lora_request == LoRARequest("chat")
+    path.write_text("tenants:\n  - name: t\n    keys: [sk-a]\n    lora_adapters: sql\n")
+    with pytest.raises(ValueError, match="lora_adapters must be a list"):
+        load_tenants(str(path))

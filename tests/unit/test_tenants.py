@@ -322,3 +322,17 @@ def test_big_requests_are_tokenized_off_the_event_loop(servers, monkeypatch):
     loop_thread = threads[0]
     assert threads[2] == loop_thread  # gRPC small: on its loop (the same thread as HTTP's here)
     assert threads[1] != loop_thread and threads[3] != loop_thread
+
+
+def test_every_prompt_of_a_batched_completion_runs_as_the_tenant(servers):
+    """Each prompt of ``prompt: [a, b, c]`` gets the tenant's salt and priority,
+    not only the first (a client salt must not reach another tenant's cache)."""
+    backend = servers["backend"]
+    backend.seen.clear()
+    response = httpx2.post(f"{servers['http']}/completions", timeout=10,
+                           headers={"Authorization": "Bearer sk-search-1"},
+                           json={"prompt": ["a", "b", "c"], "max_tokens": 1, "cache_salt": "theirs",
+                                 "priority": -5})
+    assert response.status_code == 200, response.text
+    assert sorted(r.cache_salt for r in backend.seen) == ["tenant:search:theirs"] * 3
+    assert [r.priority for r in backend.seen] == [0, 0, 0]
