@@ -255,3 +255,12 @@ def test_quantized_base_mixed_equals_each_alone(llama, quantization):
              for p, n, name in zip(llama.prompts, MAX_TOKENS, MIXED)]
     assert mixed == alone
     assert mixed != run(llm, llama, [None] * len(MIXED))  # the adapters still change the output
+
+
+def test_adapters_by_name_from_the_dynamic_folder(llama, tmp_path):
+    shutil.copytree(llama.adapters["qv4"], tmp_path / "team-a")
+    llm = llama.llm(dynamic_lora_loading_path=str(tmp_path))
+    out = llm.generate([llama.prompts[2]], greedy(MAX_TOKENS[2]), lora_request=LoRARequest("team-a"))[0]
+    assert out.token_ids == llama.expected["qv4"][2]
+    with pytest.raises(ValueError, match="no such folder"):
+        llm.generate([llama.prompts[2]], greedy(2), lora_request=LoRARequest("team-b"))

@@ -85,7 +85,9 @@ class LoRAManager:
         Raises:
             ValueError: The adapter cannot be loaded (``adapter.load_adapter``).
         """
-        path = request.lora_path or self.path_of(request.lora_name) or self.config.modules.get(request.lora_name, "")
+        name = request.lora_name
+        path = (request.lora_path or self.path_of(name) or self.config.modules.get(name)
+                or self.config.dynamic_path(name) or "")
         if not path:
             known = ", ".join(self.names()) or "none"
             raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and has no path "
