@@ -31,7 +31,7 @@ def fused_delta(ranks: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor
     return a, b
 
 
-ADAPTERS = {0: fused_delta([8, 8, 8], 1), 2: fused_delta([5], 2), 3: fused_delta([16, 16], 3)}
+ADAPTERS = {0: fused_delta([8, 8, 8], 1), 2: fused_delta([5], 2), 3: fused_delta([16, 16], 3), 4: fused_delta([8], 4)}
 
 
 def make_layer(native: bool) -> tuple[LoRABatch, LoRALayer]:
@@ -56,27 +56,32 @@ def reference(x: torch.Tensor, out: torch.Tensor, slots: list[int]) -> torch.Ten
     return expected
 
 
-SLOTS = [0, 2, 0, -1, 3, 0, 0, 5, 2, 0, 3, 0, -1]  # 5: loaded elsewhere, this layer has no side path for it
+# 5: loaded elsewhere, this layer has no side path for it. The kernel splits blocks of rows over the
+# threads where a group has many rows, and whole groups where every group has a few (SMALL_GROUPS).
+SLOTS = [0, 2, 0, -1, 3, 0, 0, 5, 2, 0, 3, 0, -1]
+SMALL_GROUPS = [0, 2, 3, 4, 0, -1, 4, 2, 5]
 
 
-def test_grouped_kernel_matches_torch_and_leaves_base_rows():
+@pytest.mark.parametrize("slots", [SLOTS, SMALL_GROUPS])
+def test_grouped_kernel_matches_torch_and_leaves_base_rows(slots):
     batch, layer = make_layer(native=True)
     assert layer.grouped is not None and not layer.slots
     gen = torch.Generator().manual_seed(0)
-    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
-    got = run(layer, batch, x, out, SLOTS)
-    torch.testing.assert_close(got.double(), reference(x, out, SLOTS), rtol=1e-5, atol=1e-4)
-    for row, slot in enumerate(SLOTS):
+    x, out = torch.randn(len(slots), K, generator=gen), torch.randn(len(slots), N, generator=gen)
+    got = run(layer, batch, x, out, slots)
+    torch.testing.assert_close(got.double(), reference(x, out, slots), rtol=1e-5, atol=1e-4)
+    for row, slot in enumerate(slots):
         if slot not in ADAPTERS:
             assert torch.equal(got[row], out[row])
 
 
-def test_grouped_kernel_is_batch_invariant():
+@pytest.mark.parametrize("slots", [SLOTS, SMALL_GROUPS])
+def test_grouped_kernel_is_batch_invariant(slots):
     batch, layer = make_layer(native=True)
     gen = torch.Generator().manual_seed(1)
-    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
-    full = run(layer, batch, x, out, SLOTS)
-    for row, slot in enumerate(SLOTS):
+    x, out = torch.randn(len(slots), K, generator=gen), torch.randn(len(slots), N, generator=gen)
+    full = run(layer, batch, x, out, slots)
+    for row, slot in enumerate(slots):
         alone = run(layer, batch, x[row : row + 1], out[row : row + 1], [slot])
         assert torch.equal(alone[0], full[row]), row
         # among 6 rows of its own adapter (a block of four and a tail), at every position
@@ -88,7 +93,8 @@ def test_grouped_kernel_is_batch_invariant():
             assert torch.equal(run(layer, batch, mates, bases, [slot] * 6)[pos], full[row]), (row, pos)
 
 
-def test_grouped_kernel_equals_per_adapter_gemm_path():
+@pytest.mark.parametrize("slots", [SLOTS, SMALL_GROUPS])
+def test_grouped_kernel_equals_per_adapter_gemm_path(slots):
     """The grouped kernel and the per-adapter GEMM path compute the same FMA chains: same bits."""
     from workers.model import gemm
 
@@ -96,14 +102,14 @@ def test_grouped_kernel_equals_per_adapter_gemm_path():
         pytest.skip("the native GEMM does not build here")
     batch, layer = make_layer(native=True)
     gen = torch.Generator().manual_seed(2)
-    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
-    got = run(layer, batch, x, out, SLOTS)
+    x, out = torch.randn(len(slots), K, generator=gen), torch.randn(len(slots), N, generator=gen)
+    got = run(layer, batch, x, out, slots)
     layer._lib = None  # the per-adapter path, the native GEMM
     layer.grouped = None
     for slot, (a, b) in ADAPTERS.items():
         layer.set_slot(slot, a, b)
     assert layer.grouped is None and set(layer.slots) == set(ADAPTERS)
-    assert torch.equal(run(layer, batch, x, out, SLOTS), got)
+    assert torch.equal(run(layer, batch, x, out, slots), got)
 
 
 def test_cleared_slot_adds_nothing():
