@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
 from cluster.shared.config import LoRAConfig
@@ -61,6 +61,8 @@ class ModelInfo:
     name: str
     max_model_len: int
     lora: Optional[LoRAConfig] = None
+    # Adapters added at run time (router/lora_registry.py; allow_runtime_lora_updating), else None.
+    runtime: Any = field(default=None, compare=False, repr=False)
 
     @property
     def adapters(self) -> dict[str, str]:
@@ -69,6 +71,8 @@ class ModelInfo:
         if self.lora is None:
             return {}
         found = dict(self.lora.modules)
+        if self.runtime is not None:
+            found.update((n, p) for n, p in self.runtime.names().items() if n not in found)
         folder = self.lora.dynamic_lora_loading_path
         if folder and os.path.isdir(folder):
             for name in sorted(os.listdir(folder)):
@@ -82,7 +86,7 @@ class ModelInfo:
         if self.lora is None:
             return None
         name = asked.removeprefix(self.name + ":") if asked.startswith(self.name + ":") else asked
-        if name in self.lora.modules:
+        if name in self.lora.modules or (self.runtime is not None and self.runtime.get(name) is not None):
             return name
         path = self.lora.dynamic_path(name)
         if path is None:
@@ -97,6 +101,9 @@ class ModelInfo:
         if adapter is None:
             return None
         assert self.lora is not None
+        if adapter not in self.lora.modules and self.runtime is not None and self.runtime.get(adapter) is not None:
+            path, generation = self.runtime.get(adapter)
+            return LoRARequest(adapter, generation, path)  # a new generation is read afresh by the replicas
         return LoRARequest(adapter, 0, self.lora.modules.get(adapter) or self.lora.dynamic_path(adapter) or "")
 
 
@@ -238,6 +245,25 @@ class RouterBackend:
         finally:
             if not finished:  # the replica's stream ends by itself after its last chunk
                 response.cancel()  # aborts the sequence
+
+    async def check_adapter(self, lora: LoRARequest) -> None:
+        """Has one replica load ``lora`` (``ReplicaServer.load_lora_adapter``): a
+        run-time load is refused with the replica's reason before any request names it.
+
+        Raises:
+            ValueError: The adapter cannot be loaded (missing, corrupt, too big a rank, ...).
+        """
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        try:
+            await self.handle.options(method_name="load_lora_adapter").remote(lora)
+        except DeploymentUnavailableError as exc:
+            raise NoReplicaError(f"no replica is available to load the adapter: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - unwrap the replica's ValueError
+            cause = _user_error(exc)
+            if cause is not None:
+                raise cause from exc
+            raise
 
     def _generate_handle(self) -> Any:
         """The streaming ``generate`` handle; called on the loop that serves the front ends."""

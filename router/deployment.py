@@ -211,6 +211,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
     from pathlib import Path
 
     from cluster.shared.directory import Directory
+    from router.lora_registry import RuntimeAdapters
     from router.metrics import ClusterMetrics, get_router_metrics
     from router.models import ModelDirectories, ModelMetrics
     from router.presence import ReplicaPresence
@@ -223,8 +224,10 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
         directory = Directory.from_url(redis_url, model.namespace) if redis_url else None
         if directory is not None and check_access:
             await directory.check_read_access()
+        runtime = RuntimeAdapters.from_url(redis_url, model.namespace) \
+            if model.lora is not None and model.lora.allow_runtime_lora_updating else None
         backends[model.model_name] = RouterBackend(
-            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora),
+            handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora, runtime),
             max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
             migration_limit=router.migration_limit, replica_transport=router.replica_transport,
             presence=ReplicaPresence(directory) if directory is not None else None)

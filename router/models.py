@@ -83,6 +83,14 @@ class ModelBackends:
                                      "pass one of them as model")
         return backend
 
+    async def refresh_adapters(self) -> None:
+        """Brings each model's run-time LoRA adapters up to date when due
+        (``router/lora_registry.py``; a time check otherwise)."""
+        for backend in self:
+            runtime = getattr(backend.model, "runtime", None)
+            if runtime is not None:
+                await runtime.maybe_refresh()
+
     @property
     def draining(self) -> bool:
         """Whether this router drains (every backend refuses new requests)."""

@@ -153,6 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             tenant, admission = self._admit(context)  # limits before any parsing or tokenizing
             limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
+            await self.backends.refresh_adapters()  # run-time LoRA adapters other routers added
             if request.ByteSize() >= OFFLOAD_BYTES:
                 engine_request, tools, reasoning, backend = await asyncio.to_thread(self._convert, request, limits)
             else:

@@ -17,6 +17,7 @@ Kubernetes a mounted Secret) maps keys to tenants::
         max_tokens_per_request: 1024  # cap on max_tokens (below the server's max_output_tokens)
         lora_adapters: [sql-lora]     # the LoRA adapters its keys may use (default: every one);
                                       # another is 404 model_not_found / NOT_FOUND. [] : base model only
+        lora_admin: true              # may POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 What a tenant's request becomes (``Tenant.apply``):
 
@@ -57,7 +58,7 @@ TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_TENANT_NAME = "default"
 SALT_PREFIX = "tenant:"
 _FIELDS = ("name", "keys", "key_sha256", "cache_namespace", "max_priority", "requests_per_s", "burst",
-           "max_concurrent_streams", "max_tokens_per_request", "lora_adapters")
+           "max_concurrent_streams", "max_tokens_per_request", "lora_adapters", "lora_admin")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Tenant:
         max_concurrent_streams: Streams at once per router; None: unlimited.
         max_tokens_per_request: Cap on ``max_tokens``; None: the server's limits only.
         lora_adapters: The LoRA adapters its requests may run; None: any.
+        lora_admin: Its keys may load and unload LoRA adapters at run time.
     """
 
     name: str
@@ -85,6 +87,7 @@ class Tenant:
     max_concurrent_streams: Optional[int] = None
     max_tokens_per_request: Optional[int] = None
     lora_adapters: Optional[frozenset[str]] = None
+    lora_admin: bool = False
 
     def cache_salt(self, client_salt: str) -> str:
         """The salt a request of this tenant runs with (see the module doc)."""
@@ -216,8 +219,11 @@ def _tenant_from(entry: dict, name: str, where: str) -> Tenant:
     adapters = entry.get("lora_adapters")
     if adapters is not None:
         adapters = frozenset(_strings(entry, "lora_adapters", where)) if adapters else frozenset()
+    admin = entry.get("lora_admin", False)
+    if not isinstance(admin, bool):
+        raise ValueError(f"{where}: lora_admin must be true or false, got {admin!r}")
     return Tenant(name=name, cache_namespace=namespace, max_priority=max_priority, requests_per_s=rate,
-                  burst=number("burst", int, 1), max_concurrent_streams=number("max_concurrent_streams", int, 1),
+                  lora_admin=admin, burst=number("burst", int, 1), max_concurrent_streams=number("max_concurrent_streams", int, 1),
                   max_tokens_per_request=number("max_tokens_per_request", int, 1), lora_adapters=adapters)
 
 

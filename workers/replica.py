@@ -37,10 +37,11 @@ from cluster.shared.config import EngineConfig
 from cluster.shared.contract import contract_for
 from cluster.shared.fingerprint import served_model_name
 from cluster.shared.ray_local import node_ip as ray_node_ip
-from cluster.shared.types import GenerationRequest, StreamChunk
+from cluster.shared.types import GenerationRequest, LoRARequest, StreamChunk
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
+from workers.engine.lora_slots import slots_in_use
 from workers.metrics import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
@@ -249,6 +250,17 @@ class ReplicaServer:
             }
 
         return await self._front.call(read)
+
+    async def load_lora_adapter(self, lora: LoRARequest) -> str:
+        """Loads an adapter now (a run-time load's check, ``router/openai/lora_admin.py``);
+        returns its content hash. Raises ValueError with the reason it cannot load."""
+
+        def load(engine: LLMEngine) -> str:
+            if engine.lora is None:
+                raise ValueError("this replica serves no LoRA adapters: start it with --enable-lora")
+            return engine.lora.load(lora, slots_in_use(engine.scheduler.queue))[0].content_hash
+
+        return await self._front.call(load)
 
     async def reset_prefix_cache(self) -> bool:
         """Drops the prefix cache when no request holds blocks (publishes the clear)."""

@@ -52,6 +52,7 @@ from router.models import ModelBackends, ModelNotFoundError
 from router.openai.protocol import (APIError, ParsedRequest, backend_error, bad_request, error_response,
                                     internal_error, parse_request, tokenize_chat)
 from router.openai.responses import EventStream, close_stream, event_stream, whole_response
+from router.openai.lora_admin import LoRAAdmin
 from router.openai.responses_api import ResponsesAPI
 from router.streams import merge_indexed
 
@@ -77,6 +78,7 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``."""
+        await self.backends.refresh_adapters()
         cards = []
         for b in self.backends:  # each model, then its LoRA adapters (vLLM's cards: parent, root)
             card = {"object": "model", "created": 0, "owned_by": "prefixserve", "max_model_len": b.model.max_model_len}
@@ -175,6 +177,7 @@ class OpenAIServer:
             tenant, admission = self._admit(request)  # limits before reading, parsing or tokenizing
             limits = tenant.limits_over(self.limits) if tenant is not None else self.limits
             raw = await self._read_body(request)
+            await self.backends.refresh_adapters()  # run-time LoRA adapters other routers added
             if len(raw) >= OFFLOAD_BYTES:  # parse and tokenize big bodies off the event loop
                 parsed, backend = await asyncio.to_thread(self._parse, raw, chat, limits)
             else:
@@ -274,10 +277,13 @@ def build_openai_app(backend: Backend, metrics: Any = None, *, limits: Optional[
     """
     server = OpenAIServer(backend, limits, security)
     responses = ResponsesAPI(server, response_store, backend)
+    lora_admin = LoRAAdmin(server)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", lora_admin.load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", lora_admin.unload, methods=["POST"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),

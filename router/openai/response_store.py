@@ -104,19 +104,9 @@ class RedisResponseStore:
     @classmethod
     def from_url(cls, url: str, namespace: str, **kwargs: Any) -> "RedisResponseStore":
         """A store over its own connection pool (``env:NAME`` and Sentinel URLs as the directory's)."""
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+        from cluster.shared.directory.connection import async_client
 
-        from cluster.shared.config.loading import from_env
-        from cluster.shared.directory.connection import SENTINEL_SCHEME, sentinel_client
-
-        url = from_env(url, "the response store's redis_url")
-        options = dict(socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 1),
-                       decode_responses=True)
-        client = sentinel_client(url, options) if url.startswith(SENTINEL_SCHEME) \
-            else aioredis.Redis.from_url(url, **options)
-        return cls(client, namespace, **kwargs)
+        return cls(async_client(url, "the response store's redis_url"), namespace, **kwargs)
 
     def _key(self, tenant: str, response_id: str) -> str:
         return f"{KEY_PREFIX}{self.namespace}:{tenant}:{response_id}"

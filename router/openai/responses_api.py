@@ -125,6 +125,7 @@ class ResponsesAPI:
             items = conv.input_items(body["input"])
             messages = conv.chat_messages(items)
             chat = conv.chat_body(body, history, messages)
+            await self.server.backends.refresh_adapters()
             backend = self.server._pick(chat)
             parsed = parse_request(chat, True, backend.tokenizer, backend.model, limits)
             if tenant is not None:

@@ -2,7 +2,8 @@
 openai client's ``model="<adapter>"`` answers with that adapter's tokens
 (equal to the offline engine's), ``/v1/models`` lists the adapters with their
 parent, and two replicas serve six adapters with ``--max-loras 2`` under
-concurrent load, none refused; gRPC names an adapter in ``model`` too."""
+concurrent load, none refused; gRPC names an adapter in ``model`` too; an
+adapter loaded and unloaded at run time answers, then is 404."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def served(folders, tmp_path_factory):
     modules = [f"{name}={path}" for name, path in adapters.items()]
     log_path = tmp_path_factory.mktemp("lora-up-log") / "up.log"
     with running_up(log_path, "--model", str(base), "--replicas", "2", "--enable-lora", "--max-loras", "2",
-                    "--max-cpu-loras", "3", "--lora-modules", *modules, "--block-size", "4",
+                    "--max-cpu-loras", "3", "--allow-runtime-lora-updating", "--lora-modules", *modules, "--block-size", "4",
                     "--kv-cache-memory", "0.01", "--swap-space", "0.01", "--replica-num-cpus", "0.25",
                     "--grpc-port", "0", "--http-port", "0") as (proc, text):
         base_url = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
@@ -96,3 +97,24 @@ def test_grpc_model_names_an_adapter(served, expected):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, model="ad9"), timeout=60))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'ad5'" in err.value.details()
+
+
+def test_load_and_unload_an_adapter_at_run_time(served, folders, expected, tmp_path):
+    import httpx2
+
+    base_url, _ = served
+    loaded = httpx2.post(f"{base_url}/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(folders[1]["ad2"])},
+                         timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        out = client.completions.create(model="rt", prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0)
+        assert out.choices[0].text == expected["ad2"]
+        (tmp_path / "adapter_config.json").write_text("{not json")
+        bad = httpx2.post(f"{base_url}/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)},
+                          timeout=120)
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        assert httpx2.post(f"{base_url}/unload_lora_adapter", json={"lora_name": "rt"}, timeout=60).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="rt", prompt=PROMPT, max_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="bad", prompt=PROMPT, max_tokens=1)

@@ -169,3 +169,23 @@ def test_routers_store_responses_and_write_nothing_else_there(redis_acl):
             await store.aclose()
 
     asyncio.run(main())
+
+
+def test_routers_share_run_time_lora_adapters_and_write_nothing_else_there(redis_acl):
+    from router.lora_registry import RuntimeAdapters
+
+    async def main():
+        first = RuntimeAdapters.from_url(url(redis_acl, "router"), "acl-lora")
+        second = RuntimeAdapters.from_url(url(redis_acl, "router"), "acl-lora")
+        try:
+            await first.add("sql", "/adapters/sql", 7)
+            await second.maybe_refresh()  # another router sees it
+            assert second.get("sql") == ("/adapters/sql", 7)
+            assert await second.remove("sql") and not await first.remove("sql")
+            with pytest.raises(redis.exceptions.NoPermissionError):  # other commands on those keys: refused
+                await first._client.set("ps:lora:acl-lora", "x")
+        finally:
+            await first.aclose()
+            await second.aclose()
+
+    asyncio.run(main())

@@ -210,3 +210,48 @@ def test_an_api_key_bound_to_adapters(tmp_path):
     path.write_text("tenants:\n  - name: t\n    keys: [sk-a]\n    lora_adapters: sql\n")
     with pytest.raises(ValueError, match="lora_adapters must be a list"):
         load_tenants(str(path))
+
+
+def test_load_and_unload_adapters_at_run_time(tmp_path):
+    import httpx2
+
+    from router.lora_registry import RuntimeAdapters
+    from router.security import Security
+
+    tok = make_router_tokenizer(tmp_path, TEMPLATE)
+    backend = FakeBackend(tok)
+    config = LoRAConfig(enable_lora=True, lora_modules=("sql=/adapters/sql",), allow_runtime_lora_updating=True)
+    backend.model = ModelInfo("base", 256, config, RuntimeAdapters())
+    (tmp_path / "tenants.yaml").write_text("tenants:\n  - name: ops\n    keys: [sk-ops]\n    lora_admin: true\n"
+                                            "  - name: app\n    keys: [sk-app]\n")
+    security = Security.from_options(tenants_file=str(tmp_path / "tenants.yaml"))
+    with serving(ModelBackends({"base": backend}), security) as handle:
+        def post(path, body, key="sk-ops"):
+            return httpx2.post(f"{handle.url}/{path}", json=body, headers={"Authorization": f"Bearer {key}"},
+                               timeout=20)
+
+        assert post("load_lora_adapter", {"lora_name": "new", "lora_path": "/x"}, key="sk-app").status_code == 403
+        loaded = post("load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"})
+        assert loaded.status_code == 200 and "added successfully" in loaded.text
+        models = httpx2.get(f"{handle.url}/models", headers={"Authorization": "Bearer sk-app"}, timeout=20).json()
+        assert [m["id"] for m in models["data"]] == ["base", "sql", "new"]
+        assert post("completions", {"model": "new", "prompt": "hi", "max_tokens": 1}, key="sk-app").status_code == 200
+        first = backend.requests[-1].lora_request
+        assert (first.lora_name, first.lora_path) == ("new", "/adapters/new") and first.lora_int_id > 0
+        # Loaded again: a new generation, so replicas read it afresh.
+        assert post("load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"}).status_code == 200
+        post("completions", {"model": "new", "prompt": "hi", "max_tokens": 1})
+        assert backend.requests[-1].lora_request.lora_int_id > first.lora_int_id
+        for body, status in (({"lora_name": "sql", "lora_path": "/y"}, 400),
+                             ({"lora_name": "a:b", "lora_path": "/y"}, 400), ({"lora_name": "z"}, 400),
+                             ({"lora_name": "z", "lora_path": "/y", "model": "gpt"}, 404)):
+            assert post("load_lora_adapter", body).status_code == status, body
+        assert post("unload_lora_adapter", {"lora_name": "new"}).text.endswith("removed successfully.")
+        assert post("completions", {"model": "new", "prompt": "hi", "max_tokens": 1}).status_code == 404
+        assert post("unload_lora_adapter", {"lora_name": "new"}).status_code == 404
+        assert post("unload_lora_adapter", {"lora_name": "sql"}).status_code == 400
+    off = FakeBackend(tok)
+    off.model = ModelInfo("base", 256, LoRAConfig(enable_lora=True))
+    with serving(ModelBackends({"base": off})) as handle:
+        reply = httpx2.post(f"{handle.url}/load_lora_adapter", json={"lora_name": "n", "lora_path": "/p"}, timeout=20)
+        assert reply.status_code == 404 and "allow-runtime-lora-updating" in reply.text

@@ -57,7 +57,9 @@ class LoRAManager:
         self.slots = slots
         self.config = config
         self.batch = getattr(slots, "batch", None)  # the runner's, in one process (the ranks hold their own)
-        self._loaded: OrderedDict[tuple[str, str], tuple[LoRAAdapter, int]] = OrderedDict()  # LRU first
+        # (name, path, lora_int_id) -> (adapter, slot), least recently used first. The id tells a name
+        # loaded again at run time (router/lora_registry.py: a new generation) from the one before.
+        self._loaded: OrderedDict[tuple[str, str, int], tuple[LoRAAdapter, int]] = OrderedDict()
         self.published: tuple[tuple[str, str], ...] = ()  # (name, content hash), replaced whole: any thread reads
         self.num_loads = 0
         self.num_evictions = 0
@@ -75,7 +77,7 @@ class LoRAManager:
 
     def path_of(self, name: str) -> Optional[str]:
         """The path of a loaded adapter called ``name`` (the most recent), or None."""
-        paths = [path for (n, path) in self._loaded if n == name]
+        paths = [path for (n, path, _) in self._loaded if n == name]
         return paths[-1] if paths else None
 
     def load(self, request: LoRARequest, in_use: Iterable[int] = ()) -> tuple[LoRAAdapter, int]:
@@ -92,7 +94,7 @@ class LoRAManager:
             known = ", ".join(self.names()) or "none"
             raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and has no path "
                              f"(loaded: {known})")
-        key = (request.lora_name, path)
+        key = (request.lora_name, path, request.lora_int_id)
         if key in self._loaded:
             self._loaded.move_to_end(key)
             return self._loaded[key]
@@ -159,7 +161,7 @@ class LoRAManager:
                 victims.append(key)
         return victims
 
-    def _forget(self, key: tuple[str, str]) -> None:
+    def _forget(self, key: tuple[str, str, int]) -> None:
         _, slot = self._loaded.pop(key)
         self._publish()
         logger.info("LoRA adapter %s (%s) unloaded from slot %d", key[0], key[1], slot)

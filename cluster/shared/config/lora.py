@@ -32,6 +32,10 @@ class LoRAConfig:
             a request naming ``<name>`` runs ``<folder>/<name>``, loaded on
             first use (Ray Serve LLM's knob; a local or mounted path that the
             replicas read).
+        allow_runtime_lora_updating: Serve ``POST /v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` (vLLM's endpoints, off by default as
+            there); with API keys on, only a tenant with ``lora_admin: true``
+            may call them.
     """
 
     enable_lora: bool = False
@@ -40,6 +44,7 @@ class LoRAConfig:
     max_cpu_loras: Optional[int] = None
     lora_modules: tuple[str, ...] = ()
     dynamic_lora_loading_path: Optional[str] = None
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -50,9 +55,9 @@ class LoRAConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         modules = tuple(f"{n}={p}" for n, p in parse_lora_modules(self.lora_modules).items())
         object.__setattr__(self, "lora_modules", modules)
-        if (modules or self.dynamic_lora_loading_path) and not self.enable_lora:
-            raise ValueError("lora_modules and dynamic_lora_loading_path need enable_lora: add --enable-lora "
-                             "(enable_lora=True)")
+        if (modules or self.dynamic_lora_loading_path or self.allow_runtime_lora_updating) and not self.enable_lora:
+            raise ValueError("lora_modules, dynamic_lora_loading_path and allow_runtime_lora_updating need "
+                             "enable_lora: add --enable-lora (enable_lora=True)")
 
     @property
     def cpu_capacity(self) -> int:

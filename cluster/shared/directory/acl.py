@@ -10,8 +10,9 @@ heartbeat, GC) and nothing administrative. Routers read: the lookup and
 stats scripts (read-only Lua: Redis checks each command a script runs
 against the caller's ACL, so a router's script cannot write), the events
 stream (``XREAD``) and the registry; any write is refused with NOPERM, but
-to the one key of the metrics-exporter lease and the stored ``/v1/responses``
-(``ps:responses:*``, set and delete only).
+to the one key of the metrics-exporter lease, the stored ``/v1/responses``
+(``ps:responses:*``, set and delete only) and the run-time LoRA adapters
+(``ps:lora:*``, hash set and delete only: ``router/lora_registry.py``).
 
 ``prefixserve redis-acl`` prints an ACL file for ``redis-server --aclfile``
 (``deploy/kuberay/base/redis.yaml`` mounts one from a Secret); the
@@ -30,10 +31,11 @@ REPLICA_RULES = f"{KEYS} resetchannels -@all +@connection +@read +@write +@scrip
 # replicas' series (router/metrics.py), so dashboards count each series once.
 # (A Redis 7 selector: SET / PEXPIRE / DEL on that key only. Read-only key
 # patterns (%R~) would refuse EVALSHA itself, whose declared keys count as written.)
-# And the stored /v1/responses (router/openai/response_store.py): set and delete on their keys only.
+# And the stored /v1/responses (router/openai/response_store.py): set and delete on their keys only;
+# the run-time LoRA adapters (router/lora_registry.py): HSET and HDEL on theirs.
 ROUTER_RULES = (f"{KEYS} resetchannels -@all +@connection +@read +evalsha +eval +script|load +script|exists +time "
                 "-@dangerous (~ps:*:metrics-exporter resetchannels -@all +set +pexpire +del) "
-                "(~ps:responses:* resetchannels -@all +set +del)")
+                "(~ps:responses:* resetchannels -@all +set +del) (~ps:lora:* resetchannels -@all +hset +hdel)")
 ROLES: Mapping[str, str] = {"replica": REPLICA_RULES, "router": ROUTER_RULES}
 DEFAULT_USERS = {"replica": "prefixserve-replica", "router": "prefixserve-router"}
 _USER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -222,3 +222,15 @@ class DirectoryConnection:
             logger.info("directory %s: Redis reachable again", self.namespace)
             self._down_reason = ""
         return result
+
+
+def async_client(url: str, what: str) -> aioredis.Redis:
+    """A ``redis.asyncio`` client with short timeouts and decoded replies, over its
+    own pool (``env:NAME`` and Sentinel URLs as the directory's); ``what`` names
+    the setting in errors. For the routers' small stores (responses, LoRA registry)."""
+    from cluster.shared.config.loading import from_env
+
+    url = from_env(url, what)
+    options = dict(socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 1),
+                   decode_responses=True)
+    return sentinel_client(url, options) if url.startswith(SENTINEL_SCHEME) else aioredis.Redis.from_url(url, **options)

@@ -96,13 +96,13 @@ def _error(exc_info) -> dict:
 
 
 @contextlib.contextmanager
-def serving(backend: Any) -> Iterator[Any]:
+def serving(backend: Any, security: Any = None) -> Iterator[Any]:
     """``serve_openai(backend)`` on a free loopback port, in an event loop on
     its own thread; yields the server's handle (``handle.url``)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    handle = asyncio.run_coroutine_threadsafe(serve_openai(backend, port=0), loop).result(15)
+    handle = asyncio.run_coroutine_threadsafe(serve_openai(backend, port=0, security=security), loop).result(15)
     try:
         yield handle
     finally:
