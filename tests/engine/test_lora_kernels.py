@@ -177,3 +177,29 @@ def test_native_decoder_runs_the_side_paths_bitwise(tmp_path):
             assert torch.equal(outs[0][rid], outs[1][rid]), rid
             assert torch.equal(outs[0][rid], outs[2][rid]) == (adapter[rid] < 0), rid
     model.native_decoder = fast
+
+
+@pytest.mark.parametrize("arch", ["native", "haswell"])
+def test_each_instruction_set_matches_torch_and_is_batch_invariant(arch):
+    """The AVX2 path (``-march=haswell``) as well as this machine's: a NativeLayer built on each."""
+    from workers.model import native
+
+    lib = kernels.load(native.FLAGS if arch == "native" else (*native.FLAGS, "-march=haswell"))
+    if lib is None:
+        pytest.skip(f"the {arch} build failed here")
+    layer = kernels.NativeLayer(lib, K, N)
+    for slot, (a, b) in ADAPTERS.items():
+        layer.set_slot(slot, a, b)
+    batch = LoRABatch()
+    gen = torch.Generator().manual_seed(4)
+    for slots in (SLOTS, SMALL_GROUPS):
+        x, out = torch.randn(len(slots), K, generator=gen), torch.randn(len(slots), N, generator=gen)
+        batch.set([(s, 1) for s in slots], len(slots), torch.device("cpu"))
+        got = out.clone()
+        layer.add_to(batch.rows, x, got)
+        torch.testing.assert_close(got.double(), reference(x, out, slots), rtol=1e-5, atol=1e-4)
+        for row, slot in enumerate(slots):
+            batch.set([(slot, 1)], 1, torch.device("cpu"))
+            alone = out[row : row + 1].clone()
+            layer.add_to(batch.rows, x[row : row + 1], alone)
+            assert torch.equal(alone[0], got[row]), (arch, row)

@@ -25,7 +25,7 @@ computes it, so a row's result never depends on its batch-mates.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -36,9 +36,9 @@ _SIGNATURES = {"lora_add_f32": [_P, _P, _P, _L, _P, _L]}
 MAX_RPAD = 1024  # ranks of one layer's side path (fused parts summed); larger ones run on torch
 
 
-def load() -> Optional[ctypes.CDLL]:
+def load(flags: Sequence[str] = native.FLAGS) -> Optional[ctypes.CDLL]:
     """The built kernel, or None (no compiler, no AVX2 + FMA, or a failed build)."""
-    lib = native.build("lora_f32", native.source("lora_f32.c"), signatures=_SIGNATURES)
+    lib = native.build("lora_f32", native.source("lora_f32.c"), flags=flags, signatures=_SIGNATURES)
     if lib is not None:
         lib.lora_vector_width.restype = ctypes.c_int
         lib.lora_block_width.restype = ctypes.c_int
@@ -63,7 +63,8 @@ class StepRows:
         self._keep: tuple = ()
         self._scratch = torch.empty(0)
 
-    def set(self, groups: list[tuple[int, list[int]]], num_rows: int) -> None:
+    def set(self, groups: list[tuple[int, list[int]]]) -> None:
+        """``groups``: ``(slot, row indices)`` per adapter of the step (none: the kernel adds nothing)."""
         slots = torch.tensor([slot for slot, _ in groups], dtype=torch.long)
         starts = torch.tensor([0] + [len(r) for _, r in groups], dtype=torch.long).cumsum(0)
         rows = torch.tensor([i for _, r in groups for i in r], dtype=torch.long)
@@ -108,9 +109,14 @@ class NativeLayer:
         ranges = torch.stack([lo, hi], dim=1).to(torch.int32).contiguous()
         sizes = (hi - lo) * bw
         offs = torch.cumsum(sizes, 0) - sizes
-        bt = torch.cat([panels[i, :, lo_i:hi_i].t().reshape(-1)
-                        for i, (lo_i, hi_i) in enumerate(zip(lo.tolist(), hi.tolist())) if hi_i > lo_i]
-                       or [torch.zeros(1)])
+        pieces, bounds = [], list(zip(lo.tolist(), hi.tolist()))
+        start = 0
+        for i in range(1, len(bounds) + 1):  # runs of panels with the same ranks (a fused layer's parts)
+            if i == len(bounds) or bounds[i] != bounds[start]:
+                r0, r1 = bounds[start]
+                pieces.append(panels[start:i, :, r0:r1].transpose(1, 2).reshape(-1))
+                start = i
+        bt = torch.cat(pieces + [torch.zeros(1)])  # one float past the end: a layer whose B is all zero
         self.slots[slot] = (at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad)
         self._publish()
 

@@ -50,11 +50,12 @@ class LoRABatch:
         assert start == num_rows, (start, num_rows)
         self.groups = [(slot, None if len(r) == num_rows else torch.tensor(r, dtype=torch.long, device=device))
                        for slot, r in rows.items()]
-        if self.groups and device.type == "cpu":
-            self.rows.set(list(rows.items()), num_rows)
+        if device.type == "cpu":
+            self.rows.set(list(rows.items()))
 
     def clear(self) -> None:
         self.groups = []
+        self.rows.set([])
 
 
 class LoRALayer:
