@@ -264,3 +264,38 @@ def test_adapters_by_name_from_the_dynamic_folder(llama, tmp_path):
     assert out.token_ids == llama.expected["qv4"][2]
     with pytest.raises(ValueError, match="no such folder"):
         llm.generate([llama.prompts[2]], greedy(2), lora_request=LoRARequest("team-b"))
+
+
+def test_allowed_token_ids_and_n_with_an_adapter(llama):
+    """A constraint masks the adapted model's tokens; n choices fork with the adapter."""
+    llm = llama.llm()
+    lora = llama.request("all8")
+    allowed = sorted(set(llama.expected["all8"][0]) | {5, 6, 7})
+    choice = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)
+    out = llm.generate([llama.prompts[0]], choice, lora_request=lora)[0]
+    assert all(t in allowed for t in out.token_ids)
+    assert out.token_ids[:2] == llama.expected["all8"][0][:2]  # the adapter's own first choices are allowed
+    forks = llm.generate([llama.prompts[1]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[1], n=3,
+                                                            ignore_eos=True), lora_request=lora)[0]
+    assert [c.token_ids for c in forks.outputs] == [llama.expected["all8"][1]] * 3
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_families_take_attention_adapters(tmp_path, family):
+    base = tmp_path / "base"
+    make_hf_model(make_hf_config(family), seed=3).save_pretrained(base)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in PROMPT_LENS[:4]]
+    adapter = save_adapter(base, tmp_path / "attn", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False, seed=9)
+    expected = peft_greedy(base, adapter, prompts, MAX_TOKENS[:4])
+    assert expected != peft_greedy(base, None, prompts, MAX_TOKENS[:4])
+    llm = LLM(str(base), enable_lora=True, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
+    outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS[:4]],
+                        lora_request=[LoRARequest("attn", 1, str(adapter)), None, LoRARequest("attn", 1, str(adapter)),
+                                      LoRARequest("attn", 1, str(adapter))])
+    base_tokens = peft_greedy(base, None, prompts[1:2], MAX_TOKENS[1:2])[0]
+    assert [o.token_ids for o in outs] == [expected[0], base_tokens, expected[2], expected[3]]
+    if family == "qwen2_moe":  # gate_proj: the experts' (refused), the shared expert's and the dense layer's
+        experts = save_adapter(base, tmp_path / "experts", 4, 8, ["gate_proj"], False, seed=10)
+        with pytest.raises(ValueError, match="not supported"):
+            llm.generate([prompts[0]], greedy(2), lora_request=LoRARequest("experts", 2, str(experts)))
