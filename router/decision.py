@@ -13,7 +13,8 @@ or every live replica; ``None`` when the directory is unavailable) the core
    chain (the ``max_holders`` longest matches), the prefix's rendezvous
    replicas when it is hot, and ``sample_size`` replicas drawn at random
    (power-of-choices for load), so a decision's work does not grow with the
-   fleet,
+   fleet; for a request with a LoRA adapter also the adapter's homes and up
+   to ``max_holders`` of the replicas that hold it (drawn at random),
 3. builds their views (the caller's ``view_of``: the replica's own stats plus
    the prompt tokens this router sent it since them, ``pending_tokens``),
 4. asks the policy for the ranking, and records the send for step 1 and for
@@ -28,6 +29,7 @@ from collections import OrderedDict, deque
 from typing import Callable, Optional, Sequence
 
 from router.policies import Policy, ReplicaView, RoutingInput
+from router.policies.lora_placement import adapter_key
 from router.policies.prefix_cost import rendezvous
 from router.prefix_rates import PrefixRates
 from router.recent_sends import RecentSends
@@ -71,13 +73,15 @@ class RoutingCore:
         self.max_holders = max_holders
         self.recent = RecentSends()
         self.rates = PrefixRates()
+        self.adapter_rates = PrefixRates()
         # Per replica: (time, prompt tokens) of this router's sends, oldest first, and their sum.
         self._sent: dict[str, _Sends] = {}
         self._hot_sets: "OrderedDict[tuple, list[str]]" = OrderedDict()
         self._fleet: tuple = ((), frozenset())  # the last fleet, as a tuple and as a set
 
     def decide(self, chain: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str],
-               counts: Optional[dict[str, int]], view_of: ViewOf) -> list[str]:
+               counts: Optional[dict[str, int]], view_of: ViewOf, adapter: str = "",
+               adapter_holders: Sequence[str] = ()) -> list[str]:
         """Ranks (a candidate subset of) ``replica_ids`` for one request, best first.
 
         Args:
@@ -87,6 +91,8 @@ class RoutingCore:
             counts: The directory's leading-block counts (holders, maybe
                 everyone; -1 entries are left out by the caller), or None.
             view_of: Builds one replica's view given its credited match.
+            adapter: The request's LoRA adapter ("": the base model).
+            adapter_holders: The replicas that report holding it.
         """
         now = self.clock()
         if counts is not None:
@@ -102,10 +108,14 @@ class RoutingCore:
         self._fleet_of(replica_ids)  # forgets the sends to replicas that left
         prefix_key = chain[0] if chain else b""
         rate = self.cluster_rate(self.rates.observe(prefix_key, now)) if prefix_key else 0.0
+        adapter_rate = self.cluster_rate(self.adapter_rates.observe(adapter_key(adapter), now)) if adapter else 0.0
         candidates = self.candidates(replica_ids, counts, prefix_key, rate)
+        if adapter and len(candidates) < len(replica_ids):
+            candidates = self.with_adapter_candidates(candidates, replica_ids, adapter, adapter_rate, adapter_holders)
         views = [view_of(rid, None if counts is None else max(0, counts.get(rid, 0))) for rid in candidates]
         ranked = self.policy.choose(RoutingInput(len(chain), num_prompt_tokens, views, block_size=self.block_size,
-                                                 prefix_key=prefix_key, prefix_rate=rate))
+                                                 prefix_key=prefix_key, prefix_rate=rate, adapter=adapter,
+                                                 adapter_rate=adapter_rate))
         if ranked:
             matched = 0 if counts is None else max(0, counts.get(ranked[0], 0))
             sends = self._sent.get(ranked[0])
@@ -138,6 +148,21 @@ class RoutingCore:
                 chosen[rid] = None
         for rid in self.rng.sample(as_tuple, min(self.sample_size, len(as_tuple))):
             chosen[rid] = None
+        return list(chosen)
+
+    def with_adapter_candidates(self, candidates: list[str], replica_ids: Sequence[str], adapter: str, rate: float,
+                                holders: Sequence[str]) -> list[str]:
+        """``candidates`` plus the adapter's homes in the fleet and a sample of its live holders."""
+        live, _ = self._fleet_of(replica_ids)
+        chosen = dict.fromkeys(candidates)
+        home_count = getattr(self.policy, "num_adapter_homes", None)
+        if home_count is not None:
+            key = adapter_key(adapter)
+            k = home_count(adapter, rate, len(replica_ids))
+            homes = self.hot_set(replica_ids, key, k) if k > 1 else [min(replica_ids, key=lambda r: rendezvous(key, r))]
+            chosen.update(dict.fromkeys(homes))
+        live_holders = [rid for rid in holders if rid in live and rid not in chosen]
+        chosen.update(dict.fromkeys(self.rng.sample(live_holders, min(self.max_holders, len(live_holders)))))
         return list(chosen)
 
     def _fleet_of(self, replica_ids: Sequence[str]) -> tuple[frozenset, tuple]:

@@ -137,8 +137,9 @@ class PrefixAwareRequestRouter(RequestRouter):
                           candidate_replicas: List[RunningReplica]) -> List[List[RunningReplica]]:
         began = time.perf_counter()
         fingerprint = self._fingerprint
-        if request.lora_request is not None:
-            fingerprint = self._adapter_fingerprint(request.lora_request.lora_name, candidate_replicas)
+        adapter = request.lora_request.lora_name if request.lora_request is not None else ""
+        if adapter:
+            fingerprint = self._adapter_fingerprint(adapter, candidate_replicas)
         chain = hash_block_chain(request.prompt_token_ids, self._block_size, root_hash(fingerprint, request.cache_salt))
         counts = await self._lookup(chain)
         if counts is not None:
@@ -146,8 +147,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             counts = {rid: n for rid, n in counts.items() if n >= 0}
         candidate_replicas = self._live(self._compatible(candidate_replicas), counts)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        holders = [rid for rid, r in by_id.items() if adapter and _holds(r.routing_stats or {}, adapter)]
         ranked = self._core.decide(chain, len(request.prompt_token_ids), list(by_id), counts,
-                                   lambda rid, matched: self._view(by_id[rid], matched))
+                                   lambda rid, matched: self._view(by_id[rid], matched, adapter),
+                                   adapter=adapter, adapter_holders=holders)
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
@@ -239,7 +242,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._directory_down = False
         return counts
 
-    def _view(self, replica: RunningReplica, matched: Optional[int]) -> ReplicaView:
+    def _view(self, replica: RunningReplica, matched: Optional[int], adapter: str = "") -> ReplicaView:
         replica_id = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
         running = int(stats.get("num_running", 0))
@@ -269,7 +272,17 @@ class PrefixAwareRequestRouter(RequestRouter):
                 replica_id, float(stats.get("at", 0.0))),
             num_decode_tokens=max(0, int(stats.get("num_decode_tokens", 0))),
             num_kv_blocks=max(0, int(stats.get("num_kv_blocks", 0))),
+            # Placement of the request's LoRA adapter (router/policies/lora_placement.py); None: no
+            # adapter, or stats from before the replica reported its adapters.
+            holds_adapter=_holds(stats, adapter) if adapter and "lora_adapters" in stats else None,
+            num_adapters=len(stats.get("lora_adapters", ())),
+            max_adapters=max(0, int(stats.get("max_cpu_loras", 0))),
         )
+
+
+def _holds(stats: dict, adapter: str) -> bool:
+    """Whether routing stats list ``adapter`` among the replica's loaded LoRA adapters."""
+    return any(name == adapter for name, _ in stats.get("lora_adapters", ()))
 
 
 def _generation_request(pending: Optional[PendingRequest]) -> Optional[GenerationRequest]:

@@ -28,7 +28,9 @@ routing: each request hits the longest prefix any earlier request had.
 Printed per (policy, replicas, routers): hit rate and its ratio to the
 oracle, simulated TTFT P50/P99, decision CPU time P50/P99 (index lookup +
 decision, measured), index operations per decision, decisions/s, index
-entries and bytes, KV event batches per second per replica. JSON and a PNG.
+entries and bytes, KV event batches per second per replica; with
+``--adapters`` (LoRA, ``cluster/bench/simulate_lora.py``) also adapter loads
+and evictions per minute. JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -41,18 +43,19 @@ import json
 import logging
 import random
 import statistics
-import sys
 import time
 import tracemalloc
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.client.table import format_table
+from cluster.bench import simulate_lora as lora
+from cluster.bench.simulate_report import print_table, write
 from cluster.shared.directory.index import PrefixIndex
 from cluster.shared.hashing import hash_block_chain, root_hash
 from router.decision import RoutingCore
 from router.policies import ReplicaView, get_policy, policy_names
+from router.policies.registry import BASELINE_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-ms-per-seq", type=float, default=2.0)
     parser.add_argument("--stats-period-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    lora.add_adapter_args(parser)
     parser.add_argument("--json", default="bench-results/simulate.json")
     parser.add_argument("--plot", default="bench-results/simulate.png", help="PNG ('' to skip)")
 
@@ -92,6 +96,7 @@ class TraceRequest:
     chain: list[bytes]
     num_prompt_tokens: int
     output_len: int
+    adapter: str = ""  # LoRA adapter ("": the base model)
 
 
 def zipf_sampler(n: int, s: float, rng: random.Random):
@@ -113,6 +118,7 @@ def synthetic_trace(args: argparse.Namespace, rate: float) -> list[TraceRequest]
     block = args.block_size
     root = root_hash("simulated-model")
     tenant_of, doc_of = zipf_sampler(args.tenants, args.zipf, rng), zipf_sampler(args.documents, args.zipf, rng)
+    adapters = lora.AdapterDraw(args, zipf_sampler) if getattr(args, "adapters", 0) else None
 
     def tokens(tag: str, n: int) -> list[int]:
         seed = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
@@ -123,11 +129,13 @@ def synthetic_trace(args: argparse.Namespace, rate: float) -> list[TraceRequest]
     out, now = [], 0.0
     for i in range(args.requests):
         now += rng.expovariate(rate)
+        adapter = adapters.draw() if adapters else ""
         if rng.random() < args.rag_fraction:
             doc = doc_of()
             prompt = tokens(f"doc{doc}", args.document_len) + tokens(f"q{i}", args.question_len)
         elif sessions and rng.random() < 0.5:
             session = sessions.pop(rng.randrange(len(sessions)))
+            adapter = session.get("adapter", "")  # a conversation keeps its model
             prompt = session["tokens"] + tokens(f"q{i}", args.question_len)
             session["tokens"] = prompt + tokens(f"a{i}", args.output_len)
             session["left"] -= 1
@@ -138,10 +146,11 @@ def synthetic_trace(args: argparse.Namespace, rate: float) -> list[TraceRequest]
             prompt = tokens(f"sys{tenant}", args.system_prompt_len) + tokens(f"q{i}", args.question_len)
             if args.turns > 1:
                 sessions.append({"tokens": prompt + tokens(f"a{i}", args.output_len),
-                                 "left": rng.randrange(1, args.turns)})
+                                 "left": rng.randrange(1, args.turns), "adapter": adapter})
                 if len(sessions) > 4 * args.tenants:
                     sessions.pop(0)
-        out.append(TraceRequest(now, hash_block_chain(prompt, block, root), len(prompt), args.output_len))
+        chain = hash_block_chain(prompt, block, adapters.root(adapter) if adapter else root)
+        out.append(TraceRequest(now, chain, len(prompt), args.output_len, adapter))
     return out
 
 
@@ -188,6 +197,7 @@ class Fleet:
         for rid in self.ids:
             self.index.load_snapshot(rid, epoch=1, seq=0, blocks=[])
         self.next_stats = 0.0
+        self.lora = lora.AdapterCaches(args, self.ids) if getattr(args, "adapters", 0) else None
 
     def publish_stats(self, now: float) -> None:
         for r in self.replicas.values():
@@ -197,14 +207,20 @@ class Fleet:
                        "num_decode_tokens": running * 1000, "num_kv_blocks": r.capacity,
                        "kv_cache_usage": min(0.99, running * 100 / r.capacity),
                        "num_cached_blocks": len(r.cache)}
+        if self.lora is not None:
+            self.lora.publish()
 
-    def view(self, core: RoutingCore, rid: str, matched: Optional[int]) -> ReplicaView:
-        s = self.replicas[rid].stats
+    def view(self, core: RoutingCore, rid: str, matched: Optional[int], adapter: str = "") -> ReplicaView:
+        s, adapter_fields = self.replicas[rid].stats, self.lora.view_fields(rid, adapter) if self.lora else {}
         return ReplicaView(rid, num_running=s.get("num_running", 0), kv_cache_usage=s.get("kv_cache_usage", 0.0),
                            num_cached_blocks=s.get("num_cached_blocks", 0), matched_blocks=matched,
                            num_prefill_tokens=s.get("num_prefill_tokens", 0)
                            + core.pending_tokens(rid, s.get("at", 0.0)),
-                           num_decode_tokens=s.get("num_decode_tokens", 0), num_kv_blocks=s.get("num_kv_blocks", 0))
+                           num_decode_tokens=s.get("num_decode_tokens", 0), num_kv_blocks=s.get("num_kv_blocks", 0),
+                           **adapter_fields)
+
+    def adapter_holders(self, adapter: str) -> list[str]:
+        return self.lora.holders.get(adapter, []) if self.lora is not None and adapter else []
 
     def serve(self, rid: str, request: TraceRequest) -> tuple[int, float]:
         """Runs the request on a replica: (cached tokens, TTFT)."""
@@ -227,7 +243,7 @@ class Fleet:
         r.batches += 1
         self.index.apply(rid, 1, r.seq, False, removed, still)
         cached = hits * args.block_size
-        start = max(request.arrival, r.busy_until)
+        start = max(request.arrival, r.busy_until) + (self.lora.use(rid, request.adapter) if self.lora else 0.0)
         r.busy_until = start + (request.num_prompt_tokens - cached) / args.prefill_tokens_per_s
         ttft = r.busy_until - request.arrival
         running = r.running(request.arrival)
@@ -242,7 +258,7 @@ def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, nu
     fleet = Fleet(args, num_replicas)
     clock = [0.0]
     rng = random.Random(args.seed + 1)
-    params = {**({"seed": args.seed} if policy == "power_of_two" else {}), **args.policy_params.get(policy, {})}
+    params = {**lora.policy_defaults(args, policy), **args.policy_params.get(policy, {})}
     cores = [RoutingCore(get_policy(policy, **params),
                          args.block_size, num_routers=num_routers, clock=lambda: clock[0],
                          rng=random.Random(args.seed + 100 + i)) for i in range(num_routers)]
@@ -258,7 +274,8 @@ def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, nu
         began = time.perf_counter()
         counts = fleet.index.lookup(request.chain)
         ranked = core.decide(request.chain, request.num_prompt_tokens, fleet.ids, counts,
-                             lambda rid, matched: fleet.view(core, rid, matched))
+                             lambda rid, matched: fleet.view(core, rid, matched, request.adapter),
+                             adapter=request.adapter, adapter_holders=fleet.adapter_holders(request.adapter))
         decision_s.append(time.perf_counter() - began)
         ops.append(fleet.index.lookup_ops - before)
         cached, ttft = fleet.serve(ranked[0], request)
@@ -279,7 +296,7 @@ def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, nu
         "index_entries": fleet.index.num_entries,
         "event_batches_per_s_per_replica": round(sum(r.batches for r in fleet.replicas.values())
                                                  / num_replicas / max(duration, 1e-9), 3),
-    }
+        **(fleet.lora.results(duration) if fleet.lora else {})}
 
 
 def index_bytes_per_entry(num_replicas: int = 100, blocks_each: int = 2000) -> float:
@@ -300,12 +317,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     fleets = [int(x) for x in str(args.replicas).split(",") if x.strip()]
     routers = [int(x) for x in str(args.routers).split(",") if x.strip()]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in policy_names()]
+    unknown = [p for p in policies if p not in policy_names() and p not in BASELINE_POLICIES]
     if not isinstance(args.policy_params, dict) or not all(isinstance(v, dict) for v in args.policy_params.values()):
         logger.error('--policy-params must map policy names to parameter mappings, got %r', args.policy_params)
         return 2
     for name, params in args.policy_params.items():
         get_policy(name, **params)  # unknown names or parameters fail here, named
+    if not lora.check_adapter_args(args):
+        return 2
     if unknown or not fleets or not routers or min(fleets + routers) < 1 or args.requests < 2:
         logger.error("bad arguments: policies must be among %s (got %s); --replicas and --routers positive "
                      "integers; --requests >= 2", ", ".join(policy_names()), ", ".join(unknown) or "ok")
@@ -333,48 +352,3 @@ def run_simulate(args: argparse.Namespace) -> int:
     print_table(report)
     write(report, args)
     return 0
-
-
-def print_table(report: dict[str, Any]) -> None:
-    rows = [("policy", "replicas", "routers", "hit rate", "/oracle", "TTFT p50 s", "p99", "decision p50 us", "p99",
-             "decisions/s", "index ops/dec", "p99 ops", "index entries", "batches/s/replica")]
-    for r in report["runs"]:
-        rows.append((r["policy"], str(r["replicas"]), str(r["routers"]), f"{r['hit_rate']:.1%}",
-                     f"{r['hit_rate_over_oracle']:.3f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
-                     f"{r['decision_p50_us']:.0f}", f"{r['decision_p99_us']:.0f}", str(r["decisions_per_s"]),
-                     f"{r['index_ops_per_decision']:.1f}", f"{r['index_ops_p99']:.0f}", str(r["index_entries"]),
-                     f"{r['event_batches_per_s_per_replica']:.2f}"))
-    lines = format_table(rows)
-    lines.append(f"index memory: {report['index_bytes_per_entry']:.0f} bytes per (block, replica) entry "
-                 f"(Python, measured)")
-    sys.stdout.write("\n".join(lines) + "\n")  # the table is the program's output, not a log
-
-
-def write(report: dict[str, Any], args: argparse.Namespace) -> None:
-    from pathlib import Path
-
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        logger.info("wrote %s", args.json)
-    if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for policy in sorted({r["policy"] for r in report["runs"]}):
-            for routers in sorted({r["routers"] for r in report["runs"]}):
-                rows = sorted((r for r in report["runs"] if r["policy"] == policy and r["routers"] == routers),
-                              key=lambda r: r["replicas"])
-                xs = [r["replicas"] for r in rows]
-                ax1.plot(xs, [r["hit_rate_over_oracle"] for r in rows], marker="o", label=f"{policy}, {routers} routers")
-                ax2.plot(xs, [r["decision_p99_us"] for r in rows], marker="o", label=f"{policy}, {routers} routers")
-        ax1.set(xscale="log", xlabel="replicas", ylabel="hit rate / oracle", title="prefix-cache hit rate")
-        ax2.set(xscale="log", xlabel="replicas", ylabel="µs", title="decision CPU time, P99")
-        ax1.legend(fontsize=7)
-        fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
-        logger.info("wrote %s", args.plot)

@@ -330,3 +330,4 @@ class ReplicaStats:
     num_kv_blocks: int = 0  # device KV blocks in the pool (kv_cache_usage * this = blocks in use)
     at: float = 0.0  # time.time() when the figures were read
     lora_adapters: tuple[tuple[str, str], ...] = ()  # loaded LoRA adapters: (name, content hash)
+    max_cpu_loras: int = 0  # LoRA adapters it keeps loaded at most (0: no LoRA); the router prices evictions

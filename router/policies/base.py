@@ -50,6 +50,11 @@ class ReplicaView:
             sent since that count was taken).
         num_decode_tokens: Context tokens of its decoding sequences.
         num_kv_blocks: Its device KV pool in blocks (0: unknown).
+        holds_adapter: Whether it has the request's LoRA adapter loaded;
+            ``None`` for a base-model request or a replica that did not say.
+        num_adapters: LoRA adapters it has loaded.
+        max_adapters: Adapters it keeps loaded at most (``max_cpu_loras``;
+            0: unknown): loading one more when full evicts one.
     """
 
     replica_id: str
@@ -62,12 +67,15 @@ class ReplicaView:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_kv_blocks: int = 0
+    holds_adapter: Optional[bool] = None
+    num_adapters: int = 0
+    max_adapters: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
             raise ValueError(f"replica_id must be a non-empty string, got {self.replica_id!r}")
         for name in ("num_running", "num_waiting", "num_swapped", "num_cached_blocks", "num_prefill_tokens",
-                     "num_decode_tokens", "num_kv_blocks"):
+                     "num_decode_tokens", "num_kv_blocks", "num_adapters", "max_adapters"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} of replica {self.replica_id!r} must be >= 0, got {value!r}")
@@ -81,13 +89,15 @@ class ReplicaView:
             )
 
     @classmethod
-    def from_stats(cls, stats: ReplicaStats, matched_blocks: Optional[int] = None) -> "ReplicaView":
+    def from_stats(cls, stats: ReplicaStats, matched_blocks: Optional[int] = None,
+                   adapter: str = "") -> "ReplicaView":
         """Builds a view from a replica's reported stats and its directory match.
 
         Args:
             stats: The replica's ``ReplicaStats``.
             matched_blocks: Its entry of ``Directory.lookup()`` (``None`` when
                 the lookup failed or did not name this replica).
+            adapter: The request's LoRA adapter ("": the base model).
 
         Returns:
             The view; ``kv_cache_usage`` is clamped to [0, 1] against float noise.
@@ -103,6 +113,9 @@ class ReplicaView:
             num_prefill_tokens=stats.num_prefill_tokens,
             num_decode_tokens=stats.num_decode_tokens,
             num_kv_blocks=stats.num_kv_blocks,
+            holds_adapter=any(name == adapter for name, _ in stats.lora_adapters) if adapter else None,
+            num_adapters=len(stats.lora_adapters),
+            max_adapters=stats.max_cpu_loras,
         )
 
 
@@ -120,6 +133,9 @@ class RoutingInput:
             prompt has no full block.
         prefix_rate: Requests per second the cluster receives for this prefix
             (the router's estimate; 0 when unknown).
+        adapter: The request's LoRA adapter name ("": the base model).
+        adapter_rate: Requests per second the cluster receives for that
+            adapter (the router's estimate; 0 when unknown).
     """
 
     num_blocks: int
@@ -128,6 +144,8 @@ class RoutingInput:
     block_size: int = 0
     prefix_key: bytes = b""
     prefix_rate: float = 0.0
+    adapter: str = ""
+    adapter_rate: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", tuple(self.replicas))
@@ -135,9 +153,9 @@ class RoutingInput:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks!r}")
         if self.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {self.num_prompt_tokens!r}")
-        if self.block_size < 0 or not self.prefix_rate >= 0:
-            raise ValueError(f"block_size and prefix_rate must be >= 0, got {self.block_size!r}, "
-                             f"{self.prefix_rate!r}")
+        if self.block_size < 0 or not self.prefix_rate >= 0 or not self.adapter_rate >= 0:
+            raise ValueError(f"block_size, prefix_rate and adapter_rate must be >= 0, got {self.block_size!r}, "
+                             f"{self.prefix_rate!r}, {self.adapter_rate!r}")
         ids = [r.replica_id for r in self.replicas]
         if len(set(ids)) != len(ids):
             raise ValueError(f"replica ids must be unique, got {sorted(ids)}")

@@ -47,6 +47,13 @@ Hot prefixes
     All routers pick the same k replicas (rendezvous), so the replicated set
     stays small and stable.
 
+LoRA adapters
+    A request with an adapter adds the adapter's load (and, on a full replica
+    outside the adapter's homes, an eviction penalty) to the cost of every
+    replica that does not hold it; hot adapters get more homes. The rule,
+    its parameters (``adapter_*``) and their defaults are in
+    ``router/policies/lora_placement.py``. A base-model request pays nothing.
+
 Directory down
     No replica has a confirmed match (``matched_blocks is None``): every
     ``m_r`` is 0 and the ranking is by queued work alone.
@@ -83,6 +90,15 @@ import hashlib
 import math
 
 from router.policies.base import ReplicaView, RoutingInput
+from router.policies.lora_placement import (
+    DEFAULT_ADAPTER_EVICTION_TOKENS,
+    DEFAULT_ADAPTER_LOAD_TOKENS,
+    DEFAULT_ADAPTER_RPS_PER_HOME,
+    DEFAULT_ADAPTER_SHRINK_RATIO,
+    AdapterHomes,
+    adapter_cost,
+    adapter_key,
+)
 
 DEFAULT_NEW_PREFILL_WEIGHT = 2.0
 DEFAULT_DECODE_TOKEN_WEIGHT = 0.02
@@ -108,10 +124,15 @@ class PrefixCostPolicy:
         sequence_tokens: float = DEFAULT_SEQUENCE_TOKENS,
         kv_high_water: float = DEFAULT_KV_HIGH_WATER,
         hot_prefix_rps: float = DEFAULT_HOT_PREFIX_RPS,
+        adapter_load_tokens: float = DEFAULT_ADAPTER_LOAD_TOKENS,
+        adapter_eviction_tokens: float = DEFAULT_ADAPTER_EVICTION_TOKENS,
+        adapter_rps_per_home: float = DEFAULT_ADAPTER_RPS_PER_HOME,
+        adapter_shrink_ratio: float = DEFAULT_ADAPTER_SHRINK_RATIO,
     ) -> None:
         for name, value in (("new_prefill_weight", new_prefill_weight),
                             ("decode_token_weight", decode_token_weight), ("sequence_tokens", sequence_tokens),
-                            ("hot_prefix_rps", hot_prefix_rps)):
+                            ("hot_prefix_rps", hot_prefix_rps), ("adapter_load_tokens", adapter_load_tokens),
+                            ("adapter_eviction_tokens", adapter_eviction_tokens)):
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not 0.0 < kv_high_water <= 1.0:
@@ -121,19 +142,30 @@ class PrefixCostPolicy:
         self.sequence_tokens = float(sequence_tokens)
         self.kv_high_water = float(kv_high_water)
         self.hot_prefix_rps = float(hot_prefix_rps)
+        self.adapter_load_tokens = float(adapter_load_tokens)
+        self.adapter_eviction_tokens = float(adapter_eviction_tokens)
+        self.adapter_homes = AdapterHomes(adapter_rps_per_home, adapter_shrink_ratio)
 
     def choose(self, inp: RoutingInput) -> list[str]:
-        """Returns every replica id, best first. Does not mutate state."""
+        """Returns every replica id, best first. Mutates only the adapters' home counts
+        (``AdapterHomes``, idempotent for a repeated input)."""
         matched = self.credited_matches(inp)
-        return [r.replica_id for r in sorted(inp.replicas, key=lambda r: self.sort_key(inp, r, matched[r.replica_id]))]
+        homes = self.adapter_home_ids(inp)
+        return [r.replica_id for r in sorted(
+            inp.replicas, key=lambda r: self.sort_key(inp, r, matched[r.replica_id], homes))]
 
-    def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int) -> tuple[int, float, bytes]:
-        """``(tier, cost, rendezvous)`` of one replica (module doc)."""
+    def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int,
+                 adapter_homes: frozenset = frozenset()) -> tuple[int, float, bytes]:
+        """``(tier, cost, rendezvous)`` of one replica (module doc); ``adapter_homes``:
+        the ids of the request's adapter's homes among ``inp.replicas``."""
         block = inp.tokens_per_block
         new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
         cost = (view.num_prefill_tokens + self.new_prefill_weight * new_prefill
                 + self.decode_token_weight * view.num_decode_tokens
                 + self.sequence_tokens * (view.num_running + view.num_waiting + view.num_swapped))
+        if inp.adapter:
+            cost += adapter_cost(view, view.replica_id in adapter_homes, self.adapter_load_tokens,
+                                 self.adapter_eviction_tokens)
         return (0 if self.has_headroom(view, new_prefill, block) else 1, cost,
                 rendezvous(inp.prefix_key, view.replica_id))
 
@@ -168,3 +200,16 @@ class PrefixCostPolicy:
             for view in sorted(inp.replicas, key=lambda r: rendezvous(inp.prefix_key, r.replica_id))[:k]:
                 matched[view.replica_id] = best
         return matched
+
+    def num_adapter_homes(self, adapter: str, rate: float, num_replicas: int) -> int:
+        """k: the homes of an adapter at ``rate`` requests/s (``lora_placement.AdapterHomes``)."""
+        return self.adapter_homes.size(adapter, rate, num_replicas)
+
+    def adapter_home_ids(self, inp: RoutingInput) -> frozenset:
+        """The request's adapter's homes among ``inp.replicas``: the first k of its
+        rendezvous order (the decision core adds the fleet's first k to the candidates)."""
+        if not inp.adapter:
+            return frozenset()
+        k = self.num_adapter_homes(inp.adapter, inp.adapter_rate, len(inp.replicas))
+        key = adapter_key(inp.adapter)
+        return frozenset(sorted((r.replica_id for r in inp.replicas), key=lambda rid: rendezvous(key, rid))[:k])

@@ -331,6 +331,7 @@ class LLMEngine:
             num_kv_blocks=kv.num_device_blocks,
             at=time.time(),
             lora_adapters=self.lora.published if self.lora is not None else (),
+            max_cpu_loras=self.lora.capacity if self.lora is not None else 0,
         )
 
 
