@@ -182,7 +182,10 @@ class ReplicaServer:
         Raises:
             ValueError: The request is invalid (says what to change).
         """
-        timer = self.metrics.start_request(lora_name=request.lora_request.lora_name if request.lora_request else None)
+        lora = request.lora_request
+        if lora is not None and self.engine.lora is not None:  # a new adapter is read here, not on the engine thread
+            await asyncio.to_thread(self.engine.lora.prefetch, lora)
+        timer = self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
         async for out in self._tracked(request):
             timer.on_output(out)
             yield StreamChunk(

@@ -299,3 +299,23 @@ def test_moe_families_take_attention_adapters(tmp_path, family):
         experts = save_adapter(base, tmp_path / "experts", 4, 8, ["gate_proj"], False, seed=10)
         with pytest.raises(ValueError, match="not supported"):
             llm.generate([prompts[0]], greedy(2), lora_request=LoRARequest("experts", 2, str(experts)))
+
+
+def test_an_adapter_read_ahead_is_only_installed_on_the_engine_thread(llama):
+    """The replica reads a new adapter on another thread (``prefetch``): the
+    engine thread then installs it without reading the folder again."""
+    import threading
+
+    llm = llama.llm()
+    manager = llm.engine.lora
+    reads = []
+    stage = manager.slots.stage
+    manager.slots.stage = lambda *args: reads.append(args) or stage(*args)
+    reader = threading.Thread(target=manager.prefetch, args=(llama.request("od16"),))
+    reader.start()
+    reader.join()
+    assert run(llm, llama, ["od16"] * len(PROMPT_LENS)) == llama.expected["od16"]
+    assert reads == [] and manager.num_loads == 1
+    manager.prefetch(llama.request("od16"))  # loaded: nothing to read
+    with pytest.raises(ValueError, match="no such folder"):
+        manager.prefetch(LoRARequest("gone", 1, "/nonexistent/adapter"))

@@ -21,6 +21,7 @@ same adapters in the same slots.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from workers.lora.adapter import LoRAAdapter
 from workers.lora.side_paths import AdapterSlots, RankAdapterSlots
 
 logger = logging.getLogger(__name__)
+
+_READ_AHEAD = 8  # adapters read ahead and not yet loaded, kept at most
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class LoRAManager:
         # loaded again at run time (router/lora_registry.py: a new generation) from the one before.
         self._loaded: OrderedDict[tuple[str, str, int], tuple[LoRAAdapter, int]] = OrderedDict()
         self.published: tuple[tuple[str, str], ...] = ()  # (name, content hash), replaced whole: any thread reads
+        self._read_ahead: dict[tuple[str, str, int], LoRAAdapter] = {}  # prefetch() -> load(), any thread
+        self._read_lock = threading.Lock()
         self.num_loads = 0
         self.num_evictions = 0
         self.last_load_s = 0.0
@@ -77,7 +82,7 @@ class LoRAManager:
 
     def path_of(self, name: str) -> Optional[str]:
         """The path of a loaded adapter called ``name`` (the most recent), or None."""
-        paths = [path for (n, path, _) in self._loaded if n == name]
+        paths = [path for (n, path, _) in list(self._loaded) if n == name]  # list(): one step, any thread
         return paths[-1] if paths else None
 
     def load(self, request: LoRARequest, in_use: Iterable[int] = ()) -> tuple[LoRAAdapter, int]:
@@ -87,9 +92,7 @@ class LoRAManager:
         Raises:
             ValueError: The adapter cannot be loaded (``adapter.load_adapter``).
         """
-        name = request.lora_name
-        path = (request.lora_path or self.path_of(name) or self.config.modules.get(name)
-                or self.config.dynamic_path(name) or "")
+        path = self._path(request)
         if not path:
             known = ", ".join(self.names()) or "none"
             raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and has no path "
@@ -99,7 +102,12 @@ class LoRAManager:
             self._loaded.move_to_end(key)
             return self._loaded[key]
         started = time.perf_counter()
-        adapter = self.slots.stage(request.lora_name, path)  # refused: nothing changed
+        with self._read_lock:
+            read = self._read_ahead.pop(key, None)
+        if read is not None:  # read off this thread (prefetch): only the install is left
+            adapter = self.slots.stage_read(read)
+        else:
+            adapter = self.slots.stage(request.lora_name, path)  # refused: nothing changed
         victims = self._victims(set(in_use), room_for=1)
         taken = {slot for k, (_, slot) in self._loaded.items() if k not in victims}
         slot = next(i for i in range(len(taken) + 1) if i not in taken)
@@ -114,6 +122,29 @@ class LoRAManager:
         logger.info("LoRA adapter %s loaded from %s in %.0f ms: rank %d, slot %d", adapter.name, path,
                     self.last_load_s * 1e3, adapter.rank, slot)
         return adapter, slot
+
+    def prefetch(self, request: LoRARequest) -> None:
+        """Reads an adapter that is not loaded, on the caller's thread (not the
+        engine's), so that ``load`` only installs it: a new adapter stalls the
+        running streams for its install, not its read. Refused adapters raise
+        here (ValueError) and again at ``load``. No-op with tensor parallelism
+        (the ranks read) or when it is loaded; at most a few are kept read."""
+        read = getattr(self.slots, "read", None)
+        path = self._path(request)
+        key = (request.lora_name, path, request.lora_int_id)
+        if read is None or not path or key in self._loaded or key in self._read_ahead:
+            return
+        adapter = read(request.lora_name, path)
+        with self._read_lock:
+            while len(self._read_ahead) >= _READ_AHEAD:  # unclaimed ones (requests that never came) go first
+                self._read_ahead.pop(next(iter(self._read_ahead)))
+            self._read_ahead[key] = adapter
+
+    def _path(self, request: LoRARequest) -> str:
+        """Where the request's adapter is read from ("" when nothing says)."""
+        name = request.lora_name
+        return (request.lora_path or self.path_of(name) or self.config.modules.get(name)
+                or self.config.dynamic_path(name) or "")
 
     def acquire(self, request: LoRARequest, in_use: Iterable[int]) -> ActiveLoRA:
         """The request's adapter, loaded, as the scheduler and runner see it."""

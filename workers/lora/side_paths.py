@@ -92,12 +92,21 @@ class AdapterSlots:
             ValueError: The adapter is refused (``adapter.load_adapter``).
         """
         self._staged = None
+        return self.stage_read(self.read(name, path))
+
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """Reads, checks and slices an adapter; touches no slot, so any thread
+        may call it (the replica reads ahead of the engine thread)."""
         adapter = load_adapter(name, path, self.reference, self.max_lora_rank)
         deltas = adapter.deltas if self.tp is None else {m: self._shard(m, d) for m, d in adapter.deltas.items()}
-        self._staged = deltas
         logger.info("LoRA adapter %s read from %s: rank %d, %d layers, %.1f MiB%s", name, path, adapter.rank,
                     len(deltas), sum(d.a.numel() + d.b.numel() for d in deltas.values()) * 4 / 2**20,
                     f" on rank {self.tp.rank}" if self.tp is not None else "")
+        return dataclasses.replace(adapter, deltas=deltas)
+
+    def stage_read(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Keeps an adapter ``read`` returned for ``commit``; returns it without its tensors."""
+        self._staged = adapter.deltas
         return dataclasses.replace(adapter, deltas={})
 
     def commit(self, slot: int, evict: Iterable[int] = ()) -> None:
