@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cluster.shared.types import LoRARequest, SamplingParams
-from tests.factories import make_hf_config, make_hf_model
+from tests.factories import make_hf_config, make_hf_model, save_tiny_tokenizer
 from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.llm import LLM
 
@@ -70,6 +70,7 @@ class LoRACase:
     def __init__(self, root: Path, family: str) -> None:
         self.base = root / "base"
         make_hf_model(make_hf_config(family), seed=3).save_pretrained(self.base)
+        save_tiny_tokenizer(self.base, make_hf_config(family).vocab_size)  # w8a8 calibrates on text
         rng = random.Random(11)
         vocab = make_hf_config(family).vocab_size
         self.prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
@@ -245,7 +246,7 @@ def test_draft_model_speculation_verifies_with_the_adapter(llama):
     assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "w8a8"])
 def test_quantized_base_mixed_equals_each_alone(llama, quantization):
     """On a quantized base (the adapter stays float) a request's tokens are
     the same in a mixed batch as alone."""
@@ -319,3 +320,15 @@ def test_an_adapter_read_ahead_is_only_installed_on_the_engine_thread(llama):
     manager.prefetch(llama.request("od16"))  # loaded: nothing to read
     with pytest.raises(ValueError, match="no such folder"):
         manager.prefetch(LoRARequest("gone", 1, "/nonexistent/adapter"))
+
+
+def test_medusa_heads_propose_and_the_adapted_model_verifies(llama, tmp_path):
+    from workers.model.loader import read_arch
+    from workers.model.medusa import MedusaHeads
+
+    arch = read_arch(llama.base)
+    MedusaHeads(arch.hidden_size, arch.vocab_size, num_heads=3).save(tmp_path / "heads")
+    llm = llama.llm(speculative_config={"method": "medusa", "model": str(tmp_path / "heads"),
+                                        "num_speculative_tokens": 3, "adaptive": False})
+    assert run(llm, llama, MIXED) == expected_for(llama, MIXED)
+    assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
