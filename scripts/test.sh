@@ -21,7 +21,7 @@ if [ -x "$venv/bin/python" ]; then
   export PATH="$venv/bin:$PATH"
 fi
 rc=0
-"$python" -m pytest -q "$@" || rc=$?
+"$python" -m pytest -q --durations=15 "$@" || rc=$?
 if [ "$rc" = 5 ]; then
   echo "pytest collected no tests: that is a failure" >&2
   exit 1
