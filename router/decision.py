@@ -23,6 +23,7 @@ or every live replica; ``None`` when the directory is unavailable) the core
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from collections import OrderedDict, deque
@@ -37,6 +38,8 @@ from router.recent_sends import RecentSends
 FULL_RANK_LIMIT = 16  # fleets up to this size are ranked whole
 SAMPLE_SIZE = 4  # replicas drawn at random beyond the holders in a larger fleet
 MAX_HOLDERS = 8  # longest-matching holders considered in a larger fleet
+ADAPTER_HOMES_KEPT = 8  # first replicas of an adapter's rendezvous order cached
+MAX_CACHED_ADAPTERS = 4096  # adapters whose order is cached (x fleet versions)
 SENT_HORIZON_S = 60.0  # sends older than this are dropped even without newer stats
 # A router extrapolates a prefix's rate to all routers only from at least this
 # many of its own requests in a rate window: one request at one of 100 routers
@@ -77,6 +80,7 @@ class RoutingCore:
         # Per replica: (time, prompt tokens) of this router's sends, oldest first, and their sum.
         self._sent: dict[str, _Sends] = {}
         self._hot_sets: "OrderedDict[tuple, list[str]]" = OrderedDict()
+        self._adapter_orders: "OrderedDict[tuple, list[str]]" = OrderedDict()
         self._fleet: tuple = ((), frozenset())  # the last fleet, as a tuple and as a set
 
     def decide(self, chain: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str],
@@ -157,13 +161,28 @@ class RoutingCore:
         chosen = dict.fromkeys(candidates)
         home_count = getattr(self.policy, "num_adapter_homes", None)
         if home_count is not None:
-            key = adapter_key(adapter)
-            k = home_count(adapter, rate, len(replica_ids))
-            homes = self.hot_set(replica_ids, key, k) if k > 1 else [min(replica_ids, key=lambda r: rendezvous(key, r))]
-            chosen.update(dict.fromkeys(homes))
+            chosen.update(dict.fromkeys(self.adapter_homes(replica_ids, adapter,
+                                                           home_count(adapter, rate, len(replica_ids)))))
         live_holders = [rid for rid in holders if rid in live and rid not in chosen]
         chosen.update(dict.fromkeys(self.rng.sample(live_holders, min(self.max_holders, len(live_holders)))))
         return list(chosen)
+
+    def adapter_homes(self, replica_ids: Sequence[str], adapter: str, k: int) -> list[str]:
+        """The first ``k`` replicas of the adapter's rendezvous order. Cached per adapter and
+        fleet (the first ``max(k, ADAPTER_HOMES_KEPT)`` only: thousands of adapters over a
+        large fleet), so a decision hashes the fleet once per adapter, not each time."""
+        fleet, _ = self._fleet_of(replica_ids)
+        cache_key = (adapter, fleet)
+        order = self._adapter_orders.get(cache_key)
+        if order is None or (len(order) < k and len(order) < len(replica_ids)):
+            key = adapter_key(adapter)
+            order = heapq.nsmallest(max(k, ADAPTER_HOMES_KEPT), replica_ids, key=lambda r: rendezvous(key, r))
+            self._adapter_orders[cache_key] = order
+            while len(self._adapter_orders) > MAX_CACHED_ADAPTERS:
+                self._adapter_orders.popitem(last=False)
+        else:
+            self._adapter_orders.move_to_end(cache_key)
+        return order[:k]
 
     def _fleet_of(self, replica_ids: Sequence[str]) -> tuple[frozenset, tuple]:
         """The fleet as a set and a tuple; the set is rebuilt only when the

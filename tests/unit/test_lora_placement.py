@@ -99,7 +99,10 @@ def test_a_hot_adapter_spreads_over_more_replicas_and_a_cold_one_stays_home():
     # 10 req/s of "hot" (5 homes at 2 req/s each) for 40 s, then 20 s more.
     hot_targets = [_route(core, fleet, holders, "hot", now) for _ in range(400)]
     assert len(set(hot_targets)) >= 5  # spread, not piled on the first holder
-    assert set(core.hot_set(fleet, adapter_key("hot"), 5)) <= holders["hot"]  # its homes hold it
+    homes = core.adapter_homes(fleet, "hot", 5)
+    assert homes == sorted(fleet, key=lambda r: rendezvous(adapter_key("hot"), r))[:5]
+    assert core.adapter_homes(fleet, "hot", 12) == sorted(fleet, key=lambda r: rendezvous(adapter_key("hot"), r))[:12]
+    assert set(homes) <= holders["hot"]  # its homes hold it
     settled = set(holders["hot"])
     for _ in range(200):
         _route(core, fleet, holders, "hot", now)
