@@ -34,7 +34,7 @@ from tests.deploy.kustomize import render
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "deploy" / "kuberay"
 CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
-TARGETS = ["base", "overlays/cpu", "overlays/gpu", "overlays/two-models"]
+TARGETS = ["base", "overlays/cpu", "overlays/gpu", "overlays/two-models", "overlays/lora"]
 ROUTER_RESOURCE = "prefixserve_router"
 
 
@@ -148,8 +148,9 @@ def test_core_objects_match_the_kubernetes_schemas(rendered):
 def test_every_object_is_known(rendered):
     name, objects = rendered
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["NetworkPolicy"] * 7 + ["PodDisruptionBudget"] * 2 + ["PodMonitor"] * 2 + ["RayService"] + \
-        ["Service"] * 4 + ["StatefulSet"] * 2, name
+    adapters = ["PersistentVolumeClaim"] if name == "overlays/lora" else []  # the adapters' volume
+    assert kinds == ["NetworkPolicy"] * 7 + adapters + ["PodDisruptionBudget"] * 2 + ["PodMonitor"] * 2 + \
+        ["RayService"] + ["Service"] * 4 + ["StatefulSet"] * 2, name
 
 
 def test_kubectl_kustomize_and_the_subset_renderer_agree(rendered):
@@ -349,3 +350,19 @@ def test_the_renderer_refuses_what_it_cannot_render(tmp_path):
     (tmp_path / "p.yaml").write_text("- {op: replace, path: /spec, value: {}}\n")
     with pytest.raises(AssertionError, match="matches no object"):
         render(tmp_path)
+
+
+def test_the_lora_overlay_mounts_its_adapters_where_the_engine_reads_them():
+    objects = render(KUBERAY / "overlays/lora")
+    rayservice = one(objects, "RayService")
+    lora = cluster_config(rayservice).engine.lora
+    assert lora.enable_lora and lora.modules and lora.dynamic_lora_loading_path == "/adapters"
+    replicas = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]
+    assert replicas["groupName"] == "replicas"
+    pod = replicas["template"]["spec"]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["adapters"]["mountPath"] == "/adapters" and mounts["adapters"]["readOnly"]
+    claim = volumes["adapters"]["persistentVolumeClaim"]["claimName"]
+    assert one(objects, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert all(path.startswith("/adapters/") for path in lora.modules.values())
