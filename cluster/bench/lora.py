@@ -149,8 +149,8 @@ def run_lora(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         common = {"max_num_seqs": num_adapters, **engine_args}
         lora_args = {**common, "enable_lora": True, "max_loras": num_adapters, "max_lora_rank": args.rank,
                      "max_cpu_loras": num_adapters + 1}
-        # The engine built first steps 2-6% slower than identical ones built after it (three base engines,
-        # interleaved, on this machine): the base is built last, so the ratios to it are not flattered.
+        # Identical engines step slower the earlier they were built (three base engines, interleaved, on this
+        # machine: 14.2, 13.4, 12.8 ms at batch 1): the base is built last, so the ratios to it are not flattered.
         logger.info("loading the engines: lora, lora-idle, merged, base")
         engines = {"lora": LLM(**lora_args), "lora-idle": LLM(**lora_args),
                    "merged": LLM(**{**common, "model": str(root / "merged")}), "base": LLM(**common)}

@@ -39,6 +39,9 @@ typedef __m256 vec;
 #define RB 4  /* rows of one adapter sharing each weight load */
 #define CB 2  /* vectors of columns (rank in the shrink, outputs in the expand) per block */
 #define BW (CB * VL)
+#ifndef PAR_BYTES
+#define PAR_BYTES (256 * 1024)  /* weights below which one thread beats waking the others */
+#endif
 #define EB 4  /* output panels per expand work item (a few KB of B: worth a thread's turn) */
 
 int lora_vector_width(void) { return VL; }
@@ -186,7 +189,10 @@ void lora_add_f32(const lora_layer_t* L, const lora_batch_t* B, const float* x, 
         expand_items += row_blocks * ((L->npad / BW + EB - 1) / EB);
     }
     if (!shrink_items) return;
-    const int parallel = expand_items * L->k > 4096;
+    long bytes = 0;  /* of weights this call reads */
+    for (long g = 0; g < G; ++g)
+        if (targets(L, B->group_slot[g])) bytes += 4 * L->rpad[B->group_slot[g]] * (L->k + L->npad);
+    const int parallel = bytes > PAR_BYTES;
     if (active >= 2 * omp_get_max_threads() && max_rows <= RB) {  /* many small groups: a thread per group */
         #pragma omp parallel for schedule(dynamic, 1) if (parallel)
         for (long g = 0; g < G; ++g)
