@@ -115,6 +115,7 @@ def test_adapters_change_the_output(llama):
 @pytest.mark.parametrize("name", [None, *ADAPTERS])
 def test_each_adapter_alone_matches_peft(llama, name):
     llm = llama.llm()
+    assert llm.runner.model.native_decoder is not None  # it runs the side paths (native_decoder.py)
     assert run(llm, llama, [name] * len(PROMPT_LENS)) == llama.expected[name]
     assert_all_blocks_free_or_cached(llm.engine.scheduler)
 

@@ -1,4 +1,4 @@
-"""The native LoRA kernel (``workers/lora/kernels.py``): each adapter's delta
+"""The native LoRA kernel (``workers/model/lora_kernels.py``): each adapter's delta
 on its own rows, equal to torch's ``x @ A.T @ B.T`` (allclose), rows of no
 adapter untouched, and a row's result bit-identical whatever its batch-mates
 (alone, among rows of its adapter in blocks of four and a tail, among other
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.lora import kernels
+from workers.model import lora_kernels as kernels
 from workers.lora.layers import LoRABatch, LoRALayer
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the native LoRA kernel does not build here")

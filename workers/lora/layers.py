@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from workers.lora import kernels
+from workers.model import lora_kernels as kernels
 from workers.model import gemm
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]

@@ -56,9 +56,9 @@ class AdapterSlots:
     """The LoRA side paths of this process's model, by adapter slot.
 
     Args:
-        model: The finalized model, or one rank's shard of it (its
-            ``native_decoder`` / ``compiled`` paths are turned off: they
-            bypass the layers' side paths).
+        model: The finalized model, or one rank's shard of it. Its native
+            decoder (``native_decoder.py``) runs the side paths itself; a
+            ``torch.compile``d decoder would bypass them and is refused.
         max_lora_rank: The largest rank an adapter may have.
         native: Use the native GEMM for the side paths (the linear backend
             is ``native``).
@@ -73,8 +73,6 @@ class AdapterSlots:
             if (isinstance(module, Linear) and name.rsplit(".", 1)[-1] in TARGETS and ".experts." not in name
                     and ".shared_expert" not in name):
                 module.lora = self.layers[name] = LoRALayer(self.batch, native)
-        if getattr(model, "native_decoder", None) is not None:
-            model.native_decoder = None  # it runs the layers in C, past their side paths
         if getattr(model, "compiled", None) is not None:
             raise ValueError("enable_lora runs eagerly: drop enforce_eager=False")
         self.tp = getattr(model, "tp", None)  # a TPContext on a tensor-parallel rank

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from workers.lora import kernels as lora_kernels
+from workers.model import lora_kernels
 from workers.model import cpu_ops, gemm, i8gemm, native, qgemm
 from workers.model.attention import cpu_decode
 

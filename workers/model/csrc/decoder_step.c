@@ -13,7 +13,7 @@ typedef void (*decode_fn)(const float*, long, const float*, long, const float*, 
 typedef void (*i8gemm_fn)(const float*, long, long, long, const signed char*, const float*, const int*, long,
                           const float*, float*, long);
 
-/* LoRA (workers/lora/kernels.py): lora_add_f32(layer's side paths, this step's rows, x, ldx, y, ldy) */
+/* LoRA (workers/model/lora_kernels.py): lora_add_f32(layer's side paths, this step's rows, x, ldx, y, ldy) */
 typedef void (*lora_fn)(const void*, const void*, const float*, long, float*, long);
 typedef struct { gemm_fn gemm; qgemm_fn qgemm; norm_fn norm; rotary_fn rotary; silu_fn silu; decode_fn decode;
                  i8gemm_fn i8gemm; lora_fn lora; const void* lora_rows; /* NULL: no adapter rows this step */ } fns_t;

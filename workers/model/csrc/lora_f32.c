@@ -1,5 +1,5 @@
 /* LoRA side paths of one linear layer for every adapter of a step, in one call
-   (workers/lora/kernels.py has the layout and the contract).
+   (workers/model/lora_kernels.py has the layout and the contract).
 
    y[r, :] += B_s (A_s x[r, :]) for each row r of each group (slot s): the shrink
    t = A_s x[r] [R] and the expand B_s t [n], both float32 FMA chains in ascending
