@@ -60,6 +60,8 @@ class LoRAAdapter:
     scaling: float
     content_hash: str
     deltas: dict[str, LayerDelta] = field(default_factory=dict)
+    # The deltas packed for each layer's kernels (workers/lora/layers.py ``prepare``), when read ahead.
+    prepared: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

@@ -74,13 +74,27 @@ class LoRALayer:
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Installs ``x @ a.T @ b.T`` as ``slot``'s side path."""
-        self.clear_slot(slot)
+        self.install(slot, self.prepare(a, b))
+
+    def prepare(self, a: torch.Tensor, b: torch.Tensor) -> tuple[str, object]:
+        """``x @ a.T @ b.T`` packed for this layer's kernels, installed by ``install``.
+        Changes nothing here, so any thread may call it."""
         if self._lib is not None and kernels.NativeLayer.fits(a):
+            layout = self.grouped or kernels.NativeLayer(self._lib, a.shape[1], b.shape[0])
+            return "grouped", (a.shape[1], b.shape[0], layout.pack(a.contiguous(), b.contiguous()))
+        return "pair", (_kernel(a, self.native), _kernel(b, self.native))
+
+    def install(self, slot: int, prepared: tuple[str, object]) -> None:
+        """Makes ``prepare``'s result ``slot``'s side path (the engine thread)."""
+        self.clear_slot(slot)
+        kind, packed = prepared
+        if kind == "grouped":
+            in_features, out_features, panels = packed
             if self.grouped is None:
-                self.grouped = kernels.NativeLayer(self._lib, a.shape[1], b.shape[0])
-            self.grouped.set_slot(slot, a.contiguous(), b.contiguous())
+                self.grouped = kernels.NativeLayer(self._lib, in_features, out_features)
+            self.grouped.install(slot, panels)
         else:
-            self.slots[slot] = (_kernel(a, self.native), _kernel(b, self.native))
+            self.slots[slot] = packed
 
     def clear_slot(self, slot: int) -> None:
         self.slots.pop(slot, None)

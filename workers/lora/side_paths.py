@@ -78,7 +78,7 @@ class AdapterSlots:
         self.tp = getattr(model, "tp", None)  # a TPContext on a tensor-parallel rank
         # Adapters are checked against the full model's shapes, then cut to the rank's shard.
         self.reference = model if self.tp is None else _full_model_on_meta(model)
-        self._staged: Optional[dict[str, LayerDelta]] = None
+        self._staged: Optional[dict[str, Any]] = None  # module -> its layer's prepared side path
 
     def stage(self, name: str, path: str) -> LoRAAdapter:
         """Reads and checks an adapter and keeps its (sliced) side paths for ``commit``.
@@ -100,19 +100,20 @@ class AdapterSlots:
         logger.info("LoRA adapter %s read from %s: rank %d, %d layers, %.1f MiB%s", name, path, adapter.rank,
                     len(deltas), sum(d.a.numel() + d.b.numel() for d in deltas.values()) * 4 / 2**20,
                     f" on rank {self.tp.rank}" if self.tp is not None else "")
-        return dataclasses.replace(adapter, deltas=deltas)
+        prepared = {m: self.layers[m].prepare(d.a, d.b) for m, d in deltas.items()}  # packed here, not at commit
+        return dataclasses.replace(adapter, deltas=deltas, prepared=prepared)
 
     def stage_read(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Keeps an adapter ``read`` returned for ``commit``; returns it without its tensors."""
-        self._staged = adapter.deltas
-        return dataclasses.replace(adapter, deltas={})
+        self._staged = adapter.prepared
+        return dataclasses.replace(adapter, deltas={}, prepared={})
 
     def commit(self, slot: int, evict: Iterable[int] = ()) -> None:
         """Clears ``evict``'s slots, then installs the staged adapter in ``slot``."""
         assert self._staged is not None, "stage() first"
         self.drop(evict)
-        for module, delta in self._staged.items():
-            self.layers[module].set_slot(slot, delta.a, delta.b)
+        for module, prepared in self._staged.items():
+            self.layers[module].install(slot, prepared)
         self._staged = None
 
     def drop(self, slots: Iterable[int]) -> None:

@@ -94,6 +94,11 @@ class NativeLayer:
         return a.shape[0] <= MAX_RPAD
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.install(slot, self.pack(a, b))
+
+    def pack(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
+        """``a`` and ``b`` in the kernel's layout; reads nothing that changes, so any
+        thread may call it (the replica packs a new adapter off the engine thread)."""
         rank, k, bw = a.shape[0], self.k, self.bw
         rpad = -(-rank // self.vl) * self.vl
         padded = torch.zeros(rpad, k)
@@ -117,7 +122,11 @@ class NativeLayer:
                 pieces.append(panels[start:i, :, r0:r1].transpose(1, 2).reshape(-1))
                 start = i
         bt = torch.cat(pieces + [torch.zeros(1)])  # one float past the end: a layer whose B is all zero
-        self.slots[slot] = (at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad)
+        return at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad
+
+    def install(self, slot: int, packed: tuple) -> None:
+        """Makes ``packed`` (``pack``'s) ``slot``'s side path."""
+        self.slots[slot] = packed
         self._publish()
 
     def clear_slot(self, slot: int) -> None:
