@@ -82,13 +82,16 @@ def engine_decode_steps(llm: Any, prompts: list[list[int]], num_steps: int) -> l
     return list(engine_decode_step_iter(llm, prompts, num_steps))
 
 
-def engine_decode_step_iter(llm: Any, prompts: list[list[int]], num_steps: int) -> Iterator[float]:
-    """``engine_decode_steps`` one step at a time (the prefill runs, untimed, before the first)."""
+def engine_decode_step_iter(llm: Any, prompts: list[list[int]], num_steps: int,
+                            loras: Optional[list[Any]] = None) -> Iterator[float]:
+    """``engine_decode_steps`` one step at a time (the prefill runs, untimed, before the first);
+    ``loras``: each prompt's LoRA adapter (None: the base model)."""
     from cluster.shared.types import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
-    requests = [llm.make_request(p, params) for p in prompts]
+    loras = loras if loras is not None else [None] * len(prompts)
+    requests = [llm.make_request(p, params, lora_request=lr) for p, lr in zip(prompts, loras, strict=True)]
     for req in requests:
         engine.add_request(req)
     started: set[str] = set()

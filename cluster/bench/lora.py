@@ -37,7 +37,6 @@ import logging
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -84,31 +83,6 @@ def save_random_adapter(base_dir: Path, out: Path, rank: int, seed: int, merged_
     return out
 
 
-def decode_step_iter(llm: Any, prompts: list[list[int]], loras: list[Any], num_steps: int) -> Iterator[float]:
-    """Seconds of each of ``num_steps`` decode steps, every prompt (with its
-    adapter, None: the base model) in the batch; the prefill runs, untimed,
-    before the first."""
-    from cluster.shared.types import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
-    requests = [llm.make_request(p, params, lora_request=lr) for p, lr in zip(prompts, loras, strict=True)]
-    for req in requests:
-        engine.add_request(req)
-    started: set[str] = set()
-    while len(started) < len(requests):
-        started.update(out.request_id for out in engine.step() if out.new_token_ids)
-    done = 0
-    while engine.has_unfinished_requests():
-        begin = time.perf_counter()
-        outs = engine.step()
-        elapsed = time.perf_counter() - begin
-        assert all(len(o.new_token_ids) == 1 for o in outs), "every sequence decodes one token per step"
-        if done < num_steps:
-            done += 1
-            yield elapsed
-
-
 def interleave(iters: dict[str, Iterator[float]], chunk: int) -> dict[str, list[float]]:
     """Runs each iterator ``chunk`` steps in turn, round-robin, to the end of
     all; each round starts one engine later, so none always follows the same one."""
@@ -130,7 +104,7 @@ def interleave(iters: dict[str, Iterator[float]], chunk: int) -> dict[str, list[
 
 
 def run_lora(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    from cluster.bench.latency import make_prompts
+    from cluster.bench.latency import engine_decode_step_iter, make_prompts
     from cluster.shared.types import LoRARequest
     from workers.llm import LLM
     from workers.model.loader import resolve_model
@@ -164,7 +138,7 @@ def run_lora(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 runs["merged"] = [None]
             logger.info("batch %d: %s, %d decode steps each, %d at a time", batch, ", ".join(runs),
                         args.output_len, args.interleave_steps)
-            times = interleave({name: decode_step_iter(engines[name], prompts, loras, args.output_len)
+            times = interleave({name: engine_decode_step_iter(engines[name], prompts, args.output_len, loras)
                                 for name, loras in runs.items()}, args.interleave_steps)
             report["batches"][batch] = {f"{name}_step_ms": round(statistics.median(t) * 1e3, 2)
                                         for name, t in times.items()}

@@ -76,7 +76,7 @@ class ParsedRequest:
 
 def _check_model(body: dict, model: ModelInfo) -> str:
     name = body.get("model")
-    if name is None:
+    if name is None or name == "":  # the default model, as ModelBackends.pick and gRPC take it
         return model.name
     if not isinstance(name, str):
         raise bad_request(f"model must be a string, got {name!r}", "model")

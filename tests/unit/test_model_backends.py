@@ -149,3 +149,10 @@ def test_list_replicas_names_each_replicas_model_and_status_shows_it():
     assert lines[0].split()[:2] == ["replica", "model"] and "alpha" in lines[1] and "beta" in lines[2]
     one = format_status({"r1": ReplicaRow("r1", model="alpha")}, {}, show_metrics=False)
     assert "model" not in one[0]  # one model: no column
+
+
+def test_an_empty_model_is_the_default_over_http_as_over_grpc(http, two):
+    _, url = http
+    reply = httpx.post(f"{url}/completions", json={"model": "", "prompt": "hello", "max_tokens": 1}, timeout=20)
+    assert reply.status_code == 200 and reply.json()["model"] == "alpha"
+    assert [len(b.requests) for b in two] == [1, 0]
