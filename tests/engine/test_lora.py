@@ -333,3 +333,21 @@ def test_medusa_heads_propose_and_the_adapted_model_verifies(llama, tmp_path):
                                         "num_speculative_tokens": 3, "adaptive": False})
     assert run(llm, llama, MIXED) == expected_for(llama, MIXED)
     assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
+
+
+def test_a_grammar_constrains_the_adapted_model(llama):
+    """A regex holds over an adapter's output, and the adapter still decides
+    within it: its text differs from the base model's under the same grammar."""
+    import re
+
+    from cluster.shared.structured import StructuredOutputsParams
+
+    llm = llama.llm()
+    pattern = r"[a-z ]{4,24}\."
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern))
+    prompts = llama.prompts[:4]
+    texts = {name: [o.text for o in llm.generate(prompts, params, lora_request=llama.request(name))]
+             for name in (None, "all8", "qv4")}
+    for outs in texts.values():
+        assert all(re.fullmatch(pattern, t) for t in outs), outs
+    assert texts["all8"] != texts[None] and texts["qv4"] != texts[None]
