@@ -83,28 +83,28 @@ class ModelInfo:
 
     def adapter_of(self, asked: str) -> Optional[str]:
         """The adapter that ``asked`` names, or None (the model itself, or not this model's)."""
-        if self.lora is None:
+        lora = self.lora_request(asked)
+        return lora.lora_name if lora is not None else None
+
+    def lora_request(self, asked: Optional[str]) -> Optional[LoRARequest]:
+        """The ``LoRARequest`` a request naming ``asked`` runs with (None: the base model, or
+        a name that is not one of its adapters)."""
+        if self.lora is None or not asked or asked == self.name:
             return None
-        name = asked.removeprefix(self.name + ":") if asked.startswith(self.name + ":") else asked
-        if name in self.lora.modules or (self.runtime is not None and self.runtime.get(name) is not None):
-            return name
+        name = asked.removeprefix(self.name + ":")
+        path = self.lora.modules.get(name)
+        if path is not None:
+            return LoRARequest(name, 0, path)
+        added = self.runtime.get(name) if self.runtime is not None else None
+        if added is not None:  # a new generation is read afresh by the replicas
+            return LoRARequest(name, added[1], added[0])
         path = self.lora.dynamic_path(name)
         if path is None:
             return None
-        if os.path.isdir(self.lora.dynamic_lora_loading_path or ""):
-            return name if os.path.isfile(os.path.join(path, "adapter_config.json")) else None
-        return name  # a folder only the replicas mount: they load it or say why not
-
-    def lora_request(self, asked: Optional[str]) -> Optional[LoRARequest]:
-        """The ``LoRARequest`` a request naming ``asked`` runs with (None: the base model)."""
-        adapter = self.adapter_of(asked) if asked else None
-        if adapter is None:
+        if os.path.isdir(self.lora.dynamic_lora_loading_path or "") and \
+                not os.path.isfile(os.path.join(path, "adapter_config.json")):
             return None
-        assert self.lora is not None
-        if adapter not in self.lora.modules and self.runtime is not None and self.runtime.get(adapter) is not None:
-            path, generation = self.runtime.get(adapter)
-            return LoRARequest(adapter, generation, path)  # a new generation is read afresh by the replicas
-        return LoRARequest(adapter, 0, self.lora.modules.get(adapter) or self.lora.dynamic_path(adapter) or "")
+        return LoRARequest(name, 0, path)  # where only the replicas mount the folder, they load it or say why not
 
 
 class Backend(Protocol):

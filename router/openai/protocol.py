@@ -19,7 +19,7 @@ from typing import Any, Optional
 from starlette.responses import JSONResponse
 
 from cluster.shared.choices import ranking_params
-from cluster.shared.types import GenerationRequest, SamplingParams
+from cluster.shared.types import GenerationRequest, LoRARequest, SamplingParams
 from router.backend import ModelInfo
 from router.errors import NoReplicaError, OverloadedError
 from router.limits import LimitError, Limits
@@ -74,18 +74,20 @@ class ParsedRequest:
         return self.request.sampling_params.num_choices
 
 
-def _check_model(body: dict, model: ModelInfo) -> str:
+def _check_model(body: dict, model: ModelInfo) -> tuple[str, Optional[LoRARequest]]:
+    """The ``model`` the body names and the LoRA adapter it runs with (None: the model itself)."""
     name = body.get("model")
     if name is None or name == "":  # the default model, as ModelBackends.pick and gRPC take it
-        return model.name
+        return model.name, None
     if not isinstance(name, str):
         raise bad_request(f"model must be a string, got {name!r}", "model")
-    if name != model.name and model.adapter_of(name) is None:
+    lora = model.lora_request(name)
+    if name != model.name and lora is None:
         raise APIError(
             404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
             code="model_not_found",
         )
-    return name
+    return name, lora
 
 
 def _check_unsupported(body: dict, chat: bool) -> None:
@@ -305,7 +307,7 @@ def _parse_request(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    name = _check_model(body, model)
+    name, lora = _check_model(body, model)
     _check_unsupported(body, chat)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
@@ -344,7 +346,7 @@ def _parse_request(
         asked_logprobs = params.logprobs
         requests.append(GenerationRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling_params=_engine_params(params, echo),
-            priority=priority, cache_salt=salt, arrival_time=time.time(), lora_request=model.lora_request(name),
+            priority=priority, cache_salt=salt, arrival_time=time.time(), lora_request=lora,
         ))
     first = requests[0].sampling_params
     if first.structured_outputs is not None and reasoning is not None:

@@ -41,6 +41,8 @@ class LoRABatch:
 
     def set(self, row_slots: list[tuple[int, int]], num_rows: int, device: torch.device) -> None:
         """``row_slots``: ``(slot, rows)`` runs in batch order (slot -1: the base model)."""
+        if not self.groups and all(slot < 0 for slot, _ in row_slots):
+            return  # a base-only step after another: nothing to rebuild (every step runs this)
         rows: dict[int, list[int]] = {}
         start = 0
         for slot, n in row_slots:

@@ -8,7 +8,7 @@ never evicted; when every loaded adapter is in use the cache holds one more
 until requests finish (the limit on adapters *in a step*, ``max_loras``, is
 the scheduler's, ``workers/engine/lora_slots.py``).
 
-Adapters are told apart by ``(name, path)``; the prefix cache by content
+Adapters are told apart by ``(name, path, lora_int_id)``; the prefix cache by content
 (``cluster.shared.hashing.lora_fingerprint``): two names for the same weights share blocks, and
 a name loaded again with other weights never reads the old ones.
 
@@ -182,9 +182,9 @@ class LoRAManager:
     def _publish(self) -> None:
         self.published = tuple((a.name, a.content_hash) for a, _ in self._loaded.values())
 
-    def _victims(self, in_use: set[int], room_for: int) -> list[tuple[str, str]]:
+    def _victims(self, in_use: set[int], room_for: int) -> list[tuple[str, str, int]]:
         """Least recently used adapters no request uses, enough to leave ``room_for`` below the capacity."""
-        victims: list[tuple[str, str]] = []
+        victims: list[tuple[str, str, int]] = []
         for key, (_, slot) in self._loaded.items():
             if len(self._loaded) - len(victims) + room_for <= self.capacity:
                 break

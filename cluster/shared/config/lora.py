@@ -4,6 +4,7 @@ name=path ...``); given flat to ``LLM(...)`` and the CLI like the other sections
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -64,9 +65,9 @@ class LoRAConfig:
         """Adapters kept loaded."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
-    @property
+    @functools.cached_property
     def modules(self) -> dict[str, str]:
-        """``lora_modules`` as name -> path."""
+        """``lora_modules`` as name -> path (parsed once: the routers read it per request)."""
         return parse_lora_modules(self.lora_modules)
 
     def dynamic_path(self, name: str) -> Optional[str]:
