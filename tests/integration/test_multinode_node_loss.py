@@ -131,13 +131,14 @@ def test_a_stalled_node_trips_deadlines_and_new_requests_avoid_it(cluster):
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.GenerationStub(channel)
 
-            async def run(i, progress=None):
+            async def run(i, progress=None, first=None):
                 began, replicas = time.monotonic(), []
                 try:
                     async for chunk in stub.Generate(request(i), timeout=deadline_s):
                         replicas.append(chunk.replica_id)
                         if progress is not None:
                             progress[i] = len(replicas)
+                            first.setdefault(i, chunk.replica_id)
                     return "OK", time.monotonic() - began, replicas
                 except grpc.aio.AioRpcError as exc:
                     return exc.code().name, time.monotonic() - began, replicas
@@ -145,11 +146,17 @@ def test_a_stalled_node_trips_deadlines_and_new_requests_avoid_it(cluster):
             where = await live_replicas(stub)
             stalled = next(r for r, ip in where.items() if ip not in ("", HEAD_IP))
             node = next(n for n in nodes.nodes if n.ip == where[stalled])
-            progress: dict[int, int] = {}
-            tasks = [asyncio.ensure_future(run(i, progress)) for i in range(NUM_STREAMS)]
-            while len(progress) < NUM_STREAMS or min(progress.values()) < 3:  # all streaming
-                assert not any(t.done() for t in tasks), "a stream ended before the stall"
-                await asyncio.sleep(0.01)
+            for attempt in range(5):  # until the router put at least one stream on the replica to stall
+                progress: dict[int, int] = {}
+                first: dict[int, str] = {}
+                tasks = [asyncio.ensure_future(run(i, progress, first))
+                         for i in range(attempt * NUM_STREAMS, (attempt + 1) * NUM_STREAMS)]
+                while len(progress) < NUM_STREAMS or min(progress.values()) < 3:  # all streaming
+                    assert not any(t.done() for t in tasks), "a stream ended before the stall"
+                    await asyncio.sleep(0.01)
+                if stalled in first.values():
+                    break
+                await asyncio.gather(*tasks)  # all on the other replica (prefix and load routing): again
             stopped_at = time.monotonic()
             for proc in node.processes():
                 try:
