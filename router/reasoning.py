@@ -16,6 +16,13 @@ DeepSeek-R1's newer template) starts the output in reasoning, and one whose
 tail closes it (Qwen3 with ``enable_thinking: false`` writes an empty
 ``<think></think>``) starts it in content with nothing to split.
 
+Reasoning tokens (``usage.*_tokens_details.reasoning_tokens``) are counted from
+the chunks fed with their token counts: a chunk's tokens are reasoning when the
+parser is inside the think block after it, or when it completes ``</think>``
+(the tags are reasoning tokens); tokens held before the output's first text
+decides (leading whitespace, part of ``<think>``) follow that decision. With one
+token per chunk, as a replica streams without speculation, the count is exact.
+
 Whitespace around the tags is dropped (``<think>\\n…\\n</think>\\n\\n`` gives
 neither a leading nor a trailing newline), and a tag split across chunks at
 any position is recognized: text that may be the start of a tag is held until
@@ -116,12 +123,29 @@ class ReasoningParser:
         self._held = ""
         self.reasoning = ""  # all reasoning so far
         self.content = ""  # all content so far
+        self.num_reasoning_tokens = 0
+        self._num_undecided_tokens = 0  # fed while the output's first text was held (_OPENING)
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """``(reasoning, content)`` that ``text`` (the next piece of output) releases."""
+    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
+        """``(reasoning, content)`` that ``text`` (the next piece of output, of
+        ``num_tokens`` tokens) releases."""
+        reasoning, content, closed = self._feed(text)
+        self._count(num_tokens, closed)
+        return reasoning, content
+
+    def _count(self, num_tokens: int, closed: bool) -> None:
+        if self._state == _OPENING:
+            self._num_undecided_tokens += num_tokens
+            return
+        undecided, self._num_undecided_tokens = self._num_undecided_tokens, 0
+        if closed or self._state in (_REASONING_LEAD, _REASONING):
+            self.num_reasoning_tokens += undecided + num_tokens
+
+    def _feed(self, text: str) -> tuple[str, str, bool]:
         buf = self._held + text
         self._held = ""
         reasoning = content = ""
+        closed = False
         while buf:
             if self._state == _OPENING:
                 stripped = buf.lstrip()
@@ -140,6 +164,7 @@ class ReasoningParser:
                 if end >= 0:
                     reasoning += buf[:end].rstrip()
                     buf, self._state = buf[end + len(CLOSE_TAG):], _CONTENT_LEAD
+                    closed = True
                     continue
                 keep = _partial_tag_len(buf, CLOSE_TAG)
                 released = buf[:len(buf) - keep].rstrip()  # trailing whitespace may precede </think>
@@ -150,7 +175,7 @@ class ReasoningParser:
                 buf = ""
         self.reasoning += reasoning
         self.content += content
-        return reasoning, content
+        return reasoning, content, closed
 
     def finish(self) -> tuple[str, str]:
         """``(reasoning, content)`` still held when the output ended (a tag's
@@ -160,8 +185,10 @@ class ReasoningParser:
         if self._state == _OPENING:
             if self.start_in_reasoning:
                 reasoning = held.strip()
+                self.num_reasoning_tokens += self._num_undecided_tokens
             else:
                 content = held
+            self._num_undecided_tokens = 0
         elif self._state == _REASONING:
             reasoning = held.rstrip()
         self.reasoning += reasoning
@@ -171,12 +198,20 @@ class ReasoningParser:
 
 def split_reasoning(mode: Optional[ReasoningMode], text: str) -> tuple[Optional[str], str]:
     """``(reasoning or None, content)`` of a whole output (``mode`` None: all content)."""
+    reasoning, content, _ = split_pieces(mode, [(text, 0)])
+    return reasoning, content
+
+
+def split_pieces(mode: Optional[ReasoningMode], pieces: list[tuple[str, int]]) -> tuple[Optional[str], str, int]:
+    """``(reasoning or None, content, reasoning tokens)`` of an output collected as
+    ``(text, number of tokens)`` pieces, split as their stream is (``mode`` None: all content)."""
     if mode is None:
-        return None, text
+        return None, "".join(text for text, _ in pieces), 0
     parser = mode.make()
-    parser.feed(text)
+    for text, num_tokens in pieces:
+        parser.feed(text, num_tokens)
     parser.finish()
-    return parser.reasoning or None, parser.content
+    return parser.reasoning or None, parser.content, parser.num_reasoning_tokens
 
 
 def _partial_tag_len(text: str, tag: str) -> int:

@@ -11,14 +11,18 @@ from cluster.shared.types import StreamChunk, TokenLogprob
 from router.tokenizer import RouterTokenizer
 
 
-def usage_totals(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """``usage`` of a request: each prompt counted once, the completion tokens of every choice."""
-    return {
+def usage_totals(prompt: int, completion: int, cached: int, reasoning: Optional[int] = None) -> dict[str, Any]:
+    """``usage`` of a request: each prompt counted once, the completion tokens of every choice
+    (and, with a reasoning parser, how many of them were the think block's)."""
+    usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
 
 
 def finish_reason(chunk: StreamChunk) -> Optional[str]:

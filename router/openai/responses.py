@@ -18,7 +18,8 @@ the think block becomes ``message.reasoning`` and ``message.reasoning_content``
 (the same text under vLLM's new name and the old one that clients still read;
 None when the model did not think), streamed as ``delta.reasoning`` and
 ``delta.reasoning_content`` pieces; only the content after it goes to the
-tool-call parser.
+tool-call parser. ``usage.completion_tokens_details.reasoning_tokens`` counts the
+think block's tokens (every choice's), whole and streamed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from cluster.shared.types import StreamChunk
 from router.openai.bodies import (chat_logprobs, completion_logprobs, echo_logprobs, finish_reason,
                                   merge_completion_logprobs, prompt_logprobs_body, usage_totals)
 from router.openai.protocol import ParsedRequest, backend_error, error_response, internal_error
-from router.reasoning import ReasoningParser, split_reasoning
+from router.reasoning import ReasoningParser, split_pieces
 from router.tools import ParserDelta, make_parser, parse_tool_output, tool_finish_reason
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class _Choice:
     """One choice of a non-streamed generation, as collected."""
 
     text: str = ""
+    pieces: list = field(default_factory=list)  # (text, number of tokens) of each chunk
     logprobs: list = field(default_factory=list)
     last: Optional[StreamChunk] = None
     prompt_logprobs: Optional[list] = None
@@ -90,6 +92,7 @@ class _Usage:
         self.width = parsed.num_generated
         self.prompts: dict[int, tuple[int, int]] = {}  # prompt -> (prompt tokens, cached)
         self.completions: dict[int, int] = {}  # choice (internal index) -> completion tokens
+        self.reasoning: Optional[dict[int, int]] = {} if parsed.chat and parsed.reasoning is not None else None
 
     def add(self, chunk: StreamChunk) -> None:
         self.prompts[chunk.index // self.width] = (chunk.prompt_tokens, chunk.cached_prompt_tokens)
@@ -97,7 +100,8 @@ class _Usage:
 
     def body(self) -> dict[str, Any]:
         return usage_totals(sum(p for p, _ in self.prompts.values()), sum(self.completions.values()),
-                            sum(c for _, c in self.prompts.values()))
+                            sum(c for _, c in self.prompts.values()),
+                            None if self.reasoning is None else sum(self.reasoning.values()))
 
 
 def _prompt_text(parsed: ParsedRequest, tokenizer: Any, prompt: int) -> str:
@@ -152,8 +156,12 @@ async def whole_response(
             logger.error("request %s failed", parsed.request.request_id, exc_info=exc)
             err = internal_error(parsed.request.request_id)
         return error_response(err)
+    collected = consumer.result()
     choices = [_choice_body(parsed, tokenizer, index, prompt, result)
-               for index, prompt, result in _select(parsed, consumer.result())]
+               for index, prompt, result in _select(parsed, collected)]
+    if usage.reasoning is not None:
+        usage.reasoning = {index: split_pieces(parsed.reasoning, choice.pieces)[2]
+                           for index, choice in collected.items()}
     return JSONResponse({
         "id": ident, "object": "chat.completion" if parsed.chat else "text_completion", "created": created,
         "model": parsed.echo_model, "choices": choices, "usage": usage.body(),
@@ -165,7 +173,7 @@ def _choice_body(parsed: ParsedRequest, tokenizer: Any, index: int, prompt: int,
     want_logprobs = parsed.logprobs is not None
     if parsed.chat:
         lp = chat_logprobs(result.logprobs, tokenizer) if want_logprobs else None
-        reasoning, content = split_reasoning(parsed.reasoning, result.text)
+        reasoning, content, _ = split_pieces(parsed.reasoning, result.pieces)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.reasoning is not None:
             message.update(reasoning=reasoning, reasoning_content=reasoning)
@@ -199,6 +207,7 @@ async def _collect(stream: AsyncIterator[StreamChunk], first: Optional[StreamChu
     while chunk is not None:
         choice = collected.setdefault(chunk.index, _Choice())
         choice.text += chunk.text
+        choice.pieces.append((chunk.text, len(chunk.token_ids)))
         choice.logprobs.extend(chunk.logprobs or ())
         choice.last = chunk
         usage.add(chunk)
@@ -255,10 +264,13 @@ async def event_stream(
                     yield event([{"index": index, "text": head, "finish_reason": None,
                                   "logprobs": _echo_logprobs(parsed, tokenizer, prompt, prompt_lps.get(prompt))}])
                     offsets[index] = len(head)
-            if chunk.text or chunk.finish_reason is not None or chunk.logprobs or first_of_choice:
+            counted = index in thinkers and chunk.token_ids  # tokens without text still count as reasoning
+            if chunk.text or chunk.finish_reason is not None or chunk.logprobs or first_of_choice or counted:
                 entries = chunk.logprobs or []
                 if parsed.chat:
                     delta, reason = _chat_delta(chunk, parsers[index], thinkers.get(index))
+                    if index in thinkers and usage.reasoning is not None:
+                        usage.reasoning[index] = thinkers[index].num_reasoning_tokens
                     choice = {"index": index, "delta": delta,
                               "logprobs": chat_logprobs(entries, tokenizer) if want_logprobs else None,
                               "finish_reason": reason}
@@ -301,7 +313,7 @@ def _chat_delta(chunk: StreamChunk, tool_parser: Any,
     reasoning parser splits it), then its content through the tool-call parser if any."""
     reasoning, text = "", chunk.text
     if thinker is not None:
-        reasoning, text = thinker.feed(text)
+        reasoning, text = thinker.feed(text, len(chunk.token_ids))
         if chunk.finish_reason is not None:
             more_reasoning, more_text = thinker.finish()
             reasoning, text = reasoning + more_reasoning, text + more_text

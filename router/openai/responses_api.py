@@ -47,7 +47,7 @@ from router.openai.response_store import StoreUnavailable
 from router.openai.responses_background import BackgroundRuns
 from router.openai.responses import EventStream, close_stream
 from router.openai.responses_reasoning import ReasoningEvents, reasoning_item
-from router.reasoning import split_reasoning
+from router.reasoning import split_pieces
 from router.tools import assemble, make_parser, parse_tool_output
 
 logger = logging.getLogger(__name__)
@@ -66,13 +66,14 @@ class _Outcome:
         self.reasoning_id = conv.new_id("rs")
         self.calls: list[dict] = []  # function_call output items
         self.last: Optional[StreamChunk] = None
+        self.num_reasoning_tokens = 0
 
     def usage(self) -> dict:
         last = self.last
         prompt, cached, out = (last.prompt_tokens, last.cached_prompt_tokens, last.completion_tokens) if last \
             else (0, 0, 0)
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": self.num_reasoning_tokens},
                 "total_tokens": prompt + out}
 
 
@@ -196,12 +197,13 @@ class ResponsesAPI:
 
     async def _collect(self, parsed: Any, stream: AsyncIterator[StreamChunk]) -> _Outcome:
         outcome = _Outcome()
+        pieces = []
         async for chunk in stream:
-            outcome.text += chunk.text
+            pieces.append((chunk.text, len(chunk.token_ids)))
             outcome.last = chunk
             if chunk.finished:
                 break
-        outcome.reasoning, outcome.text = split_reasoning(parsed.reasoning, outcome.text)
+        outcome.reasoning, outcome.text, outcome.num_reasoning_tokens = split_pieces(parsed.reasoning, pieces)
         tool_output = parse_tool_output(parsed.tools, outcome.text)
         if tool_output is not None:
             outcome.text = tool_output.content or ""
@@ -266,10 +268,11 @@ class ResponsesAPI:
                 outcome.last = chunk
                 content = chunk.text
                 if thinker is not None:
-                    thought, content = thinker.feed(content)
+                    thought, content = thinker.feed(content, len(chunk.token_ids))
                     if chunk.finished:
                         more_thought, more_content = thinker.finish()
                         thought, content = thought + more_thought, content + more_content
+                    outcome.num_reasoning_tokens = thinker.num_reasoning_tokens
                     for line in thinking.delta(thought):
                         yield line
                 pieces = parser.feed(content) if parser is not None else None

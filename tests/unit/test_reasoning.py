@@ -3,7 +3,7 @@ streamed in chunks that split the tags at every position."""
 
 import pytest
 
-from router.reasoning import ReasoningMode, ReasoningParser, resolve_reasoning_parser, split_reasoning
+from router.reasoning import ReasoningMode, ReasoningParser, resolve_reasoning_parser, split_pieces, split_reasoning
 
 QWEN3_THINK = ("<think>\nOkay, the user asks what 2 + 2 is. That's simple arithmetic: 4.\n</think>\n\n"
                "2 + 2 = **4**.")
@@ -93,3 +93,30 @@ def test_auto_picks_from_the_chat_template():
     assert resolve_reasoning_parser("deepseek_r1", None) == "deepseek_r1"
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         resolve_reasoning_parser("granite", None)
+
+
+# (parser, prompt tail, one token a piece, reasoning tokens): the tags count as reasoning.
+TOKEN_CASES = [
+    ("qwen3", "assistant\n", ["<", "think", ">", "\n", "Two", " plus", "\n", "</", "think", ">", "\n\n", "4"], 10),
+    ("qwen3", "assistant\n", [" ", "\n", "<think>", "a", "</think>", "b"], 5),  # held whitespace follows the block
+    ("qwen3", "assistant\n", [" ", "The", " answer"], 0),
+    ("qwen3", "assistant\n", ["<", "thought"], 0),  # a tag that never completes is content
+    ("qwen3", "assistant\n", ["<think>", "still", " going"], 3),
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", ["<think>", "x", "</think>"], 0),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", ["Hm", "m", ".", "</think>", "\n\n", "4"], 4),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", ["\n"], 1),  # only held whitespace: still reasoning
+    ("deepseek_r1", "<｜Assistant｜><think>\n", ["</think>", "No", " thinking."], 1),
+]
+
+
+@pytest.mark.parametrize("parser, tail, tokens, num_reasoning", TOKEN_CASES)
+def test_reasoning_tokens_are_those_up_to_the_closing_tag(parser, tail, tokens, num_reasoning):
+    mode = ReasoningMode.for_prompt(parser, tail)
+    stream = mode.make()
+    for token in tokens:
+        stream.feed(token, 1)
+    stream.finish()
+    assert stream.num_reasoning_tokens == num_reasoning
+    whole = split_pieces(mode, [(token, 1) for token in tokens])
+    assert whole == (stream.reasoning or None, stream.content, num_reasoning)
+    assert split_pieces(None, [(token, 1) for token in tokens]) == (None, "".join(tokens), 0)

@@ -196,3 +196,36 @@ def test_a_streamed_response_that_only_thinks_closes_its_reasoning(api, fake):
     final = events[-1].response
     assert final.status == "incomplete" and final.output[0].content[0].text == "still going"
     assert [e.type for e in events].count("response.output_item.done") == 2  # reasoning, then the empty message
+
+
+def test_usage_counts_the_reasoning_tokens(api, fake):
+    # One token a piece: "<th", "ink>\nThe user", " says hi.\n</", "think>" are the think block's.
+    usage = api.chat.completions.create(model=MODEL, messages=HI).usage
+    assert usage.completion_tokens == 6 and usage.completion_tokens_details.reasoning_tokens == 4
+    chunks = list(api.chat.completions.create(model=MODEL, messages=HI, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 4
+    # The fake's second choice writes "<th/1": no think block there, so only the first one's count.
+    usage = api.chat.completions.create(model=MODEL, messages=HI, n=2).usage
+    assert usage.completion_tokens == 12 and usage.completion_tokens_details.reasoning_tokens == 4
+    fake.script = ["<think>", "a", "</think>", "b"]  # "<think>/1", "a/1", "</think>/1": 3 each
+    usage = api.chat.completions.create(model=MODEL, messages=HI, n=2).usage
+    assert usage.completion_tokens_details.reasoning_tokens == 6
+    fake.script = QWEN3
+    response = api.responses.create(model=MODEL, input="hi")
+    assert response.usage.output_tokens == 6 and response.usage.output_tokens_details.reasoning_tokens == 4
+    events = list(api.responses.create(model=MODEL, input="hi", stream=True))
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 4
+    fake.tokenizer.reasoning_parser = "deepseek_r1"
+    fake.script = R1
+    assert api.chat.completions.create(model=MODEL, messages=HI).usage.completion_tokens_details.reasoning_tokens == 3
+    assert api.responses.create(model=MODEL, input="hi").usage.output_tokens_details.reasoning_tokens == 3
+
+
+def test_usage_without_a_think_block_or_a_parser(api, fake):
+    fake.script = ["Just", " an answer."]
+    assert api.chat.completions.create(model=MODEL, messages=HI).usage.completion_tokens_details.reasoning_tokens == 0
+    fake.tokenizer.reasoning_parser = "none"
+    fake.script = QWEN3
+    assert api.chat.completions.create(model=MODEL, messages=HI).usage.completion_tokens_details is None
+    assert api.responses.create(model=MODEL, input="hi").usage.output_tokens_details.reasoning_tokens == 0
