@@ -23,7 +23,7 @@ from cluster.shared.types import GenerationRequest, ReplicaStats, SamplingParams
 from router.limits import Limits
 from router.convert_tools import chat_message, constrain, tool_plan_from_proto
 from router.pb import generation_pb2 as pb
-from router.reasoning import ReasoningMode, ReasoningParser
+from router.reasoning import ReasoningMode, ReasoningParser, constrain_after_reasoning
 from router.structured_request import check_json_schema
 from router.tokenizer import RouterTokenizer
 from router.tools import ToolPlan
@@ -275,6 +275,7 @@ def request_and_tools_from_proto(
     prompt_ids = prompt_ids_from_proto(msg, tokenizer, tools)
     if max_model_len is not None:
         limits.check_prompt(len(prompt_ids), max_model_len, prompt_field)
+    params = constrain_after_reasoning(params, _prompt_reasoning(msg, tokenizer, prompt_ids))
     requested = params.max_tokens if sampling.HasField("max_tokens") else None
     max_tokens = limits.resolve_max_tokens(requested, len(prompt_ids), max_model_len, "sampling.max_tokens",
                                            default=params.max_tokens)
@@ -330,14 +331,17 @@ def reasoning_mode_from_proto(msg: pb.GenerateRequest, tokenizer: RouterTokenize
                               request: GenerationRequest) -> Optional[ReasoningMode]:
     """How the output of ``msg`` splits into reasoning and content (``router/reasoning.py``):
     chat (``messages``) requests only, as over HTTP; whether the output starts in
-    reasoning is read from the rendered prompt's last tokens (under a grammar: never)."""
+    reasoning is read from the rendered prompt's last tokens (a grammar, if any,
+    holds the content after the reasoning: ``request_and_tools_from_proto``)."""
+    return _prompt_reasoning(msg, tokenizer, request.prompt_token_ids)
+
+
+def _prompt_reasoning(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
+                      prompt_ids: list[int]) -> Optional[ReasoningMode]:
     mode_of = getattr(tokenizer, "reasoning_mode", None)
     if mode_of is None or msg.WhichOneof("input") != "messages":
         return None
-    mode = mode_of(tokenizer.decode(request.prompt_token_ids[-16:], skip_special_tokens=False))
-    if mode is not None and request.sampling_params.structured_outputs is not None:
-        return mode.under_grammar()
-    return mode
+    return mode_of(tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False))
 
 
 def split_reasoning_chunk(response: pb.GenerateResponse, chunk: StreamChunk,

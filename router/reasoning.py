@@ -29,10 +29,22 @@ any position is recognized: text that may be the start of a tag is held until
 the next chunk (or :meth:`ReasoningParser.finish`) decides. Streamed and whole
 outputs split identically.
 
-Under a grammar (structured outputs, a required or named tool choice) the
-output starts in content whatever the prompt or parser: the grammar covers it
-from its first token, so only a think block the grammar itself lets the model
-write (``<think>…</think>`` at the start) is reasoning (:meth:`ReasoningMode.under_grammar`).
+Under a grammar (structured outputs, a required or named tool choice, strict
+tools) the constraint holds the content after the reasoning, not the
+reasoning: :func:`constrain_after_reasoning` sets the request's
+``structured_outputs.reasoning`` from the mode, and the engine compiles the
+think block before the grammar (``cluster/shared/structured.py``):
+
+    the prompt           the output           grammar's reasoning
+    closed the block     all content          None: the grammar from the first token
+    opened the block     starts in reasoning  "open": any text, </think>, then the grammar
+    neither (qwen3)      may open <think>     "optional": a whole block or none, then the grammar
+    neither (deepseek_r1) starts in reasoning "open"
+
+so the split this parser makes and the grammar agree: the content it returns
+is what the grammar held. (vLLM instead starts applying the grammar once the
+model emits the end tag's token id; a grammar over text works for tags of any
+number of tokens and is checked token by token in the same matcher.)
 
 ``auto`` picks from the chat template: a template that writes
 ``<｜Assistant｜>`` and mentions ``<think>`` or ``</think>`` is DeepSeek-R1's
@@ -47,8 +59,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-OPEN_TAG = "<think>"
-CLOSE_TAG = "</think>"
+from cluster.shared.structured import THINK_TAGS
+from cluster.shared.types import SamplingParams
+
+OPEN_TAG, CLOSE_TAG = THINK_TAGS
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 _OPENING, _REASONING_LEAD, _REASONING, _CONTENT_LEAD, _CONTENT = range(5)
@@ -98,9 +112,13 @@ class ReasoningMode:
             return cls(parser, no_reasoning=True)
         return cls(parser, start_in_reasoning=parser == "deepseek_r1" or tail.endswith(OPEN_TAG))
 
-    def under_grammar(self) -> "ReasoningMode":
-        """The mode when a grammar constrains the output: it starts in content."""
-        return dataclasses.replace(self, start_in_reasoning=False)
+    @property
+    def grammar_reasoning(self) -> Optional[str]:
+        """``StructuredOutputsParams.reasoning`` of this mode: the think block a
+        grammar lets through before its constraint (None: no block)."""
+        if self.no_reasoning:
+            return None
+        return "open" if self.start_in_reasoning else "optional"
 
     def make(self) -> "ReasoningParser":
         return ReasoningParser(self.start_in_reasoning, self.no_reasoning)
@@ -194,6 +212,16 @@ class ReasoningParser:
         self.reasoning += reasoning
         self.content += content
         return reasoning, content
+
+
+def constrain_after_reasoning(params: SamplingParams, mode: Optional[ReasoningMode]) -> SamplingParams:
+    """``params`` with its output constraint (if any) moved after the think block
+    ``mode`` expects (unchanged without a constraint, a mode, or a block)."""
+    constraint = params.structured_outputs
+    if constraint is None or mode is None or mode.grammar_reasoning is None:
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(
+        constraint, reasoning=mode.grammar_reasoning))
 
 
 def split_reasoning(mode: Optional[ReasoningMode], text: str) -> tuple[Optional[str], str]:

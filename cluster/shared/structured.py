@@ -13,7 +13,19 @@ work unchanged: exactly one of
     structural_tag  a structural tag (vLLM / xgrammar format, its JSON text):
                     free text with constrained segments between triggers
 
-and the whitespace of JSON: compact by default (one space after ``:`` and
+A reasoning model's think block comes before the constraint when the router
+sets ``reasoning`` (never a request field; ``router/reasoning.py`` decides it
+from the rendered prompt):
+
+    None        the constraint holds from the output's first token
+    "optional"  the output may open with a whole ``<think>…</think>`` block
+    "open"      the output starts inside a think block (the prompt opened it):
+                any text up to the first ``</think>``
+
+then at most ``REASONING_GAP`` whitespace characters, then the constraint, so
+it applies to the content after the reasoning, as a reasoning parser splits it.
+
+And the whitespace of JSON: compact by default (one space after ``:`` and
 ``,``, as ``json.dumps`` writes it), so a model cannot emit newlines until
 ``max_tokens`` (vllm#38696) and the forced text between values is long enough
 for jump-forward decoding; ``whitespace_limit=N`` allows any whitespace, at
@@ -30,6 +42,9 @@ from typing import Any, Optional
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_CHOICES = 1024
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar of more than 1 MiB is refused
+REASONING_MODES = ("optional", "open")
+THINK_TAGS = ("<think>", "</think>")
+REASONING_GAP = 4  # whitespace between </think> and the constrained content (Qwen3 writes "\n\n")
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ class StructuredOutputsParams:
         disable_any_whitespace: Compact JSON whatever ``whitespace_limit`` says.
         whitespace_limit: None (the default) for compact JSON; N allows any
             whitespace, at most N characters between JSON tokens.
+        reasoning: None, or the think block before the constraint
+            (``REASONING_MODES``; set by the router, see above).
 
     Raises:
         ValueError: None or several kinds set, or a value of the wrong type;
@@ -60,6 +77,7 @@ class StructuredOutputsParams:
     structural_tag: Optional[str] = None
     disable_any_whitespace: bool = False
     whitespace_limit: Optional[int] = None
+    reasoning: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("json", "structural_tag"):
@@ -115,6 +133,9 @@ class StructuredOutputsParams:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 256):
             raise ValueError(f"structured_outputs.whitespace_limit must be an integer in [1, 256] or unset, "
                              f"got {self.whitespace_limit!r}")
+        if self.reasoning is not None and self.reasoning not in REASONING_MODES:
+            raise ValueError(f"structured_outputs.reasoning must be one of {', '.join(REASONING_MODES)} or unset, "
+                             f"got {self.reasoning!r}")
 
     def validate(self) -> None:
         """Checks every field again (an unpickled copy skipped ``__post_init__``)."""
@@ -139,9 +160,9 @@ class StructuredOutputsParams:
         return getattr(self, kind)
 
     @property
-    def cache_key(self) -> tuple[str, str, Optional[int]]:
+    def cache_key(self) -> tuple[str, str, Optional[int], Optional[str]]:
         """What the compiled grammar depends on."""
-        return (self.kind, self.spec, None if self.disable_any_whitespace else self.whitespace_limit)
+        return (self.kind, self.spec, None if self.disable_any_whitespace else self.whitespace_limit, self.reasoning)
 
     def schema(self) -> Any:
         """The JSON schema as a Python object (``json`` only)."""

@@ -26,7 +26,7 @@ from router.limits import LimitError, Limits
 from router.models import ModelNotFoundError
 from router.openai.errors import APIError, bad_request, is_ids, number, param_of
 from router.openai.request_fields import choice_fields, processor_fields, template_kwargs
-from router.reasoning import ReasoningMode
+from router.reasoning import ReasoningMode, constrain_after_reasoning
 from router.structured_request import StructuredRequestError, structured_outputs_from_body
 from router.tokenizer import RouterTokenizer
 from router.tools import (ToolError, ToolPlan, apply_tool_constraint, message_tool_fields, parse_tool_plan,
@@ -340,7 +340,7 @@ def _parse_request(
     for prompt_ids, params in zip(prompts, _sampling_params(body, chat, [len(p) for p in prompts], model, limits,
                                                             vocab)):
         try:
-            params = apply_tool_constraint(params, tools)
+            params = constrain_after_reasoning(apply_tool_constraint(params, tools), reasoning)
         except ToolError as exc:
             raise bad_request(str(exc), exc.param) from None
         asked_logprobs = params.logprobs
@@ -349,8 +349,6 @@ def _parse_request(
             priority=priority, cache_salt=salt, arrival_time=time.time(), lora_request=lora,
         ))
     first = requests[0].sampling_params
-    if first.structured_outputs is not None and reasoning is not None:
-        reasoning = reasoning.under_grammar()  # the grammar covers the output from its first token
     return ParsedRequest(requests[0], stream, include_usage, chat, name, tools, requests=requests, n=first.n,
                          echo=echo, logprobs=asked_logprobs,
                          prompt_logprobs=number(body, "prompt_logprobs", integer=True), prompt_texts=texts,

@@ -1,8 +1,11 @@
-"""Reasoning split end to end: ``prefixserve up --reasoning-parser qwen3`` on the
-default model, whose output a regex grammar makes start with a think block.
-The chat answer (whole and streamed) and the gRPC stream split it exactly as
-``router/reasoning.py`` splits the raw greedy text of the same prompt, which a
-completions request (never split) returns."""
+"""Reasoning split end to end: ``prefixserve up --reasoning-parser deepseek_r1``
+on the default model, whose chat output therefore starts in a think block. A
+grammar holds only the content after ``</think>`` (``router/reasoning.py``),
+so the think block is the model's free greedy text: it continues the raw
+greedy text of the same prompt without a grammar (a completions request, never
+split), which stops where the model wrote EOS (under the grammar an output may
+not end inside its think block). The chat answer, whole and streamed, and the
+gRPC stream split it alike and count all of it as reasoning tokens."""
 
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from router.pb import generation_pb2_grpc as pb_grpc
 from router.reasoning import ReasoningMode, split_reasoning
 from tests.integration.up_process import start_up, stop_up, wait_for_log
 
-THINK = r"<think>[a-z ]{3,16}</think>\n\n[A-Za-z ]{3,16}"
-GRAMMAR = {"structured_outputs": {"regex": THINK}}
+CONTENT = "[A-Za-z ]{3,16}"  # what the answer after the think block must be
+GRAMMAR = {"structured_outputs": {"regex": CONTENT}}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 24  # the model does not close the block within these: all of them are reasoning
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def cluster(tmp_path_factory):
     """``(openai client, model name, gRPC address)``."""
     log_path = tmp_path_factory.mktemp("reasoning-up") / "up.log"
     proc, log = start_up(log_path, "--replica-num-cpus", "0.5", "--grpc-port", "0", "--http-port", "0",
-                         "--reasoning-parser", "qwen3")
+                         "--reasoning-parser", "deepseek_r1")
     try:
         text = wait_for_log(proc, log, "ready: gRPC on")
         base = re.search(r"OpenAI HTTP on (http://127\.0\.0\.1:\d+/v1)", text).group(1)
@@ -39,21 +43,30 @@ def cluster(tmp_path_factory):
         stop_up(proc, log)
 
 
-def test_a_think_block_is_split_from_the_answer(cluster):
+def test_a_grammar_leaves_the_think_block_free(cluster):
     api, model, address = cluster
-    message = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=64,
-                                          extra_body=GRAMMAR).choices[0].message
+    answer = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=MAX_TOKENS,
+                                         extra_body=GRAMMAR)
+    message = answer.choices[0].message
     reasoning, content = message.model_extra["reasoning"], message.content
-    assert reasoning and content and message.model_extra["reasoning_content"] == reasoning
-    # The raw text of the same prompt (completions are never split), split offline, is the same.
+    assert reasoning and message.model_extra["reasoning_content"] == reasoning
+    assert answer.usage.completion_tokens == MAX_TOKENS
+    assert answer.usage.completion_tokens_details.reasoning_tokens == MAX_TOKENS
+    # The raw text of the same prompt without a grammar (completions are never split), split
+    # offline, is the same: the grammar did not touch the think block.
     tokens = httpx.post(str(api.base_url).rstrip("/").removesuffix("/v1") + "/tokenize", timeout=60,
                         json={"model": model, "messages": QUESTION}).json()["tokens"]
-    raw = api.completions.create(model=model, prompt=tokens, temperature=0, max_tokens=64, extra_body=GRAMMAR)
-    assert raw.choices[0].text.startswith("<think>")
-    assert split_reasoning(ReasoningMode("qwen3"), raw.choices[0].text) == (reasoning, content)
+    raw = api.completions.create(model=model, prompt=tokens, temperature=0, max_tokens=MAX_TOKENS)
+    assert not re.fullmatch(CONTENT, raw.choices[0].text)  # the grammar would have changed it
+    # The raw output stops where the model wrote EOS; under the grammar an output may not end inside
+    # its think block (the constraint after it must hold), so the chat answer goes on from there.
+    raw_reasoning, raw_content = split_reasoning(ReasoningMode("deepseek_r1", start_in_reasoning=True),
+                                                 raw.choices[0].text)
+    assert raw.choices[0].finish_reason == "stop" and raw_content == content == ""
+    assert reasoning.startswith(raw_reasoning) and len(reasoning) > len(raw_reasoning)
     # Streamed: the deltas of each field add up to the whole answer's.
     pieces = {"reasoning": "", "reasoning_content": "", "content": ""}
-    for chunk in api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=64,
+    for chunk in api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=MAX_TOKENS,
                                              extra_body=GRAMMAR, stream=True):
         delta = chunk.choices[0].delta
         extra = delta.model_extra or {}
@@ -63,7 +76,7 @@ def test_a_think_block_is_split_from_the_answer(cluster):
     assert pieces == {"reasoning": reasoning, "reasoning_content": reasoning, "content": content}
     # gRPC: the same split, chunk by chunk.
     request = pb.GenerateRequest(sampling=pb.SamplingParams(
-        max_tokens=64, temperature=0, structured_outputs=pb.StructuredOutputs(regex=THINK)))
+        max_tokens=MAX_TOKENS, temperature=0, structured_outputs=pb.StructuredOutputs(regex=CONTENT)))
     request.messages.items.add(role="user", content=QUESTION[0]["content"])
     with grpc.insecure_channel(address) as channel:
         responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))

@@ -83,17 +83,22 @@ def test_no_parser_and_prompts_leave_the_text_whole(served, backend):
     assert "".join(r.text for r in responses) == whole and not any(r.reasoning for r in responses)
 
 
-def test_under_a_grammar_the_output_starts_in_content(served, backend, tmp_path):
+def test_a_grammar_holds_the_content_after_the_reasoning(served, backend, tmp_path):
+    # The prompt opens <think>: the engine's grammar lets the block through first ("open"),
+    # then holds the call's arguments; the router splits the same way.
     opened = make_router_tokenizer(tmp_path, QWEN3ISH.replace("assistant\n' }}", "assistant\n<think>\n' }}"))
     opened.reasoning_parser = "deepseek_r1"
     kept, backend.tokenizer = backend.tokenizer, opened
-    backend.pieces = ['{"city": ', '"Paris"}']
+    backend.pieces = ["Paris, so", " the city.\n</th", "ink>\n\n", '{"city": ', '"Paris"}']
     try:
         responses = generate(served[1], chat(tools=[WEATHER], tool_choice_function="get_weather"))
     finally:
         backend.tokenizer = kept
-    assert not any(r.reasoning for r in responses)
+    assert backend.requests[-1].sampling_params.structured_outputs.reasoning == "open"
+    assert "".join(r.reasoning for r in responses) == "Paris, so the city."
     assert [(c.name, c.arguments) for r in responses for c in r.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    generate(served[1], chat(tools=[WEATHER], tool_choice_function="get_weather"))  # qwen3: a block may come first
+    assert backend.requests[-1].sampling_params.structured_outputs.reasoning == "optional"
 
 
 def test_a_prompt_that_opens_think_starts_the_output_in_reasoning(served, backend, tmp_path):

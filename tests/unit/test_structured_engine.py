@@ -126,5 +126,5 @@ def test_structured_outputs_params_name_what_to_change():
         StructuredOutputsParams.from_mapping({"jsn": {}})
     so = SamplingParams(structured_outputs={"json": {"type": "object", "properties": {"b": {}, "a": {}}}})
     assert so.structured_outputs.json == '{"type":"object","properties":{"b":{},"a":{}}}'  # key order kept
-    assert StructuredOutputsParams(choice=["x", "y"]).cache_key == ("choice", '["x", "y"]', None)
+    assert StructuredOutputsParams(choice=["x", "y"]).cache_key == ("choice", '["x", "y"]', None, None)
     assert hash(so) == hash(SamplingParams(structured_outputs=so.structured_outputs))

@@ -20,6 +20,14 @@ What each kind compiles to (``cluster/shared/structured.py``):
                     [{begin, schema, end}], "triggers": [...]}) or xgrammar's
                     own ({"type": "structural_tag", "format": {...}})
 
+With ``reasoning`` set (a reasoning model's think block first), the
+constraint above is compiled as a ``Grammar`` and concatenated after the
+block, as xgrammar's own reasoning structural tags build it: a ``tag``
+(begin ``<think>``, or nothing when the prompt opened the block; any text; end
+``</think>``), ``optional`` for "optional", then at most ``REASONING_GAP``
+whitespace characters. An xgrammar structural tag keeps its own format and
+gets the block as the first element of a ``sequence``.
+
 A schema keyword xgrammar does not enforce is refused before compiling
 (``cluster/shared/schema_check.py``), never dropped silently.
 
@@ -45,7 +53,7 @@ import torch
 
 from cluster.shared.config import StructuredOutputsConfig
 from cluster.shared.schema_check import unsupported_schema_features
-from cluster.shared.structured import StructuredOutputsParams
+from cluster.shared.structured import REASONING_GAP, THINK_TAGS, StructuredOutputsParams
 from workers.engine.structured import timeout_message
 
 logger = logging.getLogger(__name__)
@@ -194,7 +202,9 @@ class XGrammarBackend:
         kind = params.kind
         started = time.perf_counter()
         try:
-            if kind == "json":
+            if params.reasoning is not None:
+                compiled = _compile_after_reasoning(compiler, params)
+            elif kind == "json":
                 schema = params.schema()
                 _check_schema_features(schema)
                 compiled = compiler.compile_json_schema(json.dumps(exact_formats(schema)), strict_mode=True,
@@ -317,3 +327,46 @@ def _check_schema_features(schema: Any, field: str = "structured_outputs.json") 
     if problems:
         raise ValueError(f"{field} uses {', '.join(problems)}, which structured outputs cannot enforce: remove it "
                          "from the schema")
+
+
+def reasoning_format(mode: str) -> dict:
+    """xgrammar's structural-tag format of the think block before a constraint
+    (``StructuredOutputsParams.reasoning``: "optional" or "open")."""
+    begin, end = THINK_TAGS
+    block = {"type": "sequence", "elements": [
+        {"type": "tag", "begin": begin if mode == "optional" else "", "content": {"type": "any_text"}, "end": end},
+        {"type": "regex", "pattern": f"[ \\t\\r\\n]{{0,{REASONING_GAP}}}"},
+    ]}
+    return {"type": "optional", "content": block} if mode == "optional" else block
+
+
+def _compile_after_reasoning(compiler: Any, params: StructuredOutputsParams) -> Any:
+    """The compiled grammar of ``params`` after its think block."""
+    import xgrammar
+
+    prefix = reasoning_format(params.reasoning or "")
+    kind = params.kind
+    if kind == "structural_tag":
+        tag = json.loads(params.structural_tag)
+        if "structures" not in tag:  # xgrammar's own: one format, the block first
+            return compiler.compile_structural_tag(
+                {**tag, "format": {"type": "sequence", "elements": [prefix, tag["format"]]}})
+        items = []
+        for s in tag["structures"]:
+            schema = s.get("schema", {})
+            _check_schema_features(schema, "structured_outputs.structural_tag")
+            items.append(xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(exact_formats(schema)),
+                                                    end=s["end"]))
+        content = xgrammar.Grammar.from_structural_tag(items, list(tag.get("triggers", ())))
+    elif kind in ("json", "json_object"):
+        schema = params.schema() if kind == "json" else {"type": "object"}
+        _check_schema_features(schema)
+        content = xgrammar.Grammar.from_json_schema(json.dumps(exact_formats(schema)), strict_mode=True,
+                                                    **_json_kwargs(params))
+    elif kind == "regex":
+        content = xgrammar.Grammar.from_regex(params.regex)
+    else:
+        content = xgrammar.Grammar.from_ebnf(_choice_grammar(params.choice or ()) if kind == "choice"
+                                            else params.grammar)
+    block = xgrammar.Grammar.from_structural_tag({"type": "structural_tag", "format": prefix})
+    return compiler.compile_grammar(xgrammar.Grammar.concat(block, content))

@@ -112,18 +112,35 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(api, fake):
     assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
 
 
-def test_under_a_grammar_the_output_starts_in_content(api, fake):
-    # deepseek_r1 starts in reasoning, but a JSON grammar holds the output from its first token.
+def test_a_grammar_holds_the_content_after_the_reasoning(api, fake):
+    # deepseek_r1 starts in reasoning: the engine's grammar lets the block through before the JSON.
     fake.tokenizer.reasoning_parser = "deepseek_r1"
-    fake.script = ['{"a": ', '1}']
+    fake.script = ["Some", " JSON.</think>", "\n\n", '{"a": ', '1}']
     message = api.chat.completions.create(model=MODEL, messages=HI,
                                           response_format={"type": "json_object"}).choices[0].message
-    assert message.content == '{"a": 1}' and message.model_extra["reasoning"] is None
-    # A grammar that writes the think block itself is split.
+    assert (message.model_extra["reasoning"], message.content) == ("Some JSON.", '{"a": 1}')
+    assert fake.requests[-1].sampling_params.structured_outputs.reasoning == "open"
+    # qwen3: a whole block may come first, or none; the Responses API's text.format too.
+    fake.tokenizer.reasoning_parser = "qwen3"
     fake.script = ["<think>", "short</think>", "yes"]
     message = api.chat.completions.create(model=MODEL, messages=HI, extra_body={
-        "structured_outputs": {"regex": "<think>[a-z]+</think>[a-z]+"}}).choices[0].message
+        "structured_outputs": {"choice": ["yes", "no"]}}).choices[0].message
     assert (message.model_extra["reasoning"], message.content) == ("short", "yes")
+    assert fake.requests[-1].sampling_params.structured_outputs.reasoning == "optional"
+    api.responses.create(model=MODEL, input="hi", text={"format": {"type": "json_object"}})
+    assert fake.requests[-1].sampling_params.structured_outputs.reasoning == "optional"
+    # Tool constraints too (tool_choice required).
+    fake.script = ["<think>", "call it</think>", CALL]
+    choice = api.chat.completions.create(model=MODEL, messages=HI, tools=[WEATHER], tool_choice="required").choices[0]
+    assert fake.requests[-1].sampling_params.structured_outputs.reasoning == "optional"
+    assert choice.message.model_extra["reasoning"] == "call it"
+    # A prompt that closed the block (enable_thinking false): the grammar holds from the first token.
+    api.chat.completions.create(model=MODEL, messages=HI, response_format={"type": "json_object"},
+                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert fake.requests[-1].sampling_params.structured_outputs.reasoning is None
+    fake.tokenizer.reasoning_parser = "none"
+    api.chat.completions.create(model=MODEL, messages=HI, response_format={"type": "json_object"})
+    assert fake.requests[-1].sampling_params.structured_outputs.reasoning is None
 
 
 def test_chat_template_kwargs_reach_the_template(api, fake):
