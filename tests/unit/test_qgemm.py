@@ -62,7 +62,7 @@ def test_quantized_gemm_rows_do_not_depend_on_their_batch(bits, group, n, k, min
 
 def test_quantized_weight_rejects_what_it_cannot_hold():
     lib = qgemm.load()
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match="bits must be 4, 5 or 8"):
         qgemm.QuantWeight(np.zeros((4, 8), np.uint8), np.ones((4, 1), np.float32), None, 3, 8, None, lib)
     with pytest.raises(ValueError, match="0..15"):
         qgemm.QuantWeight(np.full((4, 8), 16, np.uint8), np.ones((4, 1), np.float32), None, 4, 8, None, lib)

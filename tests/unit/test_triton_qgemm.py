@@ -38,14 +38,14 @@ def test_triton_quantized_gemm_matches_float64(kind, n, k):
     torch.testing.assert_close(weight.matmul(x), ref.float(), atol=1e-4, rtol=1e-4)
 
 
-def test_gguf_q4_1_and_q8_0_blocks_run_through_it():
+def test_gguf_q4_1_q5_0_and_q8_0_blocks_run_through_it():
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
     from workers.model.quant.gguf_blocks import decode
 
     rng = np.random.default_rng(1)
-    for name in ("Q4_1", "Q8_0"):
+    for name in ("Q4_1", "Q5_0", "Q8_0"):  # Q5_0's 5-bit values travel as 8-bit ones
         raw = quants.quantize(rng.standard_normal((20, 64)).astype(np.float32), getattr(T, name))
         decoded = decode(raw, name, (20, 64))
         x = torch.randn(3, 64)

@@ -9,7 +9,9 @@ One kernel serves every weight-only format (``workers/model/quant/``):
     GGUF Q4_1       4-bit, 0..15            32      m
     GGUF Q8_0       8-bit, -128..127        32      none
     GGUF Q4_K       4-bit, 0..15            32      -dmin * m   (scale d * sc)
-    GGUF Q5_K       5-bit in 8, 0..31       32      -dmin * m
+    GGUF Q5_0       5-bit, 0..31            32      -16 * d
+    GGUF Q5_1       5-bit, 0..31            32      m
+    GGUF Q5_K       5-bit, 0..31            32      -dmin * m
     GGUF Q6_K       6-bit in 8, -32..31     16      none        (scale d * sc)
     int4 (ours)     4-bit, 0..15            32/64/128  asymmetric
     int8 (ours)     8-bit, -127..127        the row  none
@@ -20,6 +22,9 @@ with AVX2)::
     4-bit  bytes [K / 2][NR]: byte (kk, c) holds q[2kk][c] (low nibble) and
            q[2kk + 1][c] (high nibble), so one load gives two inputs' q of
            every column, unpacked along the vector
+    5-bit  the 4-bit layout of the low four bits, then bytes [K / 8][NR] of
+           fifth bits: bit i of byte (j, c) is bit 4 of q[8j + i][c]
+           (0.625 bytes per weight; groups and K multiples of 8)
     8-bit  int8  [K][NR]
     scales float [K / group][NR], mins float [K / group][NR] or none
 
@@ -35,7 +40,7 @@ per-row group sums of x are computed once per row, in order): batch-invariant
 like the float GEMM. It is not the float GEMM on dequantized weights (that
 sums ``x * (scale * q + min)`` term by term): results agree to float rounding
 (``tests/unit/test_qgemm.py``). Per weight it costs one int-to-float
-conversion and one FMA per row, on 4 or 8 bits read from memory instead of 32.
+conversion and one FMA per row, on 4, 5 or 8 bits read from memory instead of 32.
 
 From 16 rows (prefill, large decode batches) each panel's q is first decoded
 to floats once (exact small integers, K x NR floats, in L2) and the rows run
@@ -72,10 +77,10 @@ class QuantWeight:
     """A group-quantized weight ``[N, K]`` packed for :func:`qgemm_f32`.
 
     Args:
-        q: ``[N, K]`` integers (uint8 0..15 for ``bits`` 4; int8 for 8).
+        q: ``[N, K]`` integers (0..15 for ``bits`` 4, 0..31 for 5; int8 for 8).
         scales: ``[N, K / group_size]`` float32.
         mins: ``[N, K / group_size]`` float32, or None.
-        bits: 4 or 8.
+        bits: 4, 5 or 8.
         group_size: Inputs per group (even); the last group of a row may be
             shorter (K = 576 with groups of 128: four of 128, one of 64).
         bias: ``[N]`` float32 or None.
@@ -86,23 +91,29 @@ class QuantWeight:
     def __init__(self, q: np.ndarray, scales: np.ndarray, mins: Optional[np.ndarray], bits: int, group_size: int,
                  bias: Optional[torch.Tensor], lib: ctypes.CDLL, name: str = "") -> None:
         n, k = q.shape
-        if bits not in (4, 8) or group_size % 2 or k % 2:
-            raise ValueError(f"quantized weight of {n}x{k}: bits must be 4 or 8, the group size ({group_size}) "
-                             f"and the input size even")
-        if bits == 4 and (q.min() < 0 or q.max() > 15):
-            raise ValueError("4-bit weights must hold values 0..15")
+        step = 8 if bits == 5 else 2  # 5-bit: a byte of fifth bits covers 8 inputs
+        if bits not in (4, 5, 8) or group_size % step or k % step:
+            raise ValueError(f"quantized weight of {n}x{k}: bits must be 4, 5 or 8, the group size ({group_size}) "
+                             f"and the input size multiples of {step}")
+        top = (1 << bits) - 1
+        if bits != 8 and (q.min() < 0 or q.max() > top):
+            raise ValueError(f"{bits}-bit weights must hold values 0..{top}")
         self.lib, self.bits, self.group_size, self.name = lib, bits, group_size, name
         self.out_features, self.in_features = n, k
         nr = lib.qgemm_panel_width()
         num_panels = -(-n // nr)
         rows = num_panels * nr
         groups = -(-k // group_size)  # the last group may be shorter
-        qpad = np.zeros((rows, k), dtype=np.uint8 if bits == 4 else np.int8)
+        qpad = np.zeros((rows, k), dtype=np.int8 if bits == 8 else np.uint8)
         qpad[:n] = q
         panel_q = qpad.reshape(num_panels, nr, k).transpose(0, 2, 1)  # [P, K, NR]
-        if bits == 4:
-            panel_q = panel_q.astype(np.uint8)
-            panel_q = panel_q[:, 0::2, :] | (panel_q[:, 1::2, :] << 4)  # [P, K/2, NR]
+        if bits in (4, 5):
+            low = panel_q & np.uint8(15)
+            packed = low[:, 0::2, :] | (low[:, 1::2, :] << 4)  # [P, K/2, NR]
+            if bits == 5:  # then the fifth bits, 8 inputs a byte: [P, K/2 + K/8, NR]
+                fifth = (panel_q >> 4).reshape(num_panels, k // 8, 8, nr) << np.arange(8, dtype=np.uint8)[:, None]
+                packed = np.concatenate([packed, np.bitwise_or.reduce(fifth, axis=2).astype(np.uint8)], axis=1)
+            panel_q = packed
         self.q = torch.from_numpy(np.ascontiguousarray(panel_q).view(np.uint8))
         self.scales = self._panels(scales, num_panels, nr, groups)
         self.mins = self._panels(mins, num_panels, nr, groups) if mins is not None else None
@@ -127,9 +138,14 @@ class QuantWeight:
         """Rows ``scale * q + min`` of ``ids`` as float32 ``[len(ids), K]`` (an embedding's lookup)."""
         nr, k, gs = self.lib.qgemm_panel_width(), self.in_features, self.group_size
         panel, col = ids // nr, ids % nr
-        if self.bits == 4:
-            packed = self.q.view(-1, k // 2, nr)[panel, :, col]  # [T, K/2]
-            q = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(len(ids), k).float()
+        if self.bits in (4, 5):
+            data = self.q.view(-1, k // 2 + (k // 8 if self.bits == 5 else 0), nr)[panel, :, col]  # [T, bytes]
+            packed = data[:, : k // 2]
+            q = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(len(ids), k)
+            if self.bits == 5:
+                bit = torch.arange(8, dtype=torch.uint8)
+                q = q | (((data[:, k // 2 :, None] >> bit) & 1) << 4).reshape(len(ids), k)
+            q = q.float()
         else:
             q = self.q.view(torch.int8).view(-1, k, nr)[panel, :, col].float()
         groups = -(-k // gs)

@@ -24,6 +24,26 @@ typedef __m512 vec;
     hi0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(h_)));          \
     hi1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h_, 1)));     \
 } while (0)
+/* 5-bit: the 4-bit nibbles as LOAD_U4, plus bit 4 of inputs 2kk and 2kk+1 from NR bytes of high
+   bits at ph: bit sh of each byte (sh = 2kk mod 8) for input 2kk, bit sh+1 for input 2kk+1. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ADD_FIFTH(v, hb, bit) _mm256_mask_add_epi8(v, _mm256_test_epi8_mask(hb, _mm256_set1_epi8((char)(1 << (bit)))), \
+                                                   v, _mm256_set1_epi8(16))
+#else
+#define ADD_FIFTH(v, hb, bit) _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb,              \
+    _mm256_set1_epi8((char)(1 << (bit)))), _mm256_set1_epi8((char)(1 << (bit)))), _mm256_set1_epi8(16)))
+#endif
+#define LOAD_U5(p, ph, sh, lo0, lo1, hi0, hi1) do {                                      \
+    const __m256i b_ = _mm256_loadu_si256((const __m256i*)(p));                          \
+    const __m256i hb_ = _mm256_loadu_si256((const __m256i*)(ph));                        \
+    const __m256i m_ = _mm256_set1_epi8(0x0F);                                           \
+    const __m256i l_ = ADD_FIFTH(_mm256_and_si256(b_, m_), hb_, sh);                     \
+    const __m256i h_ = ADD_FIFTH(_mm256_and_si256(_mm256_srli_epi16(b_, 4), m_), hb_, (sh) + 1); \
+    lo0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(l_)));          \
+    lo1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(l_, 1)));     \
+    hi0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(h_)));          \
+    hi1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h_, 1)));     \
+} while (0)
 #define LOAD_S8(p, w0, w1) do {                                                          \
     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))));        \
     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((p) + 16))));  \
@@ -43,6 +63,22 @@ typedef __m256 vec;
     const __m128i m_ = _mm_set1_epi8(0x0F);                                              \
     const __m128i l_ = _mm_and_si128(b_, m_);                                            \
     const __m128i h_ = _mm_and_si128(_mm_srli_epi16(b_, 4), m_);                         \
+    lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l_));                                  \
+    lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l_, 8)));               \
+    hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h_));                                  \
+    hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h_, 8)));               \
+} while (0)
+/* bit `bit` of each byte of hb moved to bit 4 (16-bit shifts: what crosses a byte is masked off) */
+static inline __m128i fifth_bit(__m128i hb, int bit) {
+    const __m128i t = bit <= 4 ? _mm_slli_epi16(hb, 4 - bit) : _mm_srli_epi16(hb, bit - 4);
+    return _mm_and_si128(t, _mm_set1_epi8(16));
+}
+#define LOAD_U5(p, ph, sh, lo0, lo1, hi0, hi1) do {                                      \
+    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
+    const __m128i hb_ = _mm_loadu_si128((const __m128i*)(ph));                           \
+    const __m128i m_ = _mm_set1_epi8(0x0F);                                              \
+    const __m128i l_ = _mm_or_si128(_mm_and_si128(b_, m_), fifth_bit(hb_, sh));          \
+    const __m128i h_ = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b_, 4), m_), fifth_bit(hb_, (sh) + 1)); \
     lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l_));                                  \
     lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l_, 8)));               \
     hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h_));                                  \
@@ -80,6 +116,21 @@ static void qukr_##R(const float* x, long ldx, const float* xs, long G,         
             for (long kk = 0; kk < len / 2; ++kk) {                                         \
                 vec l0, l1, h0, h1;                                                         \
                 LOAD_U4(qp + kk * NR, l0, l1, h0, h1);                                      \
+                for (int r = 0; r < R; ++r) {                                               \
+                    const vec xa = VSET1(x[r * ldx + k0 + 2 * kk]);                         \
+                    ga[r][0] = VFMA(l0, xa, ga[r][0]); ga[r][1] = VFMA(l1, xa, ga[r][1]);   \
+                    const vec xb = VSET1(x[r * ldx + k0 + 2 * kk + 1]);                     \
+                    ga[r][0] = VFMA(h0, xb, ga[r][0]); ga[r][1] = VFMA(h1, xb, ga[r][1]);   \
+                }                                                                           \
+            }                                                                               \
+        } else if (bits == 5) {  /* nibbles [K/2][NR], then high bits [K/8][NR]; len % 8 == 0 */ \
+            const unsigned char* qp = q + (k0 / 2) * NR;                                    \
+            const unsigned char* hp = q + (K / 2 + k0 / 8) * NR;                            \
+            for (long j = 0; j < len / 8; ++j)                                              \
+            for (int s = 0; s < 4; ++s) {  /* a constant trip count: unrolled, constant masks */ \
+                const long kk = 4 * j + s;                                                  \
+                vec l0, l1, h0, h1;                                                         \
+                LOAD_U5(qp + kk * NR, hp + j * NR, 2 * s, l0, l1, h0, h1);                  \
                 for (int r = 0; r < R; ++r) {                                               \
                     const vec xa = VSET1(x[r * ldx + k0 + 2 * kk]);                         \
                     ga[r][0] = VFMA(l0, xa, ga[r][0]); ga[r][1] = VFMA(l1, xa, ga[r][1]);   \
@@ -139,13 +190,20 @@ static const qukr_fn QUKRS[MRQ + 1] = {
 #endif
 };
 
-/* A panel's q as exact small-integer floats, [K][NR] (4-bit: inputs 2kk and
+/* A panel's q as exact small-integer floats, [K][NR] (4- and 5-bit: inputs 2kk and
    2kk + 1 from byte row kk, as the microkernel reads them). */
 static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
     if (bits == 4) {
         for (long kk = 0; kk < K / 2; ++kk) {
             vec l0, l1, h0, h1;
             LOAD_U4(q + kk * NR, l0, l1, h0, h1);
+            VSTORE(wf + (2 * kk) * NR, l0); VSTORE(wf + (2 * kk) * NR + VL, l1);
+            VSTORE(wf + (2 * kk + 1) * NR, h0); VSTORE(wf + (2 * kk + 1) * NR + VL, h1);
+        }
+    } else if (bits == 5) {
+        for (long kk = 0; kk < K / 2; ++kk) {
+            vec l0, l1, h0, h1;
+            LOAD_U5(q + kk * NR, q + (K / 2 + kk / 4) * NR, 2 * (kk % 4), l0, l1, h0, h1);
             VSTORE(wf + (2 * kk) * NR, l0); VSTORE(wf + (2 * kk) * NR + VL, l1);
             VSTORE(wf + (2 * kk + 1) * NR, h0); VSTORE(wf + (2 * kk + 1) * NR + VL, h1);
         }
@@ -170,7 +228,7 @@ static void fukr(int R, const float* x, long ldx, const float* xs, long G, const
     for (long g = 0; g < G; ++g) {
         const long k0 = g * gs;
         const long len = k0 + gs <= K ? gs : K - k0;
-        const long k1 = k0 + (bits == 4 ? (len / 2) * 2 : len);
+        const long k1 = k0 + (bits == 8 ? len : (len / 2) * 2);
         vec ga[FR][2];
         for (int r = 0; r < FR; ++r) { ga[r][0] = VZERO(); ga[r][1] = VZERO(); }
         for (long k = k0; k < k1; ++k) {
@@ -207,7 +265,7 @@ static void fukr(int R, const float* x, long ldx, const float* xs, long G, const
 }
 
 /* y[M, ldy] = x[M, ldx] @ W.T (+ bias) for a quantized W (module doc).
-   q: panels, each K * bits / 8 * NR bytes; scales / mins: panels of ceil(K / gs) * NR
+   q: panels, each K * bits / 8 * NR bytes (5-bit: K / 2 * NR of nibbles, then K / 8 * NR of high bits); scales / mins: panels of ceil(K / gs) * NR
    floats (mins NULL: none); bias: NULL or ceil(N / NR) * NR floats. */
 void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
                const float* mins, int bits, long gs, long N, const float* bias, float* y, long ldy) {

@@ -8,12 +8,18 @@ dequantizes to exactly gguf's value (``tests/unit/test_gguf_blocks.py``)::
     Q8_0   [d f16][32 x int8]                       q = x,        scale d
     Q4_0   [d f16][16 bytes: 32 nibbles]            q = nibble,   scale d,     min -8d (exact)
     Q4_1   [d f16][m f16][16 bytes]                 q = nibble,   scale d,     min m
+    Q5_0   [d f16][qh 4 B: 32 fifth bits][16 B]     q = 0..31,    scale d,     min -16d (exact)
+    Q5_1   [d f16][m f16][qh 4 B][16 B]             q = 0..31,    scale d,     min m
     Q4_K   [d][dmin][12 bytes 6-bit sc, m][128 B]   q = nibble,   scale d*sc,  min -(dmin*m), 8 groups of 32
     Q5_K   as Q4_K, plus 32 bytes of 5th bits       q = 0..31,    scale d*sc,  min -(dmin*m)
     Q6_K   [128 B low 4][64 B high 2][16 x int8 sc][d]  q = -32..31, scale d*sc, 16 groups of 16
 
 Nibble order inside a block follows gguf: the low nibbles of the packed bytes
-are the first elements, the high nibbles the next ones.
+are the first elements, the high nibbles the next ones. Q5_0 / Q5_1 keep bit 4
+of element i in bit i of the little-endian ``qh``. Q4_0 and Q5_0 are signed
+(``d * (q - 8)``, ``d * (q - 16)``): as ``d * q + min`` each product and the
+sum are exact in float32 (an f16 ``d`` times at most 5 bits), so the same
+value.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ QK_K = 256
 class DecodedWeight:
     """A GGUF tensor as ``scale * q + min`` per group (rows = output features)."""
 
-    q: np.ndarray  # [N, K] uint8 (bits 4) or int8 (bits 8)
+    q: np.ndarray  # [N, K] uint8 (bits 4: 0..15, bits 5: 0..31) or int8 (bits 8)
     scales: np.ndarray  # [N, ceil(K / group_size)] float32
     mins: Optional[np.ndarray]  # [N, ceil(K / group_size)] float32 or None
     bits: int
@@ -133,8 +139,27 @@ def _q5_k(b: np.ndarray, n: int, k: int) -> DecodedWeight:
     qh = b[:, 16:48]
     low = _nibbles(b[:, 48:], 64).reshape(-1, 8, 32)
     high = ((qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1))
-    q = (low | (high << np.uint8(4))).astype(np.int8).reshape(n, k)
-    return DecodedWeight(q, scale.reshape(n, k // 32), minimum.reshape(n, k // 32), 8, 32, "q5_k")
+    q = (low | (high << np.uint8(4))).reshape(n, k)
+    return DecodedWeight(q, scale.reshape(n, k // 32), minimum.reshape(n, k // 32), 5, 32, "q5_k")
+
+
+def _fifth_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 values 0..31 per block of 32: nibbles, plus bit i of ``qh`` as bit 4 of element i."""
+    low = _nibbles(qs, 32)
+    high = (np.ascontiguousarray(qh).view("<u4") >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
+    return low | (high.astype(np.uint8) << np.uint8(4))
+
+
+def _q5_0(b: np.ndarray, n: int, k: int) -> DecodedWeight:
+    d = _f16(b[:, :2]).reshape(n, k // 32)
+    q = _fifth_bits(b[:, 2:6], b[:, 6:]).reshape(n, k)
+    return DecodedWeight(q, d, (d * np.float32(-16)).astype(np.float32), 5, 32, "q5_0")
+
+
+def _q5_1(b: np.ndarray, n: int, k: int) -> DecodedWeight:
+    d, m = _f16(b[:, :2]).reshape(n, k // 32), _f16(b[:, 2:4]).reshape(n, k // 32)
+    q = _fifth_bits(b[:, 4:8], b[:, 8:]).reshape(n, k)
+    return DecodedWeight(q, d, m, 5, 32, "q5_1")
 
 
 def _q6_k(b: np.ndarray, n: int, k: int) -> DecodedWeight:
@@ -149,5 +174,6 @@ def _q6_k(b: np.ndarray, n: int, k: int) -> DecodedWeight:
     return DecodedWeight(q.reshape(n, k), scale.reshape(n, k // 16), None, 8, 16, "q6_k")
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+             "Q5_K": _q5_k, "Q6_K": _q6_k}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}

@@ -1,8 +1,8 @@
 """Quantization of a loaded model's linear layers (``quantization=``):
 
-    gguf   the GGUF file's own quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-           Q6_K), decoded exactly (``gguf_blocks.py``); the tied embedding and
-           LM head too, as the file has them
+    gguf   the GGUF file's own quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+           Q4_K, Q5_K, Q6_K), decoded exactly (``gguf_blocks.py``); the tied
+           embedding and LM head too, as the file has them
     int8   symmetric per output channel: q = round(w / s), s = max|w| / 127
     int4   asymmetric per group of ``quantization_group_size`` inputs (32, the
            default, 64 or 128). Groups of 32 take Q4_1's grid:
@@ -355,7 +355,8 @@ def _gguf_plan(model: Any, gguf_path: Path) -> list[tuple[Any, DecodedWeight]]:
 
 def _stack(parts: list[Optional[DecodedWeight]]) -> Optional[DecodedWeight]:
     """Stacks the rows of weights of one input size into one (a fused projection);
-    differing formats meet in the widest: 8-bit values, the smallest group, zero mins.
+    differing formats meet in the widest: the most bits (4 < 5 < 8: each holds the
+    narrower ones' values), the smallest group, zero mins.
     None (the fused layer stays float) when a part is float."""
     if any(p is None for p in parts):
         return None
@@ -364,7 +365,7 @@ def _stack(parts: list[Optional[DecodedWeight]]) -> Optional[DecodedWeight]:
     with_mins = any(p.mins is not None for p in parts)
     qs, scales, mins = [], [], []
     for p in parts:
-        q = p.q if p.bits == bits else p.q.astype(np.int8)
+        q = p.q if p.bits == bits else p.q.astype(np.int8 if bits == 8 else np.uint8)
         repeat = p.group_size // group
         qs.append(q)
         scales.append(np.repeat(p.scales, repeat, axis=1))

@@ -24,6 +24,7 @@ two groups. Float32 inputs use "tf32x3" dots (about float32 accuracy).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -81,6 +82,8 @@ class TritonQuantWeight:
     def __init__(self, decoded: DecodedWeight, device: torch.device | str,
                  bias: Optional[torch.Tensor] = None) -> None:
         n, k = decoded.q.shape
+        if decoded.bits == 5:  # Q5_0 / Q5_1 / Q5_K values (0..31) travel as 8-bit ones here
+            decoded = dataclasses.replace(decoded, q=decoded.q.astype(np.int8), bits=8)
         if decoded.bits not in (4, 8) or decoded.group_size < 16 or decoded.group_size % 16:
             raise ValueError(f"the Triton kernel takes 4- or 8-bit weights in groups of a multiple of 16 inputs, "
                              f"got {decoded.bits} bits in groups of {decoded.group_size}")
