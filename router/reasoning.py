@@ -68,6 +68,43 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _OPENING, _REASONING_LEAD, _REASONING, _CONTENT_LEAD, _CONTENT = range(5)
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values
+_NO_THINKING = ("none", "minimal")
+
+
+def effort_template_kwargs(effort: str, template_source: Optional[str]) -> dict:
+    """The chat-template variables that carry OpenAI's ``reasoning_effort`` to a model.
+
+    As vLLM does, the effort itself reaches a template that reads
+    ``reasoning_effort``; a template with Qwen3's switch gets ``enable_thinking``
+    false for ``none`` / ``minimal`` and true for ``low`` / ``medium`` / ``high``
+    (it has no levels between). A template with neither can honour only what
+    the model does anyway: thinking for a template that writes think tags
+    (DeepSeek-R1 always thinks), none for one that does not.
+
+    Raises:
+        ValueError: An unknown effort, or one this model cannot honour.
+    """
+    if effort not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    source = template_source or ""
+    kwargs: dict = {}
+    if "reasoning_effort" in source:
+        kwargs["reasoning_effort"] = effort
+    if "enable_thinking" in source:
+        kwargs["enable_thinking"] = effort not in _NO_THINKING
+    if kwargs:
+        return kwargs
+    thinks = resolve_reasoning_parser("auto", source) is not None
+    if thinks != (effort in _NO_THINKING):
+        return {}
+    if thinks:
+        raise ValueError(f"reasoning_effort {effort!r} cannot be honoured: this model always thinks (its chat "
+                         "template has no switch to turn thinking off); use low, medium or high, or leave it unset")
+    raise ValueError(f"reasoning_effort {effort!r} cannot be honoured: this model does not reason (its chat "
+                     "template writes no think block); use none, or leave it unset")
+
+
 def resolve_reasoning_parser(name: Optional[str], template_source: Optional[str]) -> Optional[str]:
     """The parser a router setting means for this model (None: no reasoning split).
 

@@ -183,7 +183,7 @@ def _chat_prompt(body: dict, tokenizer: RouterTokenizer, limits: Limits,
         raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     limits.check_messages(len(messages), "messages")
     plain = [_chat_message(msg, i) for i, msg in enumerate(messages)]
-    extra = template_kwargs(body)
+    extra = template_kwargs(body, tokenizer.chat_template.source if tokenizer.chat_template else None)
     try:
         text = tokenizer.render_chat_text(plain, tools=tools.prompt_tools() if tools else None, template_kwargs=extra)
     except ValueError as exc:

@@ -6,10 +6,12 @@ are 400s naming the field and the value allowed."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from router.limits import Limits
 from router.openai.errors import bad_request, is_ids, number
+from router.reasoning import effort_template_kwargs
 
 
 def choice_fields(body: dict, chat: bool, limits: Limits) -> dict[str, Any]:
@@ -82,13 +84,25 @@ def processor_fields(body: dict, vocab_size: Optional[int]) -> dict[str, Any]:
     return out
 
 
-def template_kwargs(body: dict) -> Optional[dict[str, Any]]:
+def template_kwargs(body: dict, template_source: Optional[str] = None) -> Optional[dict[str, Any]]:
     """vLLM's ``chat_template_kwargs``: more variables for the chat template
-    (e.g. ``{"enable_thinking": false}`` for Qwen3); None when unset."""
+    (e.g. ``{"enable_thinking": false}`` for Qwen3), with those OpenAI's
+    ``reasoning_effort`` sets (``router.reasoning.effort_template_kwargs``);
+    None when neither is set. A variable both set differently is a 400."""
     value = body.get("chat_template_kwargs")
-    if value is None:
-        return None
-    if not isinstance(value, dict):
+    if value is not None and not isinstance(value, dict):
         raise bad_request("chat_template_kwargs must be an object of template variables, e.g. "
                           "{'enable_thinking': false}", "chat_template_kwargs")
-    return value
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return value
+    try:
+        implied = effort_template_kwargs(effort, template_source)
+    except ValueError as exc:
+        raise bad_request(str(exc), "reasoning_effort") from None
+    for name, wanted in implied.items():
+        if name in (value or {}) and value[name] != wanted:
+            raise bad_request(f"reasoning_effort {effort!r} sets the template's {name} to {json.dumps(wanted)}, but "
+                              f"chat_template_kwargs sets it to {json.dumps(value[name])}: send one of them",
+                              "reasoning_effort")
+    return {**implied, **(value or {})}

@@ -138,7 +138,7 @@ class ResponsesAPI:
         except (APIError, StoreUnavailable, PermissionError, ValueError, RuntimeError, LookupError) as err:
             if admission is not None:
                 admission.release()
-            return error_response(self._api_error(err))
+            return error_response(conv.responses_names(self._api_error(err)))
         stream = self.server._open(backend, parsed)
         if admission is not None:
             stream = admission.meter(stream)
@@ -193,6 +193,7 @@ class ResponsesAPI:
             "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "text": {"format": text_format},
             "truncation": "disabled", "user": body.get("user"), "background": bool(body.get("background")),
+            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
         }
 
     async def _collect(self, parsed: Any, stream: AsyncIterator[StreamChunk]) -> _Outcome:

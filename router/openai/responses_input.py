@@ -19,7 +19,9 @@ for token (its KV is in some replica's prefix cache).
 
 A field we do not honour is a 400 naming it: built-in tools (web search,
 file search, code interpreter, computer use, MCP), ``background`` with
-``stream`` or without ``store``, ``reasoning``, ``include``, images and files in the input, ``truncation: auto``.
+``stream`` or without ``store``, ``reasoning.summary``, ``include``, images and files in the input,
+``truncation: auto``. ``reasoning.effort`` becomes chat's ``reasoning_effort``
+(``router.reasoning.effort_template_kwargs``: Qwen3's ``enable_thinking``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ KNOWN_FIELDS = {
     "truncation", "background", "reasoning", "include", "service_tier", "stream_options",
 }
 _UNSUPPORTED_WHEN_SET = {
-    "reasoning": "reasoning options are not supported yet: leave reasoning unset",
     "include": "include is not supported: leave it unset",
 }
 MAX_METADATA_KEYS = 16
@@ -78,6 +79,14 @@ def check_create(body: Any) -> dict:
     if body.get("background") and body.get("stream"):
         raise bad_request("streaming a background response is not supported: poll it with GET "
                           "/v1/responses/{id}, or leave background unset", "stream")
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+            raise bad_request("reasoning must be an object like {\"effort\": \"low\"}", "reasoning")
+        for name in ("summary", "generate_summary"):
+            if reasoning.get(name) is not None:
+                raise bad_request(f"reasoning.{name} is not supported (the reasoning is returned whole, not "
+                                  "summarized): leave it unset", "reasoning")
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS
                                  or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
@@ -215,10 +224,26 @@ def chat_body(body: dict, history: list[dict], messages: list[dict]) -> dict:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
     return chat
+
+
+# Chat fields a create request sets under another name: a 400 the chat path raises names the Responses field.
+_RESPONSES_NAMES = {"reasoning_effort": "reasoning.effort", "max_completion_tokens": "max_output_tokens"}
+
+
+def responses_names(err: APIError) -> APIError:
+    """``err`` of the chat path as the Responses API names its fields."""
+    name = _RESPONSES_NAMES.get(err.param or "")
+    if name is None:
+        return err
+    return APIError(err.status, err.message.replace(err.param or "", name), name.split(".")[0], err.type, err.code,
+                    err.headers)
 
 
 def not_found(response_id: str) -> APIError:

@@ -3,7 +3,8 @@ streamed in chunks that split the tags at every position."""
 
 import pytest
 
-from router.reasoning import ReasoningMode, ReasoningParser, resolve_reasoning_parser, split_pieces, split_reasoning
+from router.reasoning import (ReasoningMode, ReasoningParser, effort_template_kwargs, resolve_reasoning_parser,
+                              split_pieces, split_reasoning)
 
 QWEN3_THINK = ("<think>\nOkay, the user asks what 2 + 2 is. That's simple arithmetic: 4.\n</think>\n\n"
                "2 + 2 = **4**.")
@@ -120,3 +121,22 @@ def test_reasoning_tokens_are_those_up_to_the_closing_tag(parser, tail, tokens, 
     whole = split_pieces(mode, [(token, 1) for token in tokens])
     assert whole == (stream.reasoning or None, stream.content, num_reasoning)
     assert split_pieces(None, [(token, 1) for token in tokens]) == (None, "".join(tokens), 0)
+
+
+def test_reasoning_effort_becomes_the_templates_variables():
+    qwen3 = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>{% endif %}"
+    assert effort_template_kwargs("none", qwen3) == effort_template_kwargs("minimal", qwen3) == {
+        "enable_thinking": False}
+    assert effort_template_kwargs("low", qwen3) == effort_template_kwargs("high", qwen3) == {"enable_thinking": True}
+    levels = "{{ reasoning_effort }} {% if enable_thinking %}{% endif %}"
+    assert effort_template_kwargs("medium", levels) == {"reasoning_effort": "medium", "enable_thinking": True}
+    r1 = "{{'<｜Assistant｜>'}}{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+    assert effort_template_kwargs("high", r1) == {}  # it always thinks: honoured as it is
+    with pytest.raises(ValueError, match="this model always thinks"):
+        effort_template_kwargs("none", r1)
+    plain = "{{ '<|im_start|>assistant\\n' }}"
+    assert effort_template_kwargs("none", plain) == {}  # it never thinks
+    with pytest.raises(ValueError, match="this model does not reason"):
+        effort_template_kwargs("low", plain)
+    with pytest.raises(ValueError, match="reasoning_effort must be one of none, minimal, low, medium, high"):
+        effort_template_kwargs("max", qwen3)

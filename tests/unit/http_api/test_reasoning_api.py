@@ -246,3 +246,35 @@ def test_usage_without_a_think_block_or_a_parser(api, fake):
     fake.script = QWEN3
     assert api.chat.completions.create(model=MODEL, messages=HI).usage.completion_tokens_details is None
     assert api.responses.create(model=MODEL, input="hi").usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_reasoning_effort_switches_thinking(api, fake):
+    fake.script = ["Hello", "!"]
+    message = api.chat.completions.create(model=MODEL, messages=HI, reasoning_effort="none").choices[0].message
+    assert fake.requests[-1].prompt_token_ids == fake.tokenizer.render_chat(
+        HI, template_kwargs={"enable_thinking": False})  # Qwen3's switch, as vLLM sets it
+    assert message.content == "Hello!" and message.model_extra["reasoning"] is None
+    api.chat.completions.create(model=MODEL, messages=HI, reasoning_effort="high")
+    assert fake.requests[-1].prompt_token_ids == fake.tokenizer.render_chat(HI, template_kwargs={"enable_thinking": True})
+    api.chat.completions.create(model=MODEL, messages=HI, reasoning_effort="minimal",
+                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # the same: fine
+    response = api.responses.create(model=MODEL, input="hi", reasoning={"effort": "none"})
+    assert fake.requests[-1].prompt_token_ids == fake.tokenizer.render_chat(
+        HI, template_kwargs={"enable_thinking": False})
+    assert response.reasoning.effort == "none" and response.output_text == "Hello!"
+    assert [item.type for item in response.output] == ["message"]
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("chat/completions", {"messages": HI, "reasoning_effort": "max"}, "reasoning_effort", "must be one of none"),
+    ("chat/completions", {"messages": HI, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+     "reasoning_effort", "send one of them"),
+    ("responses", {"input": "hi", "reasoning": {"effort": "max"}}, "reasoning", "reasoning.effort must be one of"),
+    ("responses", {"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning",
+     "reasoning.summary is not supported"),
+])
+def test_reasoning_effort_we_cannot_honour_is_a_400(served, fake, path, body, param, words):
+    _, handle = served
+    reply = httpx.post(f"{handle.url}/{path}", timeout=20, json={"model": MODEL, **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+    assert words in reply.json()["error"]["message"] and not fake.requests

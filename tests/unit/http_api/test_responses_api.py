@@ -118,7 +118,7 @@ def test_a_streamed_call_comes_as_a_function_call_item(api, fake):
 
 @pytest.mark.parametrize("fields, message", [
     ({"tools": [{"type": "web_search"}]}, "only function tools are supported"),
-    ({"reasoning": {"effort": "low"}}, "reasoning options are not supported"),
+    ({"reasoning": {"effort": "low"}}, "this model does not reason"),  # its template writes no think block
     ({"truncation": "auto"}, "truncation 'auto' is not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
 ])
