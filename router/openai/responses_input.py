@@ -17,11 +17,11 @@ for token (its KV is in some replica's prefix cache).
     {"type": "function_call_output"}  {"role": "tool", "tool_call_id", "content"}
     {"type": "reasoning"}             dropped (the model's own reasoning is not fed back)
 
-A field we do not honour is a 400 naming it: built-in tools (web search,
-file search, code interpreter, computer use, MCP), ``background`` with
-``stream`` or without ``store``, ``reasoning.summary``, ``include``, images and files in the input,
-``truncation: auto``. ``reasoning.effort`` becomes chat's ``reasoning_effort``
-(``router.reasoning.effort_template_kwargs``: Qwen3's ``enable_thinking``).
+The request is validated once, as a whole, before any of this
+(``responses_models.py``: a field we do not honour is a 400 naming it); the
+functions here convert a valid request. ``reasoning.effort`` becomes chat's
+``reasoning_effort`` (``router.reasoning.effort_template_kwargs``: Qwen3's
+``enable_thinking``).
 """
 
 from __future__ import annotations
@@ -29,18 +29,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional
 
-from router.openai.protocol import APIError, bad_request
-
-# The fields of a create request: honoured, or refused below when set to what we cannot do.
-KNOWN_FIELDS = {
-    "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
-    "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "text", "metadata", "user",
-    "truncation", "background", "reasoning", "include", "service_tier", "stream_options",
-}
-_UNSUPPORTED_WHEN_SET = {
-    "include": "include is not supported: leave it unset",
-}
-MAX_METADATA_KEYS = 16
+from router.openai.protocol import APIError, bad_request  # noqa: F401 - bad_request: the API's, as conv.bad_request
+from router.openai.responses_models import parse_create
 
 
 def new_id(prefix: str) -> str:
@@ -49,108 +39,34 @@ def new_id(prefix: str) -> str:
 
 
 def check_create(body: Any) -> dict:
-    """The create body, checked for fields and types we honour.
+    """The create body, validated whole (``responses_models.parse_create``), as a
+    dict of the fields set (``input`` as a list of items, defaults filled in).
 
     Raises:
         APIError: 400 naming the field and what to change.
     """
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise bad_request(f"unknown or unsupported field {unknown[0]!r} for /v1/responses: remove it", unknown[0])
-    for name, message in _UNSUPPORTED_WHEN_SET.items():
-        if body.get(name):
-            raise bad_request(message, name)
-    if body.get("truncation") not in (None, "disabled"):
-        raise bad_request("truncation 'auto' is not supported: leave it unset or 'disabled' (a prompt over the "
-                          "model's length is a 400)", "truncation")
-    if "input" not in body:
-        raise bad_request("input is required: a string or a list of input items", "input")
-    for name in ("store", "stream", "parallel_tool_calls", "background"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise bad_request(f"{name} must be true or false", name)
-    for name in ("instructions", "previous_response_id", "user"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise bad_request(f"{name} must be a string", name)
-    if body.get("background") and body.get("store") is False:
-        raise bad_request("a background response is stored (it is polled by id): leave store unset or true",
-                          "store")
-    if body.get("background") and body.get("stream"):
-        raise bad_request("streaming a background response is not supported: poll it with GET "
-                          "/v1/responses/{id}, or leave background unset", "stream")
-    reasoning = body.get("reasoning")
-    if reasoning is not None:
-        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
-            raise bad_request("reasoning must be an object like {\"effort\": \"low\"}", "reasoning")
-        for name in ("summary", "generate_summary"):
-            if reasoning.get(name) is not None:
-                raise bad_request(f"reasoning.{name} is not supported (the reasoning is returned whole, not "
-                                  "summarized): leave it unset", "reasoning")
-    metadata = body.get("metadata")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS
-                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise bad_request(f"metadata must be an object of at most {MAX_METADATA_KEYS} string keys and values",
-                          "metadata")
-    return body
+    return parse_create(body).model_dump(exclude_none=True, by_alias=True)
 
 
-def input_items(raw: Any) -> list[dict]:
-    """The request's input as a list of items, each with an ``id``.
-
-    Raises:
-        APIError: 400 for an input that is neither a string nor a list of items.
-    """
-    if isinstance(raw, str):
-        return [{"type": "message", "id": new_id("msg"), "role": "user",
-                 "content": [{"type": "input_text", "text": raw}]}]
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("input must be a string or a non-empty list of input items", "input")
-    items = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise bad_request(f"input[{i}] must be an object (an input item)", "input")
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind not in ("message", "function_call", "function_call_output", "reasoning"):
-            raise bad_request(f"input[{i}] has type {kind!r}: supported items are message, function_call, "
-                              "function_call_output (and reasoning, which is dropped)", "input")
-        items.append({**item, "type": kind, "id": item.get("id") or new_id("fc" if kind == "function_call" else "msg")})
-    return items
+def input_items(items: list[dict]) -> list[dict]:
+    """The validated input items, each with an ``id`` (a new one where the client sent none)."""
+    return [{**item, "id": item.get("id") or new_id("fc" if item["type"] == "function_call" else "msg")}
+            for item in items]
 
 
-def _text_of(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"input[{i}].content must be a string or a list of content parts", "input")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise bad_request(f"input[{i}].content has a part of type {kind!r}: only text parts (input_text, "
-                              "output_text) are supported", "input")
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
+def _text_of(content: Any) -> str:
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
 def chat_messages(items: list[dict]) -> list[dict]:
     """Input items -> chat messages (see the module doc)."""
     messages: list[dict] = []
-    for i, item in enumerate(items):
+    for item in items:
         kind = item["type"]
-        if kind == "reasoning":
-            continue
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"input[{i}].role must be user, system, developer or assistant, got {role!r}",
-                                  "input")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content", ""), i)})
+            role = item["role"]
+            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item["content"])})
         elif kind == "function_call":
-            for name in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(name), str):
-                    raise bad_request(f"input[{i}] (function_call) needs a string {name}", "input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -158,55 +74,30 @@ def chat_messages(items: list[dict]) -> list[dict]:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
-            if not isinstance(item.get("call_id"), str):
-                raise bad_request(f"input[{i}] (function_call_output) needs a string call_id", "input")
-            output = item.get("output", "")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else _text_of(output, i)})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item["output"])})
     return messages
 
 
-def _chat_tools(tools: Any) -> Optional[list]:
-    if tools is None:
+def _chat_tools(tools: Optional[list]) -> Optional[list]:
+    if not tools:
         return None
-    if not isinstance(tools, list):
-        raise bad_request("tools must be a list of function tools", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise bad_request(f"tools[{i}] has type {kind!r}: only function tools are supported (no built-in tools "
-                              "such as web search, file search, code interpreter, computer use or MCP)", "tools")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        out.append({"type": "function", "function": function})
-    return out
+    return [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}} for tool in tools]
 
 
 def _chat_tool_choice(choice: Any) -> Any:
-    if choice is None or isinstance(choice, str):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
-                      "tool_choice")
+    return choice
 
 
-def _response_format(text: Any) -> Optional[dict]:
-    if text is None:
+def _response_format(text: Optional[dict]) -> Optional[dict]:
+    fmt = (text or {}).get("format") or {"type": "text"}
+    if fmt["type"] == "text":
         return None
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise bad_request("text must be an object with format", "text")
-    fmt = text.get("format") or {"type": "text"}
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    if fmt["type"] == "json_object":
         return {"type": "json_object"}
-    if kind == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": schema}
-    raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
 def chat_body(body: dict, history: list[dict], messages: list[dict]) -> dict:

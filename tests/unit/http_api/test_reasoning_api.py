@@ -271,7 +271,7 @@ def test_reasoning_effort_switches_thinking(api, fake):
      "reasoning_effort", "send one of them"),
     ("responses", {"input": "hi", "reasoning": {"effort": "max"}}, "reasoning", "reasoning.effort must be one of"),
     ("responses", {"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning",
-     "reasoning.summary is not supported"),
+     "reasoning.summary: not supported"),
 ])
 def test_reasoning_effort_we_cannot_honour_is_a_400(served, fake, path, body, param, words):
     _, handle = served

@@ -119,7 +119,7 @@ def test_a_streamed_call_comes_as_a_function_call_item(api, fake):
 @pytest.mark.parametrize("fields, message", [
     ({"tools": [{"type": "web_search"}]}, "only function tools are supported"),
     ({"reasoning": {"effort": "low"}}, "this model does not reason"),  # its template writes no think block
-    ({"truncation": "auto"}, "truncation 'auto' is not supported"),
+    ({"truncation": "auto"}, "truncation: 'auto' is not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
 ])
 def test_what_we_do_not_honour_is_a_400_naming_it(api, fake, fields, message):
