@@ -38,6 +38,7 @@ from cluster.shared.contract import contract_for
 from cluster.shared.fingerprint import served_model_name
 from cluster.shared.ray_local import node_ip as ray_node_ip
 from cluster.shared.types import GenerationRequest, LoRARequest, StreamChunk
+from workers.core_share import core_share_for, forward_threads, torch_threads
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
@@ -45,38 +46,6 @@ from workers.engine.lora_slots import slots_in_use
 from workers.metrics import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
-
-
-def _torch_threads() -> int:
-    """Threads the forward computes with."""
-    import torch
-
-    return torch.get_num_threads()
-
-
-def forward_threads(config: EngineConfig, packed_replicas: int) -> Optional[int]:
-    """Torch threads of this replica's forward: ``parallel.cpu_threads``, or
-    picked from the CPUs this Ray actor reserves (``threads_per_rank``: whole
-    CPUs, or the machine's cores split over the replicas that may share it,
-    at most ``packed_replicas``). None outside a Ray actor (torch's default
-    stays). Ray alone sets ``OMP_NUM_THREADS=1`` for a fractional actor."""
-    if config.parallel.cpu_threads is not None:
-        return config.parallel.cpu_threads
-    try:
-        import ray
-
-        if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
-            return None
-        num_cpus = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
-    except Exception:  # noqa: BLE001 - not in a Ray worker
-        return None
-    if num_cpus <= 0:
-        return None
-    from workers.placement import machine_cores, threads_per_rank
-
-    cores = machine_cores()
-    sharing = min(max(1, packed_replicas), max(1, int(cores / num_cpus)))
-    return threads_per_rank(num_cpus, sharing, cores)
 
 
 def default_replica_id() -> str:
@@ -107,7 +76,8 @@ class ReplicaServer:
         packed_replicas: Most replicas of the deployment that may share one
             machine (its replica count, or autoscaling's maximum); a
             replica reserving a fraction of a CPU splits the machine's cores
-            over them for its forward (``forward_threads``).
+            over them for its forward (``forward_threads``), and each step
+            by how many of them are busy (``workers/core_share.py``).
     """
 
     def __init__(
@@ -130,8 +100,12 @@ class ReplicaServer:
         front_args: dict[str, Any] = {"after_step": self._after_step,
                                       "max_waiting_requests": config.scheduler.max_waiting_requests,
                                       "stream_interval": config.scheduler.stream_interval}
+        self._cores = None
         if engine is None:
             threads = forward_threads(config, packed_replicas)
+            self._cores = core_share_for(config, packed_replicas)
+            if self._cores is not None:
+                front_args.update(before_step=self._cores.before_step, on_idle=self._cores.idle)
             # Built on the thread that steps it: one OpenMP pool in the process (async_engine.py).
             self._front = AsyncEngine.on_own_thread(lambda: self._build(config, threads, freeze_heap), **front_args)
             engine = self._front.engine
@@ -247,7 +221,7 @@ class ReplicaServer:
                 "num_used_blocks": kv.device_pool.num_used_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions_total,
                 "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-                "pid": os.getpid(), "torch_threads": _torch_threads(),
+                "pid": os.getpid(), "torch_threads": torch_threads(),
                 "directory_resyncs": getattr(self._publisher, "num_resyncs", 0),  # a plain int: any thread
                 "loop": self._front.timing.as_dict(),
             }
@@ -289,6 +263,8 @@ class ReplicaServer:
         if getattr(self, "_publisher_thread", None) is not None:
             self._publisher_thread.join(timeout=5)
         self._front.shutdown()
+        if getattr(self, "_cores", None) is not None:
+            self._cores.close()
         parts, self._parts = self._parts, None
         if parts is not None and hasattr(parts.runner, "shutdown"):
             parts.runner.shutdown()

@@ -230,7 +230,7 @@ def test_replica_overload_survives_pickling():
 
 
 def test_retry_hint_follows_recent_completions():
-    from workers.engine.async_engine import RETRY_HINT_DEFAULT_S, RETRY_HINT_MAX_S, retry_hint
+    from workers.engine.loop_stats import RETRY_HINT_DEFAULT_S, RETRY_HINT_MAX_S, retry_hint
 
     assert retry_hint([], now=5.0) == RETRY_HINT_DEFAULT_S  # nothing to go by
     assert retry_hint([1.0], now=5.0) == RETRY_HINT_DEFAULT_S

@@ -48,6 +48,7 @@ from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
+from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, retry_hint
 from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.structured import timeout_message
 
@@ -57,57 +58,16 @@ _STOP = object()
 T = TypeVar("T")
 
 
-# Recent completions the retry hint is estimated from, and its bounds (seconds).
-RETRY_HINT_WINDOW = 32
-RETRY_HINT_DEFAULT_S = 1.0
-RETRY_HINT_MIN_S = 0.05
-RETRY_HINT_MAX_S = 30.0
-
-
-def retry_hint(finish_times: list[float], now: float) -> float:
-    """Seconds until a slot is likely to free: the mean gap between the recent
-    completions (``finish_times``, oldest first), or the time since the last
-    one when that is longer (the replica has slowed); ``RETRY_HINT_DEFAULT_S``
-    without two completions. Clamped to [RETRY_HINT_MIN_S, RETRY_HINT_MAX_S]."""
-    if len(finish_times) < 2:
-        return RETRY_HINT_DEFAULT_S
-    gap = (finish_times[-1] - finish_times[0]) / (len(finish_times) - 1)
-    gap = max(gap, now - finish_times[-1])
-    return min(max(gap, RETRY_HINT_MIN_S), RETRY_HINT_MAX_S)
-
-
-class LoopTiming:
-    """Where the engine thread's time goes, summed over its steps (read from
-    any thread; floats replaced whole): ``step_s`` in ``engine.step()``,
-    ``deliver_s`` handing outputs to the streams and the after-step hook
-    (KV events, metrics), ``gap_s`` between the end of one step's work and
-    the start of the next while requests ran (inbox, stats, waiting for the GIL)."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-        self.step_s = 0.0
-        self.deliver_s = 0.0
-        self.gap_s = 0.0
-        self._last_end: Optional[float] = None
-
-    def add(self, began: float, stepped: float, ended: float) -> None:
-        if self._last_end is not None and began - self._last_end < 1.0:  # not an idle wait
-            self.gap_s += began - self._last_end
-        self._last_end = ended
-        self.num_steps += 1
-        self.step_s += stepped - began
-        self.deliver_s += ended - stepped
-
-    def as_dict(self) -> dict[str, float]:
-        return {"num_steps": self.num_steps, "step_s": self.step_s, "deliver_s": self.deliver_s, "gap_s": self.gap_s}
-
-
 class AsyncEngine:
     """Thread-backed async front of an engine.
 
     Args:
         engine: The engine; after ``start()`` only the engine thread touches it.
         after_step: Runs on the engine thread after each step.
+        before_step: Runs on the engine thread before each step.
+        on_idle: Runs on the engine thread before it waits for work (no
+            request left); with ``before_step`` it tells a ``CoreShare``
+            when this replica is busy (``workers/core_share.py``).
         max_waiting_requests: Admission bound (see the module docstring);
             None admits everything.
         stream_interval: Tokens a stream sends per chunk after its first
@@ -116,13 +76,17 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, after_step: Optional[Callable[[], None]] = None,
-                 max_waiting_requests: Optional[int] = None, stream_interval: int = 1) -> None:
+                 max_waiting_requests: Optional[int] = None, stream_interval: int = 1,
+                 before_step: Optional[Callable[[], None]] = None,
+                 on_idle: Optional[Callable[[], None]] = None) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.stream_interval = stream_interval
         self._after_step = after_step  # runs on the engine thread after each step
+        self._before_step = before_step
+        self._on_idle = on_idle
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
@@ -296,9 +260,13 @@ class AsyncEngine:
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
+                if block and self._on_idle is not None:
+                    self._on_idle()
                 if not self._drain_inbox(block):
                     break
                 if self.engine.has_unfinished_requests():
+                    if self._before_step is not None:
+                        self._before_step()
                     began = time.perf_counter()
                     outputs = self.engine.step()
                     stepped = time.perf_counter()
