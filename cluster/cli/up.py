@@ -17,7 +17,7 @@ from cluster.cli.flags import add_engine_args, add_router_args, engine_kwargs, l
 logger = logging.getLogger("prefixserve")
 
 # `up` flags that override a top-level field of the cluster config.
-_UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url", "namespace",
+_UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url", "redis_data_dir", "namespace",
                      "max_ongoing_requests", "routing_policy", "directory_lookup", "max_replicas_per_node")
 
 
@@ -42,6 +42,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--rank-num-cpus", type=float, default=None,
                     help="CPUs reserved per tensor-parallel rank (default 0.5)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
+    up.add_argument("--redis-data-dir", default=None, metavar="DIR",
+                    help="the started redis-server keeps its keys in DIR (append-only file), so stored responses "
+                         "survive its restart (default: nothing on disk)")
     up.add_argument("--namespace", default=None, help="prefix-directory namespace (default 'default')")
     up.add_argument("--max-ongoing-requests", type=int, default=None, help="default: 256")
     up.add_argument("--routing-policy", default=None, choices=list(ROUTING_POLICIES), help="default: prefix_cost")
@@ -159,7 +162,7 @@ def _models_config(base: Any, models: list[str], top: dict[str, Any], flags: dic
     from cluster.shared.config import ClusterConfig, EngineConfig, ModelConfig
     from cluster.shared.config.models import SERVING_FIELDS
 
-    shared = {k: v for k, v in top.items() if k in ("redis_url", "namespace")}
+    shared = {k: v for k, v in top.items() if k in ("redis_url", "redis_data_dir", "namespace")}
     per_model = {k: v for k, v in top.items() if k not in shared}
     if base.multi_model and models:
         raise ValueError("the --config file lists models: already; add the models there, not with --model")
@@ -170,7 +173,7 @@ def _models_config(base: Any, models: list[str], top: dict[str, Any], flags: dic
         entries = [ModelConfig(**{**{f: getattr(base, f) for f in SERVING_FIELDS if f != "engine"}, **per_model},
                                engine=EngineConfig.from_kwargs(**{**base.engine.flat(), **flags, "model": m}))
                    for m in models]
-    return ClusterConfig(**{**{f: getattr(base, f) for f in ("redis_url", "namespace")}, **shared},
+    return ClusterConfig(**{**{f: getattr(base, f) for f in ("redis_url", "redis_data_dir", "namespace")}, **shared},
                          router=router, models=entries)
 
 

@@ -132,9 +132,11 @@ class LocalCluster:
         from cluster.launch.redis_server import RedisServer
 
         password = secrets.token_urlsafe(24) if self.ray_address is not None else None
-        self.redis = RedisServer(host=host, password=password).start()
+        data_dir = self.config.redis_data_dir
+        self.redis = RedisServer(host=host, password=password, data_dir=data_dir).start()
         self.redis_url = self.redis.url
-        logger.info("redis-server on %s:%d%s", host, self.redis.port, " (password in its URL)" if password else "")
+        logger.info("redis-server on %s:%d%s%s", host, self.redis.port, " (password in its URL)" if password else "",
+                    f", keys kept in {data_dir}" if data_dir else "")
 
     def _cpus_needed(self) -> float:
         needed = 0.0

@@ -1,8 +1,13 @@
 """A real ``redis-server`` on a loopback port, for the local launcher and tests.
 
-The server keeps nothing on disk (``--save "" --appendonly no``): the prefix
-directory is a cache of what replicas hold, and replicas rebuild it with a
-resync after a Redis restart (see docs/DIRECTORY.md). Big per-replica sets are
+By default the server keeps nothing on disk (``--save "" --appendonly no``):
+the prefix directory is a cache of what replicas hold, and replicas rebuild it
+with a resync after a Redis restart (see docs/DIRECTORY.md). With ``data_dir``
+it keeps an append-only file there (``appendfsync everysec``: a crash loses at
+most the last second; a stop loses nothing), so stored Responses API
+responses survive a restart of the server; the directory's keys come back too,
+and every replica rebuilds its own anyway after the outage (a Redis error
+marks its publisher for a resync), so none is trusted stale. Big per-replica sets are
 freed in a background thread (``lazyfree-*``) so an expiring dead replica or a
 resync never stalls lookups.
 
@@ -10,6 +15,8 @@ resync never stalls lookups.
         directory = Directory.from_url(server.url)
         ...
         server.stop(); server.start()      # same port, empty data: a Redis restart
+
+    with RedisServer(data_dir=path) as server:  # the keys outlive stop() / restart()
 
 ``start()`` blocks (tens of milliseconds); call it before the event loop runs
 or from a worker thread.
@@ -72,6 +79,9 @@ class RedisServer:
         binary: Name or path of the server binary.
         extra_args: More ``--option value`` arguments for the server.
         startup_timeout_s: How long ``start()`` waits for PING.
+        data_dir: A folder (made if missing) where the server persists its keys
+            in an append-only file and that ``stop()`` keeps; None: a temporary
+            folder, no persistence, deleted on ``stop()``.
     """
 
     def __init__(
@@ -82,6 +92,7 @@ class RedisServer:
         binary: Optional[str] = None,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 10.0,
+        data_dir: Optional[Path] = None,
     ) -> None:
         self._binary = _find_binary(binary)  # fail at construction, before anything starts
         self.host = host
@@ -92,6 +103,7 @@ class RedisServer:
         self._proc: Optional[subprocess.Popen] = None
         self._data_dir: Optional[Path] = None
         self._fixed_port = port is not None
+        self.persist_dir = Path(data_dir) if data_dir is not None else None
 
     # ---------------------------------------------------------------- figures
     @property
@@ -139,8 +151,8 @@ class RedisServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stops the server (SIGTERM, then SIGKILL after ``timeout_s``) and
-        deletes its data folder. Safe to call twice; ``start()`` brings it
-        back on the same port, empty."""
+        deletes its data folder (not a ``data_dir``). Safe to call twice;
+        ``start()`` brings it back on the same port, empty unless it persists."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -150,12 +162,13 @@ class RedisServer:
                 logger.warning("redis-server pid %d ignored SIGTERM; killing it", proc.pid)
                 proc.kill()
                 proc.wait(timeout_s)
-        if self._data_dir is not None:
+        if self._data_dir is not None and self.persist_dir is None:
             shutil.rmtree(self._data_dir, ignore_errors=True)
-            self._data_dir = None
+        self._data_dir = None
 
     def restart(self) -> "RedisServer":
-        """Stops and starts again on the same port; every key is lost."""
+        """Stops and starts again on the same port; every key is lost unless
+        the server persists (``data_dir``)."""
         self._fixed_port = True
         self.stop()
         return self.start()
@@ -179,7 +192,8 @@ class RedisServer:
             "--bind", self.host,
             "--port", str(self.port),
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.persist_dir is not None else "no",
+            "--appendfsync", "everysec",
             "--dir", str(self._data_dir),
             "--logfile", str(self._data_dir / "redis.log"),
             "--daemonize", "no",
@@ -194,7 +208,11 @@ class RedisServer:
         return args + list(self.extra_args)
 
     def _spawn_and_wait(self) -> None:
-        self._data_dir = Path(tempfile.mkdtemp(prefix="prefixserve-redis-"))
+        if self.persist_dir is not None:
+            self.persist_dir.mkdir(parents=True, exist_ok=True)
+            self._data_dir = self.persist_dir.resolve()
+        else:
+            self._data_dir = Path(tempfile.mkdtemp(prefix="prefixserve-redis-"))
         # stderr goes to a file: errors before the log file opens (a bad flag)
         # land there, and nothing can fill a pipe nobody reads.
         with open(self._data_dir / "stderr.log", "wb") as stderr:

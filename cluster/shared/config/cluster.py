@@ -160,6 +160,12 @@ class ClusterConfig:
         rank_num_cpus: CPUs reserved per tensor-parallel rank actor.
         redis_url: The prefix directory; None lets the local launcher start
             a ``redis-server`` on a loopback port.
+        redis_data_dir: A folder where the local launcher's ``redis-server``
+            keeps its keys (an append-only file, fsync every second), so
+            stored Responses API responses survive its restart and the next
+            ``prefixserve up`` with the same folder; None (default): nothing
+            on disk. Only without ``redis_url`` (persist an external Redis
+            in its own config).
         namespace: Directory namespace (one per model / cluster).
         max_ongoing_requests: Serve's cap of concurrent requests per replica.
         routing_policy: ``prefix_cost`` (default), ``cache_aware``,
@@ -198,6 +204,7 @@ class ClusterConfig:
     replica_num_cpus: float = 0.5
     rank_num_cpus: float = 0.5
     redis_url: Optional[str] = None
+    redis_data_dir: Optional[str] = None
     namespace: str = "default"
     max_ongoing_requests: int = 256
     routing_policy: str = "prefix_cost"
@@ -211,6 +218,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check_serving_fields(self)
+        if self.redis_data_dir is not None and self.redis_url is not None:
+            raise ValueError("redis_data_dir is the folder of the redis-server the launcher starts, but redis_url "
+                             "names another Redis: drop one of them (persist an external Redis in its own config)")
         models = [build_strict(ModelConfig, m, f"models[{i}]") if isinstance(m, Mapping) else m
                   for i, m in enumerate(self.models)]
         object.__setattr__(self, "models", models)
