@@ -1,7 +1,8 @@
 """Tiny synthetic GGUFs of the families ``gguf_families.py`` converts, laid out
 the way llama.cpp writes them: qwen2, qwen3, phi3, gemma2, qwen2moe, qwen3moe
-(and ``mixtral``: a llama-architecture file with stacked experts, which is
-refused).
+(and ``mixtral``: a llama-architecture file with stacked experts, which
+``gguf.py`` converts; ``test_gguf_mixtral.py`` writes one from transformers'
+own model).
 
 Every file has 2 layers of hidden size 256 and mixes the storage types real
 k-quant files use (Q8_0, Q5_0, F16, Q4_K, Q6_K; F32 norms, biases and

@@ -8,7 +8,7 @@ Per family: the converted folder holds exactly the tensors and config values
 transformers' stacked expert tensors), its tokenizer encodes, decodes and
 renders the chat template like transformers' GGUF tokenizer, and our engine
 (``LLM`` on the folder) picks transformers' greedy tokens on the GGUF model.
-Then what is refused (Mixtral, values the GGUF does not record), and
+Then what is refused (Mixtral's per-expert layout, values the GGUF does not record), and
 ``quantization="gguf"`` over the files' own blocks.
 """
 
@@ -146,8 +146,10 @@ def _metadata(arch: str, **overrides):
 
 def test_what_is_refused_says_what_is_supported() -> None:
     assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "gemma3", *FAMILIES)
-    with pytest.raises(ValueError, match="Mixtral.*qwen3moe"):  # llama architecture with stacked experts
-        gguf_to_hf_config(_metadata("llama", **{"llama.expert_count": 8}), ["blk.0.ffn_gate_exps.weight"])
+    mixtral = _metadata("llama", **{"llama.expert_count": 8, "llama.expert_used_count": 2})
+    with pytest.raises(ValueError, match="one tensor per expert"):  # Mixtral's older layout (stacked: converted)
+        gguf_to_hf_config(mixtral, ["blk.0.ffn_gate.0.weight"])
+    assert gguf_to_hf_config(mixtral, ["blk.0.ffn_gate_exps.weight"])["model_type"] == "mixtral"  # test_gguf_mixtral
     with pytest.raises(ValueError, match="not supported; supported: llama, gemma3, qwen2, qwen3, phi3, gemma2"):
         gguf_to_hf_config(_metadata("falcon"), [])
     with pytest.raises(ValueError, match="query_pre_attn_scalar"):  # Gemma 2 27B's head size

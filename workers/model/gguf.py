@@ -42,11 +42,22 @@ ways, each as transformers' GGUF loader has it:
 
 Base Gemma 3 GGUFs carry no chat template; the folder then has none either.
 
-Supported architectures: ``llama`` (Llama, Mistral and SmolLM GGUFs use it),
-``gemma3``, and (``gguf_families.py``) ``qwen2``, ``qwen3``, ``phi3``,
-``gemma2``, ``qwen2moe`` and ``qwen3moe``: every architecture transformers'
-GGUF loader reads that our engine serves. Mixtral GGUFs (``llama`` with
-stacked experts) are refused: transformers' loader drops their experts.
+Mixtral GGUFs are ``llama`` files with a router (``ffn_gate_inp``) and
+stacked experts (``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``).
+transformers' GGUF loader reads them as a dense Llama and drops the experts,
+so here the oracle is transformers' ``MixtralForCausalLM`` on the folder: it
+holds the checkpoint layout of Mixtral's own releases
+(``block_sparse_moe.gate``, ``block_sparse_moe.experts.E.w1 / w3 / w2`` =
+gate / up / down, each expert its slice of the stacked tensor), Q / K
+un-permuted as for Llama; ``expert_count`` / ``expert_used_count`` give
+``num_local_experts`` / ``num_experts_per_tok`` and ``feed_forward_length``
+each expert's size. Files of the older layout (one ``ffn_gate.E`` tensor per
+expert) are refused.
+
+Supported architectures: ``llama`` (Llama, Mistral, SmolLM and Mixtral GGUFs
+use it), ``gemma3``, and (``gguf_families.py``) ``qwen2``, ``qwen3``,
+``phi3``, ``gemma2``, ``qwen2moe`` and ``qwen3moe``: every architecture
+transformers' GGUF loader reads that our engine serves, and Mixtral.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import re
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +108,14 @@ _LAYER_TENSORS = {
         "attn_k_norm.weight": "self_attn.k_norm.weight",
     },
 }
+_LAYER_TENSORS["mixtral"] = {
+    **{k: v for k, v in _PROJECTIONS.items() if k.startswith("attn_")},
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+}
+_MIXTRAL_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_MIXTRAL_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}  # Mixtral's checkpoint names
 # Gemma 3 fields the GGUF does not record: Gemma3TextConfig's defaults (see the module docstring).
 _GEMMA3_HEAD_DIM = 256
 _GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
@@ -165,11 +185,12 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} "
             "(or pass an HF folder with config.json and safetensors)"
         )
-    if arch == "llama" and (metadata.get("llama.expert_count") or any("_exps." in n for n in tensor_names)):
+    mixtral = arch == "llama" and bool(metadata.get("llama.expert_count") or any("_exps." in n for n in tensor_names))
+    if mixtral and not any(_MIXTRAL_EXPERTS.fullmatch(n) for n in tensor_names):
         raise ValueError(
-            "this GGUF is a llama-architecture mixture of experts (Mixtral): transformers' GGUF loader reads it as "
-            "a dense Llama and drops the experts, so it is not converted; pass the HF checkpoint folder "
-            f"(MixtralForCausalLM) instead. GGUF architectures supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            "this Mixtral GGUF stores one tensor per expert (blk.N.ffn_gate.E.weight, an older llama.cpp layout); "
+            "only stacked experts (ffn_gate_exps / ffn_up_exps / ffn_down_exps) are converted: re-convert it with "
+            "a recent llama.cpp, or pass the HF checkpoint folder (MixtralForCausalLM)"
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     if (scaling not in (None, "none")) or any(n in tensor_names for n in _ROPE_SCALING_TENSORS):
@@ -199,6 +220,8 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict
         config.update(_gemma3_fields(metadata, config))
     else:
         config.update(_llama_fields(metadata, hidden // heads))
+        if mixtral:
+            config.update(_mixtral_fields(metadata))
     # The order config.json has always had for llama (the rest keeps its place after these).
     config = {k: config[k] for k in sorted(config, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else 99)}
     config["torch_dtype"] = "float32"
@@ -219,6 +242,17 @@ def _llama_fields(metadata: dict[str, Any], default_head_dim: int) -> dict[str, 
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "mlp_bias": False,
+    }
+
+
+def _mixtral_fields(metadata: dict[str, Any]) -> dict[str, Any]:
+    """MixtralConfig's own fields (module docstring); each expert is ``feed_forward_length`` wide."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": int(metadata["llama.expert_count"]),
+        "num_experts_per_tok": int(metadata["llama.expert_used_count"]),
+        "sliding_window": None,
     }
 
 
@@ -277,7 +311,7 @@ def _convert_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Ten
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    arch = "gemma3" if config["model_type"] == "gemma3_text" else "llama"
+    arch = {"gemma3_text": "gemma3", "mixtral": "mixtral"}.get(config["model_type"], "llama")
     family = gguf_families.GGUF_ARCH_OF_MODEL_TYPE.get(config["model_type"])
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", mininterval=1.0):
@@ -286,8 +320,13 @@ def _convert_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Ten
                                                                                            tensor.tensor_type)):
                 tensors[name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))
             continue
-        name = _hf_tensor_name(tensor.name, arch)
         weights = dequantize(tensor.data, tensor.tensor_type)
+        if arch == "mixtral" and (m := _MIXTRAL_EXPERTS.fullmatch(tensor.name)):
+            for expert, rows in enumerate(weights):  # [experts, rows, cols]: one tensor per expert
+                expert_name = f"model.layers.{m[1]}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT_NAMES[m[2]]}"
+                tensors[expert_name + ".weight"] = torch.from_numpy(np.array(rows, dtype=np.float32, order="C"))
+            continue
+        name = _hf_tensor_name(tensor.name, arch)
         if arch == "gemma3":
             if tensor.name.endswith("norm.weight"):
                 weights = weights - 1  # stored as 1 + w (module docstring); float32 like transformers

@@ -32,8 +32,8 @@ record ``attention.sliding_window`` (2047 for Phi-3-mini-4k), which its GGUF
 loader ignores, so the folder has full attention like transformers' model.
 
 Mixtral GGUFs use ``general.architecture == "llama"`` with stacked experts;
-transformers' loader builds a dense Llama and drops the experts, so they are
-refused (``gguf.py``).
+transformers' loader builds a dense Llama and drops the experts, so
+``gguf.py`` converts them itself (its module docstring).
 """
 
 from __future__ import annotations
