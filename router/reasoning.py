@@ -35,11 +35,11 @@ reasoning: :func:`constrain_after_reasoning` sets the request's
 ``structured_outputs.reasoning`` from the mode, and the engine compiles the
 think block before the grammar (``cluster/shared/structured.py``):
 
-    the prompt           the output           grammar's reasoning
-    closed the block     all content          None: the grammar from the first token
-    opened the block     starts in reasoning  "open": any text, </think>, then the grammar
-    neither (qwen3)      may open <think>     "optional": a whole block or none, then the grammar
-    neither (deepseek_r1) starts in reasoning "open"
+    the prompt             the output           grammar's reasoning
+    closed the block       all content          None: the grammar from the first token
+    opened the block       starts in reasoning  "open": any text, </think>, then the grammar
+    neither (qwen3)        may open <think>     "optional": a whole block or none, then the grammar
+    neither (deepseek_r1)  starts in reasoning  "open"
 
 so the split this parser makes and the grammar agree: the content it returns
 is what the grammar held. (vLLM instead starts applying the grammar once the
