@@ -224,6 +224,10 @@ class LocalCluster:
             asyncio.run_coroutine_threadsafe(drain(), loop).result(timeout=grace + 15)
         except Exception:  # noqa: BLE001 - keep tearing down
             logger.exception("draining the routers failed")
+        try:  # what still runs there (directory followers, Serve's router tasks) ends before the loop does
+            asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), loop).result(timeout=10)
+        except Exception:  # noqa: BLE001 - keep tearing down
+            logger.warning("tasks on the router loop did not end when cancelled")
         loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join(timeout=10)
@@ -328,3 +332,11 @@ def replica_handle(app_name: str = APP_NAME) -> Any:
     from ray import serve
 
     return serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=app_name)
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancels every other task of the running loop and waits for them."""
+    rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
