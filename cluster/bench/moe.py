@@ -13,6 +13,8 @@ batches alive, so the machine's drift slows both alike; the greedy tokens of
 the two must be the same.
 
 Prints a table (step times, tokens/s, the ratio), writes JSON (``--json``).
+``--write-gguf PATH`` writes the same model as a Mixtral GGUF instead
+(``moe_gguf.py``), for ``bench latency --compare llama.cpp`` on one file.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--interleave-steps", type=int, default=4)
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--write-gguf", default=None, metavar="PATH",
+                        help="write the model as a Mixtral GGUF (Q5_0 experts, Q8_0 the rest) to PATH and exit, "
+                             "for bench latency --model PATH --compare llama.cpp")
 
 
 def mixtral_dir(args: argparse.Namespace) -> Path:
@@ -98,6 +103,8 @@ def run_moe(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from workers.llm import LLM
 
     folder = mixtral_dir(args)
+    if args.write_gguf:
+        return _write_gguf(folder, Path(args.write_gguf))
     kwargs = {"max_num_seqs": max(args.batch_sizes), **engine_args, "model": str(folder)}
     logger.info("loading %s twice: routed experts and the dense loop", folder.name)
     routed, dense = LLM(**kwargs), LLM(**kwargs)
@@ -124,6 +131,23 @@ def run_moe(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
         logger.info("wrote %s", args.json)
     return 0 if same else 1
+
+
+def _write_gguf(folder: Path, path: Path) -> int:
+    """The checkpoint as llama.cpp's converter writes a Mixtral GGUF (``moe_gguf.py``), with the default
+    model's tokenizer (whose vocabulary the checkpoint has)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster.bench import moe_gguf
+    from workers.model.loader import default_gguf_path
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    moe_gguf.write_mixtral_gguf(model, path, moe_gguf.copy_tokenizer(default_gguf_path()))
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB); compare with llama.cpp on it:\n"
+          f"  prefixserve bench latency --model {path} --compare llama.cpp --peer-weights file "
+          "--quantization gguf --batch-sizes 1 8")
+    return 0
 
 
 def _same_greedy(a: Any, b: Any, prompts: list[list[int]]) -> bool:

@@ -1,8 +1,8 @@
 """Mixtral GGUFs (``llama`` files with a router and stacked experts): a
 random-init ``MixtralForCausalLM`` of transformers' own class (8 experts,
 top-2) written as GGUF with the ``gguf`` package the way llama.cpp's
-converter writes one (Q / K rows permuted, ``ffn_{gate,up,down}_exps``
-stacked ``[experts, rows, cols]``).
+converter writes one (``cluster/bench/moe_gguf.py``: Q / K rows permuted,
+``ffn_{gate,up,down}_exps`` stacked ``[experts, rows, cols]``).
 
 transformers' GGUF loader drops Mixtral's experts, so the oracle is the
 model itself: the converted folder loads in transformers as the very same
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from cluster.bench import moe_gguf
 from tests.models.gguf_families_factory import _add_vocabulary, bpe_vocabulary
 from workers.model.loader import convert_gguf_cached
 
@@ -44,56 +44,11 @@ def mixtral_model():
     return model
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's Q / K row order (interleaved rotary pairs)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_mixtral_gguf(model, path: Path, quantized: bool) -> Path:
-    """``model`` as a llama-architecture GGUF: F32 tensors, or Q8_0 (attention, embedding, head, down
-    experts) and Q5_0 (gate / up experts) with F32 norms and router."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFWriter
-    from gguf.quants import quantize
-
-    writer = GGUFWriter(str(path), "llama")
-    for key, value in {"context_length": 1024, "embedding_length": HIDDEN, "block_count": LAYERS,
-                       "feed_forward_length": INTERMEDIATE, "attention.head_count": HEADS,
-                       "attention.head_count_kv": KV_HEADS, "rope.dimension_count": HIDDEN // HEADS,
-                       "expert_count": NUM_EXPERTS, "expert_used_count": TOP_K}.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32("llama.rope.freq_base", float(model.config.rope_parameters["rope_theta"]))
-    _add_vocabulary(writer, "mixtral")
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-
-    def add(name: str, w: np.ndarray, kind=Q.Q8_0) -> None:
-        if quantized and w.ndim >= 2 and kind != Q.F32:
-            writer.add_tensor(name, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-
-    add("token_embd.weight", state["model.embed_tokens.weight"])
-    add("output_norm.weight", state["model.norm.weight"])
-    add("output.weight", state["lm_head.weight"])
-    for i in range(LAYERS):
-        hf, p = f"model.layers.{i}.", f"blk.{i}."
-        add(p + "attn_q.weight", _permute(state[hf + "self_attn.q_proj.weight"], HEADS))
-        add(p + "attn_k.weight", _permute(state[hf + "self_attn.k_proj.weight"], KV_HEADS))
-        add(p + "attn_v.weight", state[hf + "self_attn.v_proj.weight"])
-        add(p + "attn_output.weight", state[hf + "self_attn.o_proj.weight"])
-        add(p + "attn_norm.weight", state[hf + "input_layernorm.weight"])
-        add(p + "ffn_norm.weight", state[hf + "post_attention_layernorm.weight"])
-        add(p + "ffn_gate_inp.weight", state[hf + "mlp.gate.weight"], Q.F32)
-        gate, up = np.split(state[hf + "mlp.experts.gate_up_proj"], 2, axis=1)  # [E, 2 * I, H]
-        add(p + "ffn_gate_exps.weight", gate, Q.Q5_0)
-        add(p + "ffn_up_exps.weight", up, Q.Q5_0)
-        add(p + "ffn_down_exps.weight", state[hf + "mlp.experts.down_proj"])  # [E, H, I]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """``model`` as llama.cpp writes a Mixtral GGUF (``cluster/bench/moe_gguf.py``): F32 tensors, or Q5_0
+    gate / up experts and Q8_0 other matrices (F32 norms and router), with the tiny BPE vocabulary."""
+    kinds = ("Q5_0", "Q8_0") if quantized else ("F32", "F32")
+    return moe_gguf.write_mixtral_gguf(model, path, lambda writer: _add_vocabulary(writer, "mixtral"), *kinds)
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +124,16 @@ def test_gguf_quantization_runs_each_experts_blocks(hf_model, tmp_path) -> None:
     with LLM(str(path), quantization="gguf") as llm:
         assert llm.runner.model.quantization == "gguf:q5_0+q8_0"
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference_tokens
+
+
+def test_the_bench_writer_copies_another_files_tokenizer(hf_model, tmp_path) -> None:
+    """``bench moe --write-gguf`` takes the default model's vocabulary this way (``moe_gguf.copy_tokenizer``)."""
+    from gguf import GGUFReader
+
+    src = write_mixtral_gguf(hf_model, tmp_path / "src.gguf", quantized=False)
+    dst = moe_gguf.write_mixtral_gguf(hf_model, tmp_path / "dst.gguf", moe_gguf.copy_tokenizer(src), "F32", "F32")
+
+    def tokenizer_fields(path):
+        return {k: f.contents() for k, f in GGUFReader(str(path)).fields.items() if k.startswith("tokenizer.")}
+
+    assert tokenizer_fields(dst) == tokenizer_fields(src) and len(tokenizer_fields(src)) >= 6
