@@ -81,7 +81,7 @@ class QuantWeight:
         scales: ``[N, K / group_size]`` float32.
         mins: ``[N, K / group_size]`` float32, or None.
         bits: 4, 5 or 8.
-        group_size: Inputs per group (even); the last group of a row may be
+        group_size: Inputs per group (even; 5-bit: a multiple of 8); the last group of a row may be
             shorter (K = 576 with groups of 128: four of 128, one of 64).
         bias: ``[N]`` float32 or None.
         lib: The kernel (``load()``).
