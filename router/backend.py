@@ -29,8 +29,10 @@ mid-stream, the stream continues on another one (``router/migration.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
@@ -38,7 +40,8 @@ from cluster.shared.config import LoRAConfig
 from cluster.shared.config.cluster import REPLICA_TRANSPORTS
 from cluster.shared.types import GenerationRequest, LoRARequest, ReplicaOverloadedError, StreamChunk
 from router.errors import NoReplicaError, OverloadedError
-from router.migration import DEFAULT_MIGRATION_LIMIT, MigrationLimitError, migrating_choices
+from router.migration import (DEFAULT_MIGRATION_LIMIT, DEFAULT_STALL_TIMEOUT_S, STALL_AVOID_S, MigrationLimitError,
+                              migrating_choices)
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
@@ -129,6 +132,9 @@ class RouterBackend:
             ``prefixserve:router_requests_total`` (``router/metrics.py``).
         migration_limit: Most times one request moves to another replica
             because its replica died (``router/migration.py``).
+        stall_timeout_s: Seconds without a chunk, after a stream's first,
+            after which its replica counts as dead and the stream migrates
+            (None: never).
         replica_transport: ``grpc``: Serve's direct gRPC stream to the
             replica (``_by_reference=False``); ``actor``: Ray actor tasks
             (``RouterConfig.replica_transport``).
@@ -146,7 +152,8 @@ class RouterBackend:
     def __init__(self, handle: Any, tokenizer: RouterTokenizer, model: ModelInfo,
                  max_inflight_requests: Optional[int] = None, metrics: Optional[Any] = None,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, replica_transport: str = "grpc",
-                 same_loop: bool = True, presence: Optional[Any] = None) -> None:
+                 same_loop: bool = True, presence: Optional[Any] = None,
+                 stall_timeout_s: Optional[float] = DEFAULT_STALL_TIMEOUT_S) -> None:
         if replica_transport not in REPLICA_TRANSPORTS:
             raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
                              f"got {replica_transport!r}")
@@ -163,6 +170,8 @@ class RouterBackend:
         self.num_inflight = 0
         self.metrics = metrics
         self.migration_limit = migration_limit
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled_at: dict[str, float] = {}  # replica id -> when a stream left it for silence
         self.draining = False  # set by a drain (router/drain.py): new requests are refused
         self.presence = presence
 
@@ -206,7 +215,11 @@ class RouterBackend:
         self.num_inflight += 1
         try:
             tokenizer = self.tokenizer if hasattr(self.tokenizer, "decode") else None
-            stream = migrating_choices(self._attempt, request, self.migration_limit, tokenizer)
+            avoid = self.stalled_replica_ids()
+            if avoid:
+                request = dataclasses.replace(request, avoid_replica_ids=avoid)
+            stream = migrating_choices(self._attempt, request, self.migration_limit, tokenizer,
+                                       stall_timeout_s=self.stall_timeout_s, on_stall=self.note_stall)
             try:
                 async for chunk in stream:
                     yield chunk
@@ -216,6 +229,18 @@ class RouterBackend:
                 await stream.aclose()
         finally:
             self.num_inflight -= 1
+
+    def note_stall(self, replica_id: str) -> None:
+        """A stream left ``replica_id`` because it went silent (``router/migration.py``)."""
+        self.stalled_at[replica_id] = time.monotonic()
+
+    def stalled_replica_ids(self) -> tuple[str, ...]:
+        """Replicas that stalled in the last ``STALL_AVOID_S``: new requests avoid them
+        until the directory drops them (or they turn out healthy)."""
+        now = time.monotonic()
+        for replica_id in [r for r, at in self.stalled_at.items() if now - at > STALL_AVOID_S]:
+            del self.stalled_at[replica_id]
+        return tuple(self.stalled_at)
 
     async def _attempt(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """One Serve streaming call; replica deaths propagate (``migrating_stream`` handles them)."""

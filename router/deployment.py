@@ -230,6 +230,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
             handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora, runtime),
             max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
             migration_limit=router.migration_limit, replica_transport=router.replica_transport,
+            stall_timeout_s=router.stall_timeout_s,
             presence=ReplicaPresence(directory) if directory is not None else None)
         directories[model.model_name] = directory
         metrics[model.model_name] = ClusterMetrics(router_metrics, directory)

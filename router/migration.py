@@ -39,6 +39,27 @@ unfinished choice continues on its own as a one-choice request (its seed
 their chunks are merged into the one stream (``migrating_choices``). A
 request that dies before any token is retried whole.
 
+A replica that goes silent is treated as dead: with ``stall_timeout_s`` set
+(``RouterConfig.stall_timeout_s``, default 20 s), an attempt that has sent
+its first chunk and then sends nothing for that long is cancelled (the
+Serve call's ``cancel()``, which aborts the sequence if the replica ever
+wakes up) and migrates like a death. Silence is measured only after an
+attempt's first chunk: queueing and the prefill (of the prompt, or of prompt
++ streamed tokens after a migration) may legitimately take long and scale
+with the prompt, while between two decode steps a healthy replica's
+silence is bounded by one step (chunked prefill caps a step's tokens) plus a
+preemption's wait. The continuation names the silent replica in
+``GenerationRequest.avoid_replica_ids`` so the request router sends it
+elsewhere while the directory still lists the stalled replica as live (its
+heartbeats lapse only after the TTL, and each router's copy of the
+directory a poll later), and the router's backend (``on_stall``) keeps *new*
+requests away from it for ``STALL_AVOID_S`` (15 s, past the directory's TTL
+and a follower poll). A false alarm costs a recompute on another replica
+(a greedy stream's text is the same either way) and 15 s without new
+requests for a healthy replica. A request that reached a stalled replica
+before anyone noticed and got no first chunk yet waits for its deadline, or
+for Serve's health check (60 s) to end the replica, then is retried.
+
 At most ``migration_limit`` migrations per request (default 3, like Dynamo's
 ``--migration-limit``); past that the request fails with ``NoReplicaError``
 (gRPC ``UNAVAILABLE``) saying how often it moved.
@@ -46,6 +67,7 @@ At most ``migration_limit`` migrations per request (default 3, like Dynamo's
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import AsyncIterator, Callable, Optional
@@ -58,12 +80,41 @@ from router.streams import merge_indexed
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIGRATION_LIMIT = 3
+DEFAULT_STALL_TIMEOUT_S = 20.0
+STALL_AVOID_S = 15.0  # how long new requests avoid a replica that stalled (module doc)
 
 OpenStream = Callable[[GenerationRequest], AsyncIterator[StreamChunk]]
 
 
 class MigrationLimitError(RuntimeError):
     """The request's replicas died more often than the migration limit allows."""
+
+
+class ReplicaStalledError(RuntimeError):
+    """A replica sent nothing for ``stall_timeout_s`` after its first chunk (its call was cancelled)."""
+
+
+async def next_chunk(stream: AsyncIterator[StreamChunk], stall_timeout_s: Optional[float]) -> StreamChunk:
+    """The next chunk of ``stream``, waiting at most ``stall_timeout_s`` (None: forever).
+
+    Raises:
+        ReplicaStalledError: None came in time; the wait was cancelled, which
+            cancels the attempt's Serve call (``RouterBackend._attempt``).
+        StopAsyncIteration: The stream ended.
+    """
+    if stall_timeout_s is None:
+        return await stream.__anext__()
+    try:
+        async with asyncio.timeout(stall_timeout_s) as timeout:
+            return await stream.__anext__()
+    except TimeoutError as exc:
+        if not timeout.expired():
+            raise
+        raise ReplicaStalledError(f"no chunk for {stall_timeout_s:g}s (stall_timeout_s)") from exc
+
+
+def _should_migrate(exc: BaseException) -> bool:
+    return isinstance(exc, ReplicaStalledError) or is_replica_death(exc)
 
 
 def is_replica_death(exc: BaseException) -> bool:
@@ -87,13 +138,16 @@ def _next_migration(exc: BaseException, request: GenerationRequest, migrations: 
         raise MigrationLimitError(
             f"request {request.request_id}: its replica died after {migrations} migration(s), the "
             f"migration limit ({migration_limit}); retry it or raise --migration-limit") from exc
-    logger.warning("request %s: replica died %s: migrating (%d of at most %d)", request.request_id, what,
-                   migrations + 1, migration_limit)
+    logger.warning("request %s: replica %s %s: migrating (%d of at most %d)", request.request_id,
+                   "stalled" if isinstance(exc, ReplicaStalledError) else "died", what, migrations + 1,
+                   migration_limit)
     return migrations + 1
 
 
-def continuation(request: GenerationRequest, generated: list[int], attempt: int) -> GenerationRequest:
-    """The request that continues ``request`` after ``generated`` tokens were streamed."""
+def continuation(request: GenerationRequest, generated: list[int], attempt: int,
+                 avoid_replica_ids: tuple[str, ...] = ()) -> GenerationRequest:
+    """The request that continues ``request`` after ``generated`` tokens were streamed
+    (on a replica other than ``avoid_replica_ids``, those that stalled)."""
     sampling = request.sampling_params
     remaining = sampling.max_tokens - len(generated) if sampling.max_tokens is not None else None
     new_sampling = dataclasses.replace(sampling, max_tokens=remaining)
@@ -106,6 +160,7 @@ def continuation(request: GenerationRequest, generated: list[int], attempt: int)
         sampling_params=new_sampling,
         # A structured-output constraint resumes after the streamed tokens (the replica replays them).
         num_resumed_output_tokens=request.num_resumed_output_tokens + len(generated),
+        avoid_replica_ids=avoid_replica_ids,
     )
 
 
@@ -135,8 +190,11 @@ class _Retext:
 async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                            migration_limit: int = DEFAULT_MIGRATION_LIMIT,
                            tokenizer: Optional[TokenDecoder] = None,
-                           resume: Optional[tuple[list[int], str, int, int]] = None) -> AsyncIterator[StreamChunk]:
-    """Streams ``request`` through ``open_stream``, migrating when a replica dies.
+                           resume: Optional[tuple[list[int], str, int, int]] = None,
+                           stall_timeout_s: Optional[float] = None,
+                           avoid_replica_ids: tuple[str, ...] = (),
+                           on_stall: Optional[Callable[[str], None]] = None) -> AsyncIterator[StreamChunk]:
+    """Streams ``request`` through ``open_stream``, migrating when a replica dies or stalls.
 
     Args:
         open_stream: Starts one attempt (a Serve streaming call) and yields its chunks.
@@ -147,6 +205,12 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
             would have (see the module doc). None: the replicas' text as is.
         resume: ``(generated, sent, cached, migrations)`` of a stream whose
             replica already died: it continues after those tokens.
+        stall_timeout_s: Seconds without a chunk, after an attempt's first,
+            that count as its replica's death (None: never).
+        avoid_replica_ids: Replicas that stalled before ``resume``: its
+            continuation asks for another.
+        on_stall: Called with the id of each replica that stalled (the
+            backend then keeps new requests away from it for a while).
 
     Raises:
         MigrationLimitError: A replica died after ``migration_limit`` migrations.
@@ -161,6 +225,7 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
     cached: Optional[int] = resume[2] if resume else None
     current = request
     migrations = resume[3] if resume else 0
+    avoid = avoid_replica_ids
     if resume:
         retext = _Retext(tokenizer, request, generated, sent) if tokenizer is not None else None
         if len(generated) >= request.sampling_params.max_tokens:  # only the final chunk was lost
@@ -168,11 +233,17 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
             yield StreamChunk(request.request_id, [], text, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
                               completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
             return
-        current = continuation(request, generated, migrations)
+        current = continuation(request, generated, migrations, avoid)
     while True:
         stream = open_stream(current)
+        replica_id = None  # set by the attempt's first chunk: from then on silence counts
         try:
-            async for chunk in stream:
+            while True:
+                try:
+                    chunk = await next_chunk(stream, stall_timeout_s if replica_id is not None else None)
+                except StopAsyncIteration:
+                    return
+                replica_id = chunk.replica_id
                 generated.extend(chunk.token_ids)
                 if cached is None:
                     cached = chunk.cached_prompt_tokens
@@ -188,12 +259,15 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                 yield chunk
                 if chunk.finished:
                     return  # a stop string found here ends the stream (closing it aborts the replica's)
-            return
-        except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
-            if not is_replica_death(exc):
+        except Exception as exc:  # noqa: BLE001 - only replica deaths and stalls are migrated
+            if not _should_migrate(exc):
                 raise
             migrations = _next_migration(exc, request, migrations, migration_limit,
                                          f"after {len(generated)} streamed token(s)")
+            if isinstance(exc, ReplicaStalledError) and replica_id:
+                avoid = tuple(dict.fromkeys((*avoid, replica_id)))
+                if on_stall is not None:
+                    on_stall(replica_id)
         finally:
             await stream.aclose()
         retext = _Retext(tokenizer, request, generated, sent) if tokenizer is not None else None
@@ -204,7 +278,7 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
             yield StreamChunk(request.request_id, [], text, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
                               completion_tokens=len(generated), cached_prompt_tokens=cached or 0)
             return
-        current = continuation(request, generated, migrations)
+        current = continuation(request, generated, migrations, avoid)
 
 
 def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
@@ -216,7 +290,9 @@ def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
 
 async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
                             migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-                            tokenizer: Optional[TokenDecoder] = None) -> AsyncIterator[StreamChunk]:
+                            tokenizer: Optional[TokenDecoder] = None,
+                            stall_timeout_s: Optional[float] = None,
+                            on_stall: Optional[Callable[[str], None]] = None) -> AsyncIterator[StreamChunk]:
     """``migrating_stream`` for a request with any number of choices (see the module doc).
 
     Raises:
@@ -224,7 +300,8 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
     """
     num_choices = request.sampling_params.num_choices
     if num_choices == 1:
-        async for chunk in migrating_stream(open_stream, request, migration_limit, tokenizer):
+        async for chunk in migrating_stream(open_stream, request, migration_limit, tokenizer,
+                                            stall_timeout_s=stall_timeout_s, on_stall=on_stall):
             yield chunk
         return
     if migration_limit < 0:
@@ -236,8 +313,14 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
         done = [False] * num_choices
         cached: Optional[int] = None
         stream = open_stream(request)
+        replica_id = None
         try:
-            async for chunk in stream:
+            while True:
+                try:
+                    chunk = await next_chunk(stream, stall_timeout_s if replica_id is not None else None)
+                except StopAsyncIteration:
+                    return
+                replica_id = chunk.replica_id
                 generated[chunk.index].extend(chunk.token_ids)
                 sent[chunk.index] += chunk.text
                 cached = chunk.cached_prompt_tokens if cached is None else cached
@@ -245,19 +328,23 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
                 yield chunk
                 if chunk.finished:
                     return
-            return
-        except Exception as exc:  # noqa: BLE001 - only replica deaths are migrated
-            if not is_replica_death(exc):
+        except Exception as exc:  # noqa: BLE001 - only replica deaths and stalls are migrated
+            if not _should_migrate(exc):
                 raise
             migrations = _next_migration(exc, request, migrations, migration_limit,
                                          f"with {done.count(False)} choice(s) unfinished")
+            stalled = (replica_id,) if isinstance(exc, ReplicaStalledError) and replica_id else ()
+            if stalled and on_stall is not None:
+                on_stall(replica_id)
         finally:
             await stream.aclose()
         if any(generated):
             break  # each choice continues on its own below
     pending = [i for i in range(num_choices) if not done[i]]
     streams = {i: migrating_stream(open_stream, choice_request(request, i), migration_limit, tokenizer,
-                                   resume=(generated[i], sent[i], cached or 0, migrations)) for i in pending}
+                                   resume=(generated[i], sent[i], cached or 0, migrations),
+                                   stall_timeout_s=stall_timeout_s, avoid_replica_ids=stalled, on_stall=on_stall)
+               for i in pending}
     merged = merge_indexed(list(streams.values()), list(streams), [1] * len(streams))
     try:
         async for chunk in merged:

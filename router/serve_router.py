@@ -146,6 +146,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             await self._note_contracts(counts)
             counts = {rid: n for rid, n in counts.items() if n >= 0}
         candidate_replicas = self._live(self._compatible(candidate_replicas), counts)
+        if request.avoid_replica_ids:  # a stalled replica the directory may still list (router/migration.py)
+            candidate_replicas = [r for r in candidate_replicas
+                                  if r.replica_id.unique_id not in request.avoid_replica_ids] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         holders = [rid for rid, r in by_id.items() if adapter and _holds(r.routing_stats or {}, adapter)]
         ranked = self._core.decide(chain, len(request.prompt_token_ids), list(by_id), counts,

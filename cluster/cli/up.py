@@ -58,6 +58,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                     help="port of the OpenAI-compatible HTTP API (0: pick a free one; -1: none; default 8000)")
     up.add_argument("--migration-limit", type=int, default=None,
                     help="most times a stream moves to another replica when its replica dies (default 3)")
+    up.add_argument("--stall-timeout-s", type=float, default=None,
+                    help="seconds a replica may send nothing after a stream's first chunk before the stream "
+                         "migrates as from a dead replica (default 20; 0: never)")
     up.add_argument("--replica-transport", choices=list(REPLICA_TRANSPORTS), default=None,
                     help="how the routers stream from replicas: Serve's direct gRPC channel (default) or Ray actor "
                          "tasks (where only Ray's own ports are open between nodes)")
@@ -138,6 +141,8 @@ def up_config(args: argparse.Namespace) -> Any:
         router["host"] = args.grpc_host
     if args.http_port is not None:
         router["http_port"] = None if args.http_port < 0 else args.http_port
+    if args.stall_timeout_s is not None:
+        router["stall_timeout_s"] = args.stall_timeout_s if args.stall_timeout_s > 0 else None
     for name in ("migration_limit", "drain_timeout_s", "replica_transport", "tool_call_parser",
                  "reasoning_parser"):
         if getattr(args, name) is not None:

@@ -285,6 +285,9 @@ class GenerationRequest:
     # replica that died, ``router/migration.py``): a structured-output constraint starts after them.
     num_resumed_output_tokens: int = 0
     lora_request: Optional[LoRARequest] = None  # None: the base model
+    # Replicas a migrated stream left because they went silent (``router/migration.py``): the request
+    # router sends it elsewhere while another replica is live.
+    avoid_replica_ids: tuple[str, ...] = ()
 
 
 @dataclass

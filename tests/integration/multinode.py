@@ -152,6 +152,12 @@ class RayNodes:
         if proc.returncode != 0:
             raise RuntimeError(f"ray start on {ip} failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
 
+    def restart(self, ip: str) -> RayNode:
+        """Starts a worker node again with the node IP of one that was killed (the
+        node's return); the killed ``RayNode`` stays listed, its processes gone."""
+        self._start_node(ip, ["--address", self.address])
+        return self.nodes[-1]
+
     def alive_node_ips(self) -> list[str]:
         """Node IPs Ray sees alive (asks ``ray list nodes`` is heavy; reads the GCS through a client)."""
         script = ("import ray, json; ray.init(address=%r, logging_level='ERROR');"

@@ -205,3 +205,27 @@ def test_replicas_the_directory_lists_as_dead_are_routed_around(caplog):
     assert sorted(asyncio.run(ranked())) == sorted(ids)
     router._directory = LiveDirectory(ids, holder=ids[0])  # back: the holder first again
     assert asyncio.run(ranked())[0] == ids[0]
+
+
+def test_a_continuation_avoids_the_replica_it_left_for_silence():
+    """A stream that migrated because its replica went silent names that replica;
+    the directory still lists it live (its TTL has not lapsed), the router skips it."""
+    import dataclasses
+
+    from router.serve_router import PrefixAwareRequestRouter
+
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=BLOCK, namespace=f"avoid-{random.random()}")
+    replicas = [FakeReplica(f"a{i}") for i in range(2)]
+    ids = [r.replica_id.unique_id for r in replicas]
+    router._directory = LiveDirectory(ids, holder=ids[0])
+
+    async def ranked(avoid):
+        pending = _pending("x", list(range(4 * BLOCK)))
+        pending.args[0] = dataclasses.replace(pending.args[0], avoid_replica_ids=avoid)
+        return [r.replica_id.unique_id for rank in await router.choose_replicas(replicas, pending) for r in rank]
+
+    assert asyncio.run(ranked(()))[0] == ids[0]  # the holder first
+    assert asyncio.run(ranked((ids[0],))) == [ids[1]]
+    assert sorted(asyncio.run(ranked(tuple(ids)))) == sorted(ids)  # none left: every candidate

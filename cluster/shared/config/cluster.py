@@ -47,6 +47,12 @@ class RouterConfig:
         migration_limit: Most times one request's stream moves to another
             replica because its replica died (``router/migration.py``);
             past it the request fails with UNAVAILABLE.
+        stall_timeout_s: Seconds a stream's replica may send nothing, after
+            the stream's first chunk, before the router takes it for dead:
+            it cancels the call and migrates the stream like a dead
+            replica's (``router/migration.py``). Queueing and prefill before
+            the first chunk never count, however long the prompt. None
+            disables it (a stalled node's streams then end at their deadline).
         replica_transport: How a router's Serve handle talks to the replicas:
             ``grpc`` (default) streams over Serve's direct gRPC channel to the
             replica (``_by_reference=False``; ~40% less router CPU per
@@ -102,6 +108,7 @@ class RouterConfig:
     router_num_cpus: float = 0.5
     router_resources: dict = field(default_factory=dict)
     migration_limit: int = 3
+    stall_timeout_s: Optional[float] = 20.0
     replica_transport: str = "grpc"
     tool_call_parser: str = "auto"
     reasoning_parser: str = "none"
@@ -138,6 +145,8 @@ class RouterConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0 (or null to disable), got {self.stall_timeout_s}")
         if self.replica_transport not in REPLICA_TRANSPORTS:
             raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
                              f"got {self.replica_transport!r}")
