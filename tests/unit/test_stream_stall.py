@@ -26,7 +26,8 @@ class StallingScript:
     before its first chunk and then hangs forever after ``stall_after[i]`` chunks
     (None: never); records which attempts were cancelled."""
 
-    def __init__(self, stall_after: list, first_wait: list = ()) -> None:
+    def __init__(self, stall_after: list, first_wait: list = (), step_s: float = STALL_S / 20) -> None:
+        self.step_s = step_s
         self.stall_after = list(stall_after)
         self.first_wait = list(first_wait)
         self.requests: list[GenerationRequest] = []
@@ -45,7 +46,7 @@ class StallingScript:
                 if i == limit:
                     await asyncio.sleep(3600)  # the node was SIGSTOPped
                 if i:
-                    await asyncio.sleep(STALL_S / 20)  # a healthy decode step
+                    await asyncio.sleep(self.step_s)  # a healthy decode step
                 yield StreamChunk(request.request_id, [token], f"<{token}>",
                                   FinishReason.LENGTH if i == len(todo) - 1 else None,
                                   replica_id=f"replica-{attempt + 1}")
@@ -162,3 +163,32 @@ def test_the_backend_keeps_new_requests_off_a_stalled_replica_for_a_while(monkey
     assert backend.stalled_replica_ids() == ("r-b",)
     now[0] += STALL_AVOID_S
     assert backend.stalled_replica_ids() == () and not backend.stalled_at
+
+
+def test_a_stream_slower_in_total_than_the_timeout_but_never_silent_that_long_is_no_stall():
+    """Each gap is 0.6 of the timeout, the stream 4x it: the one timer re-arms from each wait."""
+    script = StallingScript([None], step_s=STALL_S * 0.6)
+    chunks = run(script, make_request())
+    assert [t for c in chunks for t in c.token_ids] == TARGET
+    assert len(script.requests) == 1 and script.cancelled == []
+
+
+def test_a_cancel_from_outside_stays_a_cancel():
+    """The client's deadline cancels the stream while the watch waits: no migration, a cancel."""
+    script = StallingScript([3])
+
+    async def main():
+        stream = migrating_stream(script, make_request(), 3, stall_timeout_s=60)
+        consumer = asyncio.ensure_future(_drain(stream))
+        await asyncio.sleep(STALL_S)  # three chunks in, waiting on the silent replica
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert len(script.requests) == 1 and script.cancelled == [0]  # by the client, not migrated
+
+
+async def _drain(stream):
+    return [c async for c in stream]
