@@ -76,7 +76,7 @@ from typing import AsyncIterator, Callable, Optional
 from cluster.shared.choices import choice_params
 from cluster.shared.detokenizer import IncrementalDetokenizer, TokenDecoder
 from cluster.shared.types import FinishReason, GenerationRequest, StreamChunk
-from router.stall import ReplicaStalledError, StallWatch
+from router.stall import ReplicaStalledError, WatchedAttempt
 from router.streams import merge_indexed
 
 logger = logging.getLogger(__name__)
@@ -90,19 +90,6 @@ OpenStream = Callable[[GenerationRequest], AsyncIterator[StreamChunk]]
 
 class MigrationLimitError(RuntimeError):
     """The request's replicas died more often than the migration limit allows."""
-
-
-async def next_chunk(stream: AsyncIterator[StreamChunk], watch: Optional[StallWatch]) -> StreamChunk:
-    """The next chunk of ``stream``, timed by ``watch`` (None: waits forever).
-
-    Raises:
-        ReplicaStalledError: None came in time; the wait was cancelled, which
-            cancels the attempt's Serve call (``RouterBackend._attempt``).
-        StopAsyncIteration: The stream ended.
-    """
-    if watch is None:
-        return await stream.__anext__()
-    return await watch.next(stream)
 
 
 def _should_migrate(exc: BaseException) -> bool:
@@ -227,18 +214,9 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
             return
         current = continuation(request, generated, migrations, avoid)
     while True:
-        stream = open_stream(current)
-        replica_id = None  # set by the attempt's first chunk: from then on silence counts
-        watch: Optional[StallWatch] = None
+        attempt = WatchedAttempt(open_stream(current), stall_timeout_s)
         try:
-            while True:
-                try:
-                    chunk = await next_chunk(stream, watch)
-                except StopAsyncIteration:
-                    return
-                if replica_id is None and stall_timeout_s is not None:
-                    watch = StallWatch(stall_timeout_s)
-                replica_id = chunk.replica_id
+            async for chunk in attempt:
                 generated.extend(chunk.token_ids)
                 if cached is None:
                     cached = chunk.cached_prompt_tokens
@@ -254,19 +232,19 @@ async def migrating_stream(open_stream: OpenStream, request: GenerationRequest,
                 yield chunk
                 if chunk.finished:
                     return  # a stop string found here ends the stream (closing it aborts the replica's)
+            return
         except Exception as exc:  # noqa: BLE001 - only replica deaths and stalls are migrated
             if not _should_migrate(exc):
                 raise
             migrations = _next_migration(exc, request, migrations, migration_limit,
                                          f"after {len(generated)} streamed token(s)")
-            if isinstance(exc, ReplicaStalledError) and replica_id:
-                avoid = tuple(dict.fromkeys((*avoid, replica_id)))
+            stalled = attempt.stalled_replica(exc)
+            if stalled:
+                avoid = tuple(dict.fromkeys((*avoid, stalled)))
                 if on_stall is not None:
-                    on_stall(replica_id)
+                    on_stall(stalled)
         finally:
-            if watch is not None:
-                watch.close()
-            await stream.aclose()
+            await attempt.aclose()
         retext = _Retext(tokenizer, request, generated, sent) if tokenizer is not None else None
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None and len(generated) >= max_tokens:
@@ -309,18 +287,9 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
         sent = [""] * num_choices
         done = [False] * num_choices
         cached: Optional[int] = None
-        stream = open_stream(request)
-        replica_id = None
-        watch = None
+        attempt = WatchedAttempt(open_stream(request), stall_timeout_s)
         try:
-            while True:
-                try:
-                    chunk = await next_chunk(stream, watch)
-                except StopAsyncIteration:
-                    return
-                if replica_id is None and stall_timeout_s is not None:
-                    watch = StallWatch(stall_timeout_s)
-                replica_id = chunk.replica_id
+            async for chunk in attempt:
                 generated[chunk.index].extend(chunk.token_ids)
                 sent[chunk.index] += chunk.text
                 cached = chunk.cached_prompt_tokens if cached is None else cached
@@ -328,18 +297,18 @@ async def migrating_choices(open_stream: OpenStream, request: GenerationRequest,
                 yield chunk
                 if chunk.finished:
                     return
+            return
         except Exception as exc:  # noqa: BLE001 - only replica deaths and stalls are migrated
             if not _should_migrate(exc):
                 raise
             migrations = _next_migration(exc, request, migrations, migration_limit,
                                          f"with {done.count(False)} choice(s) unfinished")
-            stalled = (replica_id,) if isinstance(exc, ReplicaStalledError) and replica_id else ()
-            if stalled and on_stall is not None:
-                on_stall(replica_id)
+            replica = attempt.stalled_replica(exc)
+            stalled = (replica,) if replica else ()
+            if replica and on_stall is not None:
+                on_stall(replica)
         finally:
-            if watch is not None:
-                watch.close()
-            await stream.aclose()
+            await attempt.aclose()
         if any(generated):
             break  # each choice continues on its own below
     pending = [i for i in range(num_choices) if not done[i]]

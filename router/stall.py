@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Optional
 
+from cluster.shared.types import StreamChunk
+
 
 class ReplicaStalledError(RuntimeError):
     """A replica sent nothing for the stall timeout while a chunk was awaited (its call was cancelled)."""
@@ -79,3 +81,41 @@ class StallWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class WatchedAttempt:
+    """One attempt's chunks: from its first chunk on, a wait longer than
+    ``timeout_s`` raises ``ReplicaStalledError`` (None: never), so queueing
+    and the prefill are never timed. Iterate it on one task; ``aclose`` ends it.
+
+    Attributes:
+        replica_id: The replica of the last chunk (None before the first).
+    """
+
+    def __init__(self, stream: AsyncIterator[StreamChunk], timeout_s: Optional[float]) -> None:
+        self.stream = stream
+        self.timeout_s = timeout_s
+        self.replica_id: Optional[str] = None
+        self._watch: Optional[StallWatch] = None
+
+    def __aiter__(self) -> "WatchedAttempt":
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._watch is None:
+            chunk = await self.stream.__anext__()
+            if self.timeout_s is not None:
+                self._watch = StallWatch(self.timeout_s)
+        else:
+            chunk = await self._watch.next(self.stream)
+        self.replica_id = chunk.replica_id
+        return chunk
+
+    def stalled_replica(self, exc: BaseException) -> Optional[str]:
+        """The replica that stalled when ``exc`` is this attempt's stall, else None."""
+        return self.replica_id if isinstance(exc, ReplicaStalledError) and self.replica_id else None
+
+    async def aclose(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        await self.stream.aclose()
