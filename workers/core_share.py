@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 SLOTS = 64
 _SLOT = struct.Struct("<qq")  # (pid, busy)
 _FLAG = struct.Struct("<q")
+_BOARD = struct.Struct(f"<{2 * SLOTS}q")  # every slot in one read
 SIZE = SLOTS * _SLOT.size
 CHECK_DEAD_S = 1.0
 
@@ -109,11 +110,12 @@ class CoreShare:
         check = now - self._checked >= CHECK_DEAD_S
         if check:
             self._checked = now
+        board = _BOARD.unpack_from(self._map)  # pid, busy, pid, busy, ...
         busy = 0
         for i in range(SLOTS):
-            pid, flag = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if not flag:
+            if not board[2 * i + 1]:
                 continue
+            pid = board[2 * i]
             if check and pid != self._pid and (pid == 0 or not _alive(pid)):
                 _FLAG.pack_into(self._map, i * _SLOT.size + 8, 0)  # a dead replica's mark
                 continue
