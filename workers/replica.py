@@ -43,6 +43,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
 from workers.engine.lora_slots import slots_in_use
+from workers.kv_transfer import KVTransferEndpoints
 from workers.metrics import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def default_replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:8]}"
 
 
-class ReplicaServer:
+class ReplicaServer(KVTransferEndpoints):
     """An engine replica with streaming, stats and KV-event publishing.
 
     Args:
@@ -123,6 +124,7 @@ class ReplicaServer:
         self.metrics.set_model_info(getattr(runner, "quantization", None), getattr(runner, "kv_cache_dtype", "auto"),
                                     int(getattr(runner, "weight_bytes", 0)), int(getattr(runner, "kv_cache_bytes", 0)))
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
+        self._start_kv_transfer(self._front, runner, self.metrics, self._collect_events)  # workers/kv_transfer.py
         self._ttft = autoscaling.TTFTTracker()
         self._front.start()
         self._publisher = None

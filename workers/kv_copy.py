@@ -1,0 +1,95 @@
+"""KV blocks out of and into a model runner's cache, as one host array.
+
+The cache is one tensor per layer, ``(2, blocks, block_size, kv_heads,
+row)`` (``workers/model/attention/base.py``; ``row`` is ``head_dim``, or
+an int8 row and its scale with ``kv_cache_dtype="int8"``). A transfer
+carries the blocks of every layer as one contiguous array of raw bytes::
+
+    data[layer, k_or_v, i, token, head, byte]     i: the i-th block sent
+    shape (num_layers, 2, n, block_size, kv_heads, row * element size), uint8
+
+Raw bytes, so float32, float16, bfloat16 (which NumPy lacks) and int8 rows
+travel alike, and a NumPy array goes through Ray's object store without a
+pickle copy. Sender and receiver must agree on ``KVLayout``; the receiver
+checks it before it writes anything.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one block of a runner's cache looks like (equal on both ends of a transfer)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    row: int
+    dtype: str
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across the layers (keys and values)."""
+        elem = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row * elem
+
+    def array_shape(self, num_blocks: int) -> tuple[int, ...]:
+        elem = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row * elem)
+
+
+def layout_of(runner: Any) -> KVLayout:
+    """The layout of ``runner.kv_caches`` (a ``ModelRunner``'s)."""
+    cache = runner.kv_caches[0]
+    _, _, block_size, num_kv_heads, row = cache.shape
+    return KVLayout(len(runner.kv_caches), block_size, num_kv_heads, row, str(cache.dtype).removeprefix("torch."))
+
+
+def read_blocks(runner: Any, block_ids: Sequence[int]) -> np.ndarray:
+    """A copy of ``block_ids``' KV in every layer, as the module doc's array.
+
+    Safe off the engine thread while the blocks are pinned: a full cached
+    block is never written again.
+    """
+    caches = runner.kv_caches
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
+    with torch.inference_mode():
+        stacked = torch.stack([cache.index_select(1, index) for cache in caches])
+        return _as_bytes(stacked).cpu().numpy()
+
+
+def write_blocks(runner: Any, block_ids: Sequence[int], data: np.ndarray) -> None:
+    """Writes ``data`` (``read_blocks``' array, maybe read-only: Ray's object
+    store hands out read-only views) into ``block_ids`` of every layer.
+
+    Raises:
+        ValueError: ``data`` does not have this runner's layout for
+            ``len(block_ids)`` blocks (nothing was written).
+    """
+    layout = layout_of(runner)
+    expected = layout.array_shape(len(block_ids))
+    if data.dtype != np.uint8 or tuple(data.shape) != expected:
+        raise ValueError(f"KV data of shape {tuple(data.shape)} {data.dtype} does not fit this cache: "
+                         f"expected {expected} uint8 ({layout})")
+    caches = runner.kv_caches
+    device = caches[0].device
+    with warnings.catch_warnings():  # a read-only view: torch warns, and it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(data)
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    with torch.inference_mode():
+        for layer, cache in enumerate(caches):
+            values = source[layer].to(device, non_blocking=False).view(cache.dtype)
+            cache.index_copy_(1, index, values)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as uint8, the last dimension widened by the element size."""
+    return tensor.contiguous().view(torch.uint8)

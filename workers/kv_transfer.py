@@ -1,0 +1,305 @@
+"""KV transfer between replicas: a replica fetches the cached blocks of a
+prefix it lacks from the replica that holds them (issue 33, item 1).
+
+Transport: Ray. The receiver calls the holder's ``export_kv(block_hashes)``
+through a handle (a Ray actor handle, or anything whose
+``export_kv.remote(...)`` is awaitable, as a Serve handle's is); the holder
+returns a ``KVExport`` whose bytes are one NumPy array, which Ray puts in its
+object store and the receiver reads without a pickle copy (zero-copy on the
+same node). Nothing here waits on the engine thread or blocks an event loop::
+
+    receiver (its event loop)             holder (its event loop)
+    hashes of the prompt's full blocks,
+    minus those cached here (a racy read;
+    commit re-checks)
+    export_kv.remote(missing) ----------> engine thread: pin_prefix(hashes)
+                                          worker thread:  read_blocks (a copy;
+                                            pinned blocks are never written)
+                                          engine thread:  release (posted, not awaited)
+    await the KVExport (timeout_s) <----- KVExport(hashes sent, layout, bytes)
+    engine thread, between two steps:
+      reserve -> write_blocks -> commit   fresh uncached blocks, written, then
+      -> KV events drained                hashed and freed: cached prefix blocks
+    generate(request)                     the admission hits them
+
+The write runs on the engine thread (a memcpy of the blocks; for 32 blocks
+of the default model ~23 MB, see docs/KV_TRANSFER.md) so that reserve, write
+and commit are one step boundary: no step ever sees a block half written, and
+a failed write leaves it uncached.
+
+Faults: any error, a timeout, a layout mismatch or a holder that holds
+nothing makes ``fetch`` return 0 and count a fallback; the caller then sends
+the request as it would have, and it prefills. At most
+``max_concurrent_transfers`` fetches and as many exports run at once per
+replica; one more is refused at once (a fetch falls back, an export returns
+nothing), never queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from workers.engine.kv_transfer import TransferLedger
+from workers.engine.sequence import Sequence as EngineSequence
+from workers.kv_copy import KVLayout, layout_of, read_blocks, write_blocks
+from workers.kv_transfer_metrics import TransferMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONCURRENT_TRANSFERS = 2  # per direction; a third is refused, never queued
+DEFAULT_TIMEOUT_S = 10.0  # a holder silent this long (stalled, dead) -> the request prefills
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A holder's answer: the leading blocks it had of those asked.
+
+    ``data`` is ``workers/kv_copy.py``'s array for ``block_hashes``; None
+    (with ``reason``) when nothing is sent.
+    """
+
+    block_hashes: tuple[bytes, ...]
+    layout: Optional[KVLayout]
+    data: Optional[np.ndarray]
+    reason: str = ""
+
+
+class KVTransfer:
+    """Exports and fetches cached prefix blocks for one replica.
+
+    Args:
+        front: The replica's ``AsyncEngine`` (engine-thread calls go through it).
+        runner: The engine's ``ModelRunner``; None (tensor-parallel ranks hold
+            the cache) turns transfers off: exports send nothing, fetches
+            import nothing.
+        metrics: Where the ``kv_transfer_*`` series go.
+        after_commit: Runs on the engine thread after an import committed
+            (the replica drains the KV events there, so the directory learns
+            of the blocks without waiting for a step).
+        max_concurrent_transfers: Fetches, and exports, in flight at once.
+        timeout_s: How long a fetch waits for the holder.
+    """
+
+    def __init__(self, front: Any, runner: Any, metrics: Optional[TransferMetrics] = None,
+                 after_commit: Optional[Callable[[], None]] = None,
+                 max_concurrent_transfers: int = DEFAULT_MAX_CONCURRENT_TRANSFERS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if max_concurrent_transfers < 1:
+            raise ValueError(f"max_concurrent_transfers must be >= 1, got {max_concurrent_transfers}")
+        self.front = front
+        self.engine = front.engine
+        self.runner = runner if hasattr(runner, "kv_caches") else None
+        self.layout = layout_of(self.runner) if self.runner is not None else None
+        self.ledger = TransferLedger(self.engine.scheduler.kv_manager)
+        self.metrics = metrics if metrics is not None else TransferMetrics()
+        self.after_commit = after_commit
+        self.max_concurrent_transfers = max_concurrent_transfers
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._in_flight = {"in": 0, "out": 0}
+        self._posted: set[asyncio.Task] = set()  # releases posted to the engine thread, not awaited
+
+    # ---------------------------------------------------------------- holder
+    async def export(self, block_hashes: Sequence[bytes]) -> KVExport:
+        """The leading blocks of ``block_hashes`` cached here, copied out
+        while pinned (see the module doc). Never raises for a miss: an empty
+        export says why."""
+        if self.runner is None:
+            return KVExport((), None, None, "this replica's runner exports no KV (tensor parallel)")
+        if not self._try_enter("out"):
+            self.metrics.refused.inc()
+            return KVExport((), self.layout, None, "busy: the replica's concurrent-transfer limit is reached")
+        try:
+            hashes = [bytes(h) for h in block_hashes]
+            held = await self.front.call(lambda engine: self.ledger.pin_prefix(hashes))
+            if held is None:
+                return KVExport((), self.layout, None, "none of the blocks is cached here")
+            try:
+                data = await asyncio.to_thread(read_blocks, self.runner, held.block_ids)
+            finally:
+                self._post(lambda engine: self.ledger.release(held.transfer_id))
+            self.metrics.moved("out", len(held.block_ids), data.nbytes)
+            return KVExport(held.block_hashes, self.layout, data)
+        finally:
+            self._leave("out")
+
+    def _post(self, fn: Callable[[Any], object]) -> None:
+        """Runs ``fn`` on the engine thread without waiting for it."""
+        task = asyncio.ensure_future(self.front.call(fn))
+        self._posted.add(task)
+        task.add_done_callback(self._posted.discard)
+
+    # -------------------------------------------------------------- receiver
+    def prefix_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> tuple[list[bytes], bytes]:
+        """The hashes of the prompt's full blocks that a request could hit
+        (never the last token's block: one token is always computed), and
+        the chain's root. No engine state read."""
+        seq = EngineSequence("kv-transfer", prompt_token_ids, block_size=self.ledger.pool.block_size,
+                             model_fingerprint=self.engine.model_fingerprint, cache_salt=cache_salt,
+                             long_rope_after=self.engine.long_rope_after)
+        max_blocks = (len(seq.prompt_token_ids) - 1) // seq.block_size
+        return seq.block_hashes[:max_blocks], seq.hash_root
+
+    async def fetch(self, holder: Any, prompt_token_ids: Sequence[int], cache_salt: str = "") -> int:
+        """Imports from ``holder`` the cached blocks of the prompt's prefix
+        that this replica lacks.
+
+        Args:
+            holder: Has ``export_kv.remote(block_hashes)`` returning an
+                awaitable ``KVExport`` (a Ray actor handle of a replica).
+            prompt_token_ids: The request's prompt.
+            cache_salt: The request's cache salt (part of the hashes).
+
+        Returns:
+            Prompt tokens whose KV was imported (0: the request prefills
+            them; the fallback's reason is counted and logged).
+        """
+        started = time.perf_counter()
+        if self.runner is None:
+            return 0
+        if not self._try_enter("in"):
+            self.metrics.fallback("busy")
+            return 0
+        try:
+            hashes, root = self.prefix_hashes(prompt_token_ids, cache_salt)
+            # Read off the engine thread (a dict lookup per hash): a stale answer costs a few blocks
+            # fetched twice or not at all; reserve and commit re-check on the engine thread.
+            start = self.ledger.num_cached_leading(hashes)
+            if start == len(hashes):
+                return 0
+            try:
+                export = await asyncio.wait_for(_ask(holder, hashes[start:]), self.timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("KV fetch: the holder sent nothing in %.1fs; the request prefills", self.timeout_s)
+                self.metrics.fallback("timeout")
+                return 0
+            reason = self._check(export, hashes[start:])
+            if reason is not None:
+                logger.warning("KV fetch: %s; the request prefills", export.reason or reason)
+                self.metrics.fallback(reason)
+                return 0
+            num = await self.front.call(lambda engine: self._import(export, hashes, start, root, prompt_token_ids))
+            if num is None:
+                self.metrics.fallback("no_room")
+                return 0
+            num_tokens = num * self.ledger.pool.block_size
+            self.metrics.moved("in", num, export.data.nbytes)  # type: ignore[union-attr]
+            self.metrics.prefix_tokens.inc(num_tokens)
+            self.metrics.seconds.observe(time.perf_counter() - started)
+            return num_tokens
+        except Exception as exc:  # noqa: BLE001 - a holder that died or failed: prefill instead
+            logger.warning("KV fetch failed (%r); the request prefills", exc)
+            self.metrics.fallback("error")
+            return 0
+        finally:
+            self._leave("in")
+
+    def _check(self, export: KVExport, asked: list[bytes]) -> Optional[str]:
+        """Why ``export`` cannot be imported (a fallback reason), or None."""
+        if not isinstance(export, KVExport) or export.data is None or not export.block_hashes:
+            return "not_held"
+        if export.layout != self.layout:
+            logger.warning("KV fetch: the holder's cache layout %s differs from this one %s", export.layout,
+                           self.layout)
+            return "mismatch"
+        num = len(export.block_hashes)
+        if list(export.block_hashes) != asked[:num]:
+            return "mismatch"
+        if tuple(export.data.shape) != self.layout.array_shape(num) or export.data.dtype != np.uint8:
+            return "mismatch"
+        return None
+
+    def _import(self, export: KVExport, hashes: list[bytes], start: int, root: bytes,
+                prompt_token_ids: Sequence[int]) -> Optional[int]:
+        """Engine thread: reserve, write, commit (see the module doc).
+        Returns the blocks imported, or None when they do not fit."""
+        bs = self.ledger.pool.block_size
+        num = len(export.block_hashes)
+        # Blocks cached here since the racy read are skipped: import only past the local run.
+        have = self.ledger.num_cached_leading(hashes[: start + num])
+        skip = max(0, have - start)
+        if skip == num:
+            return 0
+        first = start + skip
+        held = self.ledger.reserve(hashes[first : start + num], hashes[first - 1] if first else root,
+                                   list(prompt_token_ids[first * bs : (start + num) * bs]))
+        if held is None:
+            return None
+        try:
+            write_blocks(self.runner, held.block_ids, export.data[:, :, skip:])  # type: ignore[index]
+        except BaseException:
+            self.ledger.release(held.transfer_id)  # never hashed: nothing read it
+            raise
+        self.ledger.commit(held.transfer_id)
+        if self.after_commit is not None:
+            self.after_commit()
+        return num - skip
+
+    # ----------------------------------------------------------------- limits
+    def _try_enter(self, direction: str) -> bool:
+        with self._lock:
+            if self._in_flight[direction] >= self.max_concurrent_transfers:
+                return False
+            self._in_flight[direction] += 1
+            return True
+
+    def _leave(self, direction: str) -> None:
+        with self._lock:
+            self._in_flight[direction] -= 1
+
+
+async def _ask(holder: Any, block_hashes: list[bytes]) -> KVExport:
+    return await holder.export_kv.remote(block_hashes)
+
+
+class LocalHolder:
+    """A replica in this process behind the ``export_kv.remote(...)`` shape of
+    a Ray actor handle (engine tests and the bench's in-process mode)."""
+
+    def __init__(self, transfer: KVTransfer) -> None:
+        self.export_kv = _Remote(transfer.export)
+
+
+class _Remote:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+class KVTransferEndpoints:
+    """The transfer methods of ``ReplicaServer`` (mixed in: the replica's
+    module stays about serving). The class sets ``self.kv_transfer``."""
+
+    kv_transfer: KVTransfer
+
+    def _start_kv_transfer(self, front: Any, runner: Any, metrics: Any, after_commit: Callable[[], None]) -> None:
+        labels = dict(getattr(metrics, "_labels", {"replica": "", "model": ""}))
+        self.kv_transfer = KVTransfer(front, runner, TransferMetrics(metrics.registry, labels),
+                                      after_commit=after_commit)
+
+    async def export_kv(self, block_hashes: list[bytes]) -> KVExport:
+        """The leading blocks of ``block_hashes`` cached here (another replica fetches them)."""
+        return await self.kv_transfer.export(block_hashes)
+
+    async def fetch_prefix(self, holder: Any, prompt_token_ids: list[int], cache_salt: str = "") -> int:
+        """Imports the prompt's cached prefix blocks this replica lacks from
+        ``holder`` (a handle with ``export_kv``); returns the tokens imported
+        (0: the request will prefill them)."""
+        return await self.kv_transfer.fetch(holder, prompt_token_ids, cache_salt)
+
+    async def fetch_and_generate(self, request: Any, holder: Any) -> Any:
+        """``generate(request)`` after fetching its prefix from ``holder``
+        (a failed fetch only means a longer prefill)."""
+        if request.lora_request is None:  # an adapter's blocks hash on its content: not fetched yet
+            await self.kv_transfer.fetch(holder, request.prompt_token_ids, request.cache_salt)
+        async for chunk in self.generate(request):  # type: ignore[attr-defined]
+            yield chunk
