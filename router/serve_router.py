@@ -44,6 +44,7 @@ the chosen replica's matched / request blocks into
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from typing import Any, List, Optional
@@ -280,7 +281,17 @@ class PrefixAwareRequestRouter(RequestRouter):
             holds_adapter=_holds(stats, adapter) if adapter and "lora_adapters" in stats else None,
             num_adapters=len(stats.get("lora_adapters", ())),
             max_adapters=max(0, int(stats.get("max_cpu_loras", 0))),
+            adapter_load_tokens=_finite_nonnegative(stats.get("lora_load_tokens", 0.0)),
         )
+
+
+def _finite_nonnegative(value: Any) -> float:
+    """A replica's reported float, 0.0 when it is not a finite number >= 0."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def _holds(stats: dict, adapter: str) -> bool:

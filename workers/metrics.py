@@ -42,7 +42,7 @@ heartbeats; the router's ``GET /metrics`` merges the live replicas' texts
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -218,9 +218,9 @@ class ReplicaMetrics:
             self.structured_compile_seconds.observe(seconds)
 
     def record_lora(self, *, num_loaded: int, num_active: int, num_loads: int, num_evictions: int,
-                    last_load_s: float) -> None:
+                    load_seconds: Sequence[float] = ()) -> None:
         """Sets the adapter gauges and advances the counters to the manager's
-        cumulative values (the load time observed is the latest load's)."""
+        cumulative values; observes each load's seconds (``load_seconds``: those since the last call)."""
         self.lora_loaded.set(num_loaded)
         self.lora_active.set(num_active)
         for name, value, counter in (("loads", num_loads, self.lora_loads),
@@ -229,8 +229,8 @@ class ReplicaMetrics:
             if delta > 0:
                 counter.inc(delta)
                 self._lora_counts[name] = value
-                if name == "loads":
-                    self.lora_load_seconds.observe(last_load_s)
+        for seconds in load_seconds:
+            self.lora_load_seconds.observe(seconds)
 
     def lora_label(self, name: str) -> str:
         """``name`` as a ``lora_name`` label value (bounded: ``_other`` past ``MAX_LORA_NAMES``)."""
@@ -273,7 +273,7 @@ class ReplicaMetrics:
         if lora is not None:
             active = {s.lora.slot for s in scheduler.queue.running if s.lora is not None}
             self.record_lora(num_loaded=len(lora.published), num_active=len(active), num_loads=lora.num_loads,
-                             num_evictions=lora.num_evictions, last_load_s=lora.last_load_s)
+                             num_evictions=lora.num_evictions, load_seconds=lora.cost.take_load_seconds())
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (without ``*_created`` series)."""

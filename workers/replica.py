@@ -233,6 +233,8 @@ class ReplicaServer(KVTransferEndpoints):
     async def load_lora_adapter(self, lora: LoRARequest) -> str:
         """Loads an adapter now (a run-time load's check, ``router/openai/lora_admin.py``);
         returns its content hash. Raises ValueError with the reason it cannot load."""
+        if self.engine.lora is not None:  # read off the engine thread: running streams wait for the install only
+            await asyncio.to_thread(self.engine.lora.prefetch, lora)
 
         def load(engine: LLMEngine) -> str:
             if engine.lora is None:

@@ -334,3 +334,4 @@ class ReplicaStats:
     at: float = 0.0  # time.time() when the figures were read
     lora_adapters: tuple[tuple[str, str], ...] = ()  # loaded LoRA adapters: (name, content hash)
     max_cpu_loras: int = 0  # LoRA adapters it keeps loaded at most (0: no LoRA); the router prices evictions
+    lora_load_tokens: float = 0.0  # a LoRA load's wait in prefill tokens, measured (0: not yet; lora/load_cost.py)

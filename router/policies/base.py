@@ -55,6 +55,8 @@ class ReplicaView:
         num_adapters: LoRA adapters it has loaded.
         max_adapters: Adapters it keeps loaded at most (``max_cpu_loras``;
             0: unknown): loading one more when full evicts one.
+        adapter_load_tokens: What loading an adapter costs it, in prefill
+            tokens, as it measured (0: not measured; the policy's default).
     """
 
     replica_id: str
@@ -70,12 +72,13 @@ class ReplicaView:
     holds_adapter: Optional[bool] = None
     num_adapters: int = 0
     max_adapters: int = 0
+    adapter_load_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
             raise ValueError(f"replica_id must be a non-empty string, got {self.replica_id!r}")
         for name in ("num_running", "num_waiting", "num_swapped", "num_cached_blocks", "num_prefill_tokens",
-                     "num_decode_tokens", "num_kv_blocks", "num_adapters", "max_adapters"):
+                     "num_decode_tokens", "num_kv_blocks", "num_adapters", "max_adapters", "adapter_load_tokens"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} of replica {self.replica_id!r} must be >= 0, got {value!r}")
@@ -116,6 +119,7 @@ class ReplicaView:
             holds_adapter=any(name == adapter for name, _ in stats.lora_adapters) if adapter else None,
             num_adapters=len(stats.lora_adapters),
             max_adapters=stats.max_cpu_loras,
+            adapter_load_tokens=stats.lora_load_tokens,
         )
 
 

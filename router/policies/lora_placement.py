@@ -11,9 +11,12 @@ Algorithm
                                         holds max_cpu_loras adapters already
         load_tokens                     otherwise (a stray with a free slot)
 
-    ``load_tokens`` is the adapter's read (``load_s * prefill tokens/s`` of
-    the replicas): the request waits for it, and so does every request
-    queued behind it. ``eviction_tokens`` prices churn: a stray load on a
+    ``load_tokens`` is the adapter's read (``load_s * prefill tokens/s``):
+    the request waits for it, and so does every request queued behind it.
+    Each replica measures its own (``ReplicaView.adapter_load_tokens``: the
+    mean of its loads' seconds times its prefill steps' tokens/s,
+    ``workers/lora/load_cost.py``); ``adapter_load_tokens`` stands in for a
+    replica that has not measured both yet. ``eviction_tokens`` prices churn: a stray load on a
     full replica evicts an adapter that lives there, whose next request
     pays a load again (and the loads/evictions per minute are a cost of
     their own: disk reads, a slot rewrite in every targeted layer).
@@ -42,12 +45,12 @@ Algorithm
     holder with the prefix wins over a holder without.
 
 Parameters and defaults
-    adapter_load_tokens = 32.0       One adapter read, in prefill tokens:
-                                     rank 16 on the default model reads in
-                                     5-50 ms (docs/LORA.md); at ~460 prefill
-                                     tokens/s on 2 CPU cores 20 ms is ~9
-                                     tokens, on a GPU hundreds. Set it to
-                                     load_s * prefill tokens/s of the fleet.
+    adapter_load_tokens = 32.0       One adapter read, in prefill tokens, for
+                                     a replica that has not measured its own
+                                     yet: rank 16 on the default model reads
+                                     in 5-50 ms (docs/LORA.md); at ~460
+                                     prefill tokens/s on 2 CPU cores 20 ms is
+                                     ~9 tokens, on a GPU hundreds.
     adapter_eviction_tokens = 256.0  Churn penalty of a stray load on a full
                                      replica (``prefixserve simulate
                                      --adapters``, docs/BENCHMARKS.md "LoRA
@@ -129,4 +132,5 @@ def adapter_cost(view: ReplicaView, is_home: bool, load_tokens: float, eviction_
     if holds is None or holds:
         return 0.0
     full = bool(view.max_adapters) and view.num_adapters >= view.max_adapters
-    return load_tokens + (eviction_tokens if full and not is_home else 0.0)
+    load = view.adapter_load_tokens or load_tokens  # what the replica measured, else the configured price
+    return load + (eviction_tokens if full and not is_home else 0.0)

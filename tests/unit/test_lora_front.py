@@ -165,8 +165,10 @@ def test_replica_metrics_count_requests_and_tokens_per_adapter():
         timer = metrics.start_request(lora_name=name)
         timer.on_output(RequestOutput("x", [1, 2], "", FinishReason.STOP, num_prompt_tokens=3, num_output_tokens=2,
                                       num_cached_tokens=0))
-    metrics.record_lora(num_loaded=3, num_active=2, num_loads=5, num_evictions=2, last_load_s=0.02)
+    metrics.record_lora(num_loaded=3, num_active=2, num_loads=5, num_evictions=2, load_seconds=[0.02, 0.3])
+    metrics.record_lora(num_loaded=3, num_active=2, num_loads=5, num_evictions=2)  # no new load: nothing observed
     text = metrics.render().decode()
+    assert 'prefixserve:lora_load_seconds_count{model="base",replica="r0"} 2.0' in text  # both loads of the step
     assert 'prefixserve:lora_requests_total{lora_name="sql",model="base",replica="r0"} 2.0' in text
     assert 'prefixserve:lora_generation_tokens_total{lora_name="sql",model="base",replica="r0"} 4.0' in text
     assert 'lora_name="_other"' in text and text.count("prefixserve:lora_requests_total{") == MAX_LORA_NAMES + 1

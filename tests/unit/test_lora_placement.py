@@ -167,6 +167,37 @@ def test_the_serve_router_passes_the_adapter_and_its_holders_to_the_policy():
     assert first(LoRARequest("chat")) == "holder"  # 20 queued tokens cost less than a load and an eviction
 
 
+def test_a_replicas_measured_load_price_replaces_the_configured_one():
+    """A busy holder keeps a request against an idle replica whose measured load costs more than
+    the holder's queue, and loses it to one whose measured load costs less, whatever the default."""
+    policy = make_policy()
+    holder = make_view("holder", holds=True, queued=100)
+    for measured, winner in ((400.0, "holder"), (60.0, "idle"), (0.0, "idle")):  # 0: not measured, LOAD (32)
+        idle = ReplicaView("idle", matched_blocks=0, num_kv_blocks=1000, holds_adapter=False,
+                           adapter_load_tokens=measured)
+        assert policy.choose(make_input(holder, idle))[0] == winner, measured
+    assert get_policy("prefix_cost", adapter_load_tokens=500).choose(make_input(holder, ReplicaView(
+        "idle", matched_blocks=0, num_kv_blocks=1000, holds_adapter=False)))[0] == "holder"
+    stats = ReplicaStats("r1", 0, 0, 0, 0.0, 0, lora_load_tokens=57.5)
+    assert ReplicaView.from_stats(stats, 0, adapter="chat").adapter_load_tokens == 57.5
+    with pytest.raises(ValueError, match="adapter_load_tokens"):
+        ReplicaView("r", adapter_load_tokens=-1.0)
+
+
+def test_the_serve_router_reads_the_measured_load_price():
+    serve_common = pytest.importorskip("ray.serve._private.common")
+    from router.serve_router import PrefixAwareRequestRouter
+    from tests.unit.test_serve_router import FakeReplica
+
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=4, model_fingerprint="fp")
+    replica = FakeReplica("r")
+    for reported, read in ((123.5, 123.5), ("nan", 0.0), (-4, 0.0), (None, 0.0)):
+        replica.routing_stats = {"lora_adapters": (), "lora_load_tokens": reported}
+        assert router._view(replica, 0, "chat").adapter_load_tokens == read
+
+
 # ---------------------------------------------------------------- simulator
 def sim_args(tmp_path, **overrides):
     parser = argparse.ArgumentParser()

@@ -247,8 +247,11 @@ class LLMEngine:
         outputs = []
         for seq, new_ids, new_logprobs in self.scheduler.update_from_output(sched, model_out):
             outputs.append(self._make_output(seq, new_ids, new_logprobs))
-        if self.lora is not None and self.lora.over_capacity:  # adapters held past max_cpu_loras while in use
-            self.lora.trim(slots_in_use(self.scheduler.queue))
+        if self.lora is not None:
+            if not sched.is_empty:  # the prefill rate that prices an adapter load (workers/lora/load_cost.py)
+                self.lora.cost.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+            if self.lora.over_capacity:  # adapters held past max_cpu_loras while in use
+                self.lora.trim(slots_in_use(self.scheduler.queue))
         return outputs
 
     def _note_first_scheduled(self, sched: SchedulerOutput) -> None:
@@ -332,6 +335,7 @@ class LLMEngine:
             at=time.time(),
             lora_adapters=self.lora.published if self.lora is not None else (),
             max_cpu_loras=self.lora.capacity if self.lora is not None else 0,
+            lora_load_tokens=self.lora.cost.load_tokens if self.lora is not None else 0.0,
         )
 
 

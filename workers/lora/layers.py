@@ -70,7 +70,7 @@ class LoRALayer:
     def __init__(self, batch: LoRABatch, native: bool) -> None:
         self.batch = batch
         self.native = native
-        self.slots: dict[int, tuple[Kernel, Kernel]] = {}  # side paths the grouped kernel does not run
+        self.slots: dict[int, tuple[Kernel, Kernel, int]] = {}  # side paths the grouped kernel does not run (+ bytes)
         self.grouped: Optional[kernels.NativeLayer] = None  # built with the first side path
         self._lib = kernels.load() if native else None
 
@@ -84,7 +84,7 @@ class LoRALayer:
         if self._lib is not None and kernels.NativeLayer.fits(a):
             layout = self.grouped or kernels.NativeLayer(self._lib, a.shape[1], b.shape[0])
             return "grouped", (a.shape[1], b.shape[0], layout.pack(a.contiguous(), b.contiguous()))
-        return "pair", (_kernel(a, self.native), _kernel(b, self.native))
+        return "pair", (_kernel(a, self.native), _kernel(b, self.native), (a.numel() + b.numel()) * a.element_size())
 
     def install(self, slot: int, prepared: tuple[str, object]) -> None:
         """Makes ``prepare``'s result ``slot``'s side path (the engine thread)."""
@@ -103,6 +103,12 @@ class LoRALayer:
         if self.grouped is not None and slot in self.grouped.slots:
             self.grouped.clear_slot(slot)
 
+    def num_bytes(self) -> int:
+        """Bytes of the side paths installed here (the packed panels, or the pairs' weights)."""
+        grouped = sum(t.numel() * t.element_size() for packed in (self.grouped.slots.values() if self.grouped else ())
+                      for t in packed if isinstance(t, torch.Tensor))
+        return grouped + sum(pair[2] for pair in self.slots.values())
+
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` plus each of this step's adapters' delta on its rows (in place)."""
         if not self.batch.groups:
@@ -116,7 +122,7 @@ class LoRALayer:
             pair = self.slots.get(slot)
             if pair is None:  # grouped above, or this adapter does not target this layer
                 continue
-            shrink, expand = pair
+            shrink, expand, _ = pair
             if rows is None:
                 out.add_(expand(shrink(x)))
             else:

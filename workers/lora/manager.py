@@ -30,6 +30,7 @@ from typing import Iterable, Optional, Union
 from cluster.shared.config import LoRAConfig
 from cluster.shared.types import LoRARequest
 from workers.lora.adapter import LoRAAdapter
+from workers.lora.load_cost import LoadCost
 from workers.lora.side_paths import AdapterSlots, RankAdapterSlots
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class LoRAManager:
         self.num_loads = 0
         self.num_evictions = 0
         self.last_load_s = 0.0
+        self.cost = LoadCost()  # measured load time and prefill rate: the routers' price of a load here
         for name, path in config.modules.items():
             self.load(LoRARequest(name, 0, path))
 
@@ -119,6 +121,7 @@ class LoRAManager:
         self._publish()
         self.num_loads += 1
         self.last_load_s = time.perf_counter() - started
+        self.cost.observe_load(self.last_load_s)
         logger.info("LoRA adapter %s loaded from %s in %.0f ms: rank %d, slot %d", adapter.name, path,
                     self.last_load_s * 1e3, adapter.rank, slot)
         return adapter, slot
@@ -164,7 +167,16 @@ class LoRAManager:
         self.slots.drop([self._loaded[key][1] for key in keys])
         for key in keys:
             self._forget(key)
+        with self._read_lock:  # read ahead and not installed yet: their tensors go too
+            for key in [key for key in self._read_ahead if key[0] == name]:
+                del self._read_ahead[key]
         return bool(keys)
+
+    def num_bytes(self) -> Optional[int]:
+        """Bytes of the installed side paths in this process (None with tensor
+        parallelism: each rank holds its shard); an unload or eviction frees its adapter's."""
+        count = getattr(self.slots, "num_bytes", None)
+        return count() if count is not None else None
 
     @property
     def over_capacity(self) -> bool:

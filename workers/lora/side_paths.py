@@ -122,6 +122,10 @@ class AdapterSlots:
             for layer in self.layers.values():
                 layer.clear_slot(slot)
 
+    def num_bytes(self) -> int:
+        """Bytes of every installed side path in this process (what an unload or eviction frees)."""
+        return sum(layer.num_bytes() for layer in self.layers.values())
+
     def _shard(self, module: str, delta: LayerDelta) -> LayerDelta:
         """The rank's piece of a full side path (the module docstring's table)."""
         assert self.tp is not None
