@@ -7,7 +7,8 @@ the defaults make ~200M parameters), written once into the cache folder.
 Two engines load it: ours (``workers/model/moe.py``: each chosen expert runs
 once, on the tokens routed to it) and the baseline, whose MoE layers run
 every expert on every token and weigh the outputs by the same routing (zero
-for the experts a token did not choose), the naive dense loop. Their decode
+for the experts a token did not choose), the naive dense loop (in the same
+C call as ours where the layer is native: ``moe_f32.c``'s ``dense``). Their decode
 steps alternate, ``--interleave-steps`` of one then of the other, both
 batches alive, so the machine's drift slows both alike; the greedy tokens of
 the two must be the same.
@@ -89,12 +90,17 @@ def dense_forward(moe: Any, x: Any) -> Any:
 
 
 def make_dense(llm: Any) -> int:
-    """Switches every MoE layer of ``llm`` to ``dense_forward``; returns how many."""
+    """Switches every MoE layer of ``llm`` to the dense loop; returns how many. A native layer
+    (``moe_native.py``) runs it in its own C call (every expert over every token, the same kernels),
+    so both engines keep the one-call decode step; else ``dense_forward``."""
     from workers.model.moe import SparseMoE
 
     layers = [m for m in llm.runner.model.modules() if isinstance(m, SparseMoE)]
     for moe in layers:
-        moe.forward = lambda x, moe=moe: dense_forward(moe, x)
+        if moe.native is not None:
+            moe.native.struct.dense = 1
+        else:
+            moe.forward = lambda x, moe=moe: dense_forward(moe, x)
     return len(layers)
 
 

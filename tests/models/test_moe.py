@@ -31,6 +31,7 @@ def _moe(model) -> SparseMoE:
 def test_only_the_routed_experts_run(mixtral_dir):
     model, _ = load_model(mixtral_dir, "float32", "cpu", TorchAttentionBackend())
     moe = _moe(model)
+    moe.native = None  # the torch loop, whose expert modules the hooks see (the native layer: below)
     calls: list[int] = []
     for i, expert in enumerate(moe.experts):
         expert.register_forward_hook(lambda mod, inp, out, i=i: calls.append((i, inp[0].shape[0])))
@@ -48,6 +49,32 @@ def test_a_tokens_output_does_not_depend_on_its_batch(mixtral_dir):
     together = moe(x)
     for i in range(x.shape[0]):
         assert torch.equal(moe(x[i : i + 1])[0], together[i]), i  # bitwise, alone or with 8 others
+
+
+@pytest.mark.parametrize("family,quantization", [("mixtral", None), ("mixtral", "int4"), ("qwen2_moe", None)])
+def test_the_native_layer_gives_the_torch_loops_bits(family, quantization, tmp_path):
+    folder = save_hf_model(make_hf_model(make_hf_config(family)), tmp_path)
+    model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend(), linear_backend="native",
+                          quantization=quantization)
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    if moe.native is None:
+        pytest.skip("a native kernel did not build here")
+    x = torch.randn(9, model.arch.hidden_size, generator=torch.Generator().manual_seed(2))
+    weights, ids = moe.route(x)  # the native routing: torch's softmax, top-k and renormalisation to float rounding
+    probs = torch.softmax(moe.gate(x), dim=-1)
+    expected_weights, expected_ids = torch.topk(probs, 2, dim=-1)
+    if moe.norm_topk_prob:
+        expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids, expected_ids)
+    assert torch.allclose(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    routed = moe.native.forward(x)
+    assert torch.equal(routed, moe.routed_loop(x, weights, ids))  # one C call: the loop's kernels, order, bits
+    for i in (0, 5):
+        assert torch.equal(moe.native.forward(x[i : i + 1])[0], routed[i])  # alone or with 8 others
+    moe.native.struct.dense = 1  # bench moe's baseline: every expert on every token, weight 0 where not chosen
+    assert torch.equal(moe.native.forward(x), routed)
+    moe.native.struct.dense = 0
 
 
 def test_int4_quantizes_the_experts_and_keeps_the_router_float(mixtral_dir):

@@ -252,6 +252,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             from workers.model.native_decoder import NativeDecoder
 
+            if native is not None:  # the routed experts of each MoE layer in one C call (moe_native.py)
+                for module in self.modules():
+                    if isinstance(module, SparseMoE):
+                        module.install_native()
             self.native_decoder = NativeDecoder.try_build(self)
         return count
 

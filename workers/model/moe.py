@@ -13,6 +13,12 @@ One layer's forward over a flat token batch ``x [T, hidden]``::
         out[rows] += weight(row, e) * y
     + sigmoid(shared_gate(x)) * shared_expert(x)  (Qwen2-MoE)
 
+Where every piece is native (CPU, float32, the layer's linears on the packed
+or quantized kernels), the routed part runs as one C call (``moe_native.py``:
+the same kernels, the same order, the same bits as this loop given its
+routing, which then comes from there too); the model installs it at load
+(``install_native``).
+
 That is transformers' own order (softmax in float32, top-k, the experts'
 outputs added in ascending expert order), so greedy tokens match it. Each
 expert's projections are our ``Linear`` (the native packed GEMM on CPU,
@@ -33,6 +39,7 @@ from torch import nn
 
 from workers.model.linear import Linear
 from workers.model.mlp import GatedMLP
+from workers.model.moe_native import NativeMoE
 from workers.model.tp import TPContext
 
 
@@ -65,9 +72,18 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True
+        self.native: Optional[NativeMoE] = None  # the routed experts in one C call (install_native)
+
+    def install_native(self) -> bool:
+        """Runs the routed experts natively from now on where every piece allows
+        (``moe_native.py``); call once the linears are finalized. Returns whether it does."""
+        self.native = NativeMoE.try_build(self)
+        return self.native is not None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k])`` of each token."""
+        if self.native is not None:
+            return self.native.route(self.gate(x).float())
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -75,7 +91,17 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        if self.native is not None and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu":
+            out = self.native.forward(x)
+        else:
+            out = self.routed_loop(x, *self.route(x))
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum in torch, given the routing (``route``)."""
         out = torch.zeros_like(x)
         for expert_id in torch.unique(ids).tolist():  # ascending, as transformers adds them
             rows, slot = torch.nonzero(ids == expert_id, as_tuple=True)
@@ -83,7 +109,4 @@ class SparseMoE(nn.Module):
             # A token picks an expert once, so rows are distinct: a gather-add-scatter gives index_add_'s
             # bits (one addition per element) without its cost (0.25 ms a call for one row here, more under load).
             out.index_copy_(0, rows, out.index_select(0, rows) + y * weights[rows, slot, None])
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out

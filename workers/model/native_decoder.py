@@ -17,6 +17,12 @@ scratch buffer, so a step costs no Python per layer at all (about 2 ms of a
 30 ms batch-1 step otherwise). ``bench latency --profile`` keeps the
 per-kernel Python loop, whose timers it needs.
 
+Mixture-of-experts layers (Mixtral) run their routed experts in one more C
+call (``moe_forward_f32``, ``moe_native.py``), which the module runs too and
+the one-call step reaches through a pointer; a layer with a shared expert
+(Qwen2-MoE) or experts off the native kernels keeps its module, in the
+per-layer loop.
+
 Steps with prefill chunks take the module path's attention for those layers'
 attention (views of the q/k/v rows into the backend); everything else stays
 here.
@@ -39,13 +45,16 @@ import torch
 from workers.model import lora_kernels
 from workers.model import cpu_ops, gemm, i8gemm, native, qgemm
 from workers.model.attention import cpu_decode
+from workers.model.moe import SparseMoE
+from workers.model.moe_native import load as load_moe
+from workers.model.native_structs import F, L, Fns, Lin, P, address, lin_struct, weight_of
 
 
 class _Layer:
     """One decoder layer's pointers and sizes."""
 
     __slots__ = ("norm1", "norm2", "eps", "qkv", "o", "gate_up", "down", "num_heads", "num_kv_heads", "head_dim",
-                 "scale", "window", "attn", "linears")
+                 "scale", "window", "attn", "linears", "moe")
 
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -53,75 +62,28 @@ class _Layer:
         self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
         self.eps = float(layer.input_layernorm.eps)
         assert layer.post_attention_layernorm.eps == layer.input_layernorm.eps
-        self.qkv, self.o = _weight(attn.qkv_proj), _weight(attn.o_proj)
-        self.gate_up, self.down = _weight(mlp.gate_up_proj), _weight(mlp.down_proj)
+        self.qkv, self.o = weight_of(attn.qkv_proj), weight_of(attn.o_proj)
+        self.moe = mlp if isinstance(mlp, SparseMoE) else None  # its module runs it (one C call where native)
+        dense = (mlp.gate_up_proj, mlp.down_proj) if self.moe is None else (None, None)
+        self.gate_up, self.down = (weight_of(m) if m is not None else None for m in dense)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
         self.attn = attn
-        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)  # their .lora: side paths
-
-
-def _weight(linear: Any) -> tuple:
-    """What ``NativeDecoder._linear`` calls a layer's kernel with: ``(None,
-    panels, bias or 0, out_features, in_features)`` for a packed float weight,
-    ``(quant, q, scales, mins or 0, bias or 0, out_features, in_features)``
-    for a quantized one (``qgemm.py``), ``(layer kernel, None, out_features,
-    in_features)`` for one that quantizes its input too (``w8a8``; the step
-    driver calls its ``i8gemm`` directly)."""
-    quant = linear.quant
-    if quant is not None and not isinstance(quant, qgemm.QuantWeight):
-        return (quant, None, quant.out_features, quant.in_features)
-    if quant is not None:
-        return (quant, quant.q.data_ptr(), quant.scales.data_ptr(),
-                quant.mins.data_ptr() if quant.mins is not None else 0,
-                quant.bias.data_ptr() if quant.bias is not None else 0, quant.out_features, quant.in_features)
-    packed: gemm.PackedWeight = linear.packed
-    bias = packed.bias.data_ptr() if packed.bias is not None else 0
-    return None, packed.panels.data_ptr(), bias, packed.out_features, packed.in_features
+        self.linears = (attn.qkv_proj, attn.o_proj, *dense)  # their .lora: side paths
 
 
 _DRIVER_SOURCE = native.source("decoder_step.c")
 
-_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-
-
-class _Fns(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("qgemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P),
-                ("i8gemm", _P), ("lora", _P), ("lora_rows", _P)]
-
-
-class _Lin(ctypes.Structure):
-    _fields_ = [("kind", _L), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("bits", _L), ("group", _L),
-                ("n", _L), ("k", _L), ("lora", _P)]
+_P, _L, _F = P, L, F
 
 
 class _LayerC(ctypes.Structure):
-    _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin),
-                ("k_cache", _P), ("v_cache", _P), ("window", _L), ("eps", _F), ("scale", _F)]
+    _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", Lin), ("o", Lin), ("gate_up", Lin), ("down", Lin),
+                ("k_cache", _P), ("v_cache", _P), ("window", _L), ("eps", _F), ("scale", _F), ("moe", _P)]
 
 
 _DRIVER_SIGNATURES = {"decoder_decode": [_P, _P, _L, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P, _P, _P, _L, _P, _L,
                                          _L, _P, _P, _P, _L]}
-
-
-def _address(fn: Any) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value or 0
-
-
-def _lin_struct(weight: tuple) -> Optional[_Lin]:
-    """A linear for the step driver, or None for one it cannot call."""
-    if weight[0] is None:
-        _, panels, bias, n, k = weight
-        return _Lin(0, panels, None, None, bias or None, 0, 0, n, k)
-    if weight[1] is None:
-        quant = weight[0]
-        if not isinstance(quant, i8gemm.Int8Weight):
-            return None
-        bias = quant.bias.data_ptr() if quant.bias is not None else None
-        return _Lin(2, quant.q.data_ptr(), quant.scales.data_ptr(), quant.wsum.data_ptr(), bias, 8, 0,
-                    quant.out_features, quant.in_features)
-    quant, q, scales, mins, bias, n, k = weight
-    return _Lin(1, q, scales, mins or None, bias or None, quant.bits, quant.group_size, n, k)
 
 
 class NativeDecoder:
@@ -157,25 +119,33 @@ class NativeDecoder:
     def _build_driver(self) -> Any:
         """The one-call decode step (module doc), or None when a piece is missing."""
         lib = native.build("decoder_step", _DRIVER_SOURCE, signatures=_DRIVER_SIGNATURES)
-        lins = [[_lin_struct(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] for layer in self.layers]
-        if lib is None or any(lin is None for row in lins for lin in row):
+        lins = [[lin_struct(w) if w is not None else Lin() for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                for layer in self.layers]
+        moes = [layer.moe.native if layer.moe is not None else None for layer in self.layers]
+        moe_lib = load_moe() if any(layer.moe is not None for layer in self.layers) else None
+        if lib is None or any(lin is None for row in lins for lin in row) or any(  # a shared expert: torch's
+                layer.moe is not None and (moe is None or layer.moe.shared_expert is not None or moe_lib is None)
+                for layer, moe in zip(self.layers, moes, strict=True)):
             return None
-        dims = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, row[0].n, row[3].k)  # same shapes everywhere
+        dims = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, row[0].n)  # same shapes everywhere
                 for layer, row in zip(self.layers, lins, strict=True)}
         kinds = {lin.kind for row in lins for lin in row}
         i8lib = i8gemm.load() if 2 in kinds else None
         if len(dims) != 1 or (self._qgemm is None and 1 in kinds) or (i8lib is None and 2 in kinds):
             return None
-        self._fns = _Fns(_address(self._gemm), _address(self._qgemm) if self._qgemm is not None else None,
-                         _address(self._norm), _address(self._rotary), _address(self._silu), _address(self._decode),
-                         _address(i8lib.i8gemm_f32) if i8lib is not None else None)
+        self._fns = Fns(address(self._gemm), address(self._qgemm) if self._qgemm is not None else None,
+                         address(self._norm), address(self._rotary), address(self._silu), address(self._decode),
+                         address(i8lib.i8gemm_f32) if i8lib is not None else None)
         lora_lib = lora_kernels.load()
-        self._fns.lora = _address(lora_lib.lora_add_f32) if lora_lib is not None else None
+        self._fns.lora = address(lora_lib.lora_add_f32) if lora_lib is not None else None
+        self._fns.moe = address(moe_lib.moe_forward_f32) if moe_lib is not None else None
         self._layers_c = (_LayerC * len(self.layers))(*[
-            _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale)
-            for layer, row in zip(self.layers, lins, strict=True)])
+            _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale,
+                    ctypes.addressof(moe.struct) if moe is not None else None)
+            for layer, row, moe in zip(self.layers, lins, moes, strict=True)])
+        inter = max([row[3].k for row, moe in zip(lins, moes, strict=True) if moe is None], default=0)
         self._scratch_per_token = 3 * self.hidden_size + lins[0][0].n \
-            + self.layers[0].num_heads * self.layers[0].head_dim + 3 * lins[0][3].k  # decoder_decode's buffers
+            + self.layers[0].num_heads * self.layers[0].head_dim + 3 * inter  # decoder_decode's buffers
         return lib.decoder_decode
 
     @classmethod
@@ -199,7 +169,8 @@ class NativeDecoder:
         attn = model.model.layers[0].self_attn
         if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms: the torch layers run it
             return None
-        if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers):  # MoE layers
+        if any(not isinstance(layer.mlp, SparseMoE) and not hasattr(layer.mlp, "gate_up_proj")
+               for layer in model.model.layers):  # an MLP it does not know
             return None
         if getattr(model.arch, "sandwich_norms", False):  # Gemma's layer layout: the torch layers run it
             return None
@@ -298,6 +269,9 @@ class NativeDecoder:
                 self.timers["attention"] += time.perf_counter() - begin
             out = self._linear(attn, layer.o, layer.linears[1].lora)
             hidden = self._add_norm(out, residual, layer.norm2, layer.eps)
+            if layer.moe is not None:  # the module: one C call for the routed experts where native
+                hidden = layer.moe(hidden)
+                continue
             gate_up = self._linear(hidden, layer.gate_up, layer.linears[2].lora)
             act = torch.empty(tokens, gate_up.shape[1] // 2)
             self._silu(gate_up.data_ptr(), act.data_ptr(), tokens, gate_up.shape[1] // 2)
@@ -308,7 +282,8 @@ class NativeDecoder:
         """Points the one-call step at this step's adapter rows (none: it skips
         the side paths) and each linear at its side paths; False when one is
         not the grouped kernel's (the per-layer loop then runs the step)."""
-        batch = next((lin.lora.batch for layer in self.layers for lin in layer.linears if lin.lora is not None), None)
+        batch = next((lin.lora.batch for layer in self.layers for lin in layer.linears
+                      if lin is not None and lin.lora is not None), None)
         self._fns.lora_rows = None
         if batch is None or not batch.groups:
             return True
@@ -316,9 +291,9 @@ class NativeDecoder:
             return False
         for layer, layer_c in zip(self.layers, self._layers_c, strict=True):
             for lin, lin_c in zip(layer.linears, (layer_c.qkv, layer_c.o, layer_c.gate_up, layer_c.down), strict=True):
-                if lin.lora is not None and lin.lora.slots:  # side paths the grouped kernel does not take
+                if lin is not None and lin.lora is not None and lin.lora.slots:  # not the grouped kernel's
                     return False
-                grouped = lin.lora.grouped if lin.lora is not None else None
+                grouped = lin.lora.grouped if lin is not None and lin.lora is not None else None
                 lin_c.lora = ctypes.addressof(grouped.c) if grouped is not None else None
         self._fns.lora_rows = ctypes.addressof(batch.rows.c)
         return True
@@ -326,7 +301,7 @@ class NativeDecoder:
     def _decode_step(self, x: torch.Tensor, kv_caches: list[torch.Tensor], decode_fn: Any, cos_p: int, sin_p: int,
                      step: tuple) -> torch.Tensor:
         """A decode-only step in one C call (module doc); same kernels, same order, same bits."""
-        caches = (_address(decode_fn), tuple(c.data_ptr() for c in kv_caches))
+        caches = (address(decode_fn), tuple(c.data_ptr() for c in kv_caches))
         if caches != self._driver_caches:  # the first step, or a new cache
             self._fns.decode = caches[0]
             for layer_c, cache in zip(self._layers_c, kv_caches, strict=True):
