@@ -17,15 +17,16 @@ same node). Nothing here waits on the engine thread or blocks an event loop::
                                             pinned blocks are never written)
                                           engine thread:  release (posted, not awaited)
     await the KVExport (timeout_s) <----- KVExport(hashes sent, layout, bytes)
-    engine thread, between two steps:
-      reserve -> write_blocks -> commit   fresh uncached blocks, written, then
-      -> KV events drained                hashed and freed: cached prefix blocks
+    engine thread:  reserve               fresh blocks, no hash: no lookup reaches them
+    worker thread:  write_blocks          the step loop runs on meanwhile
+    engine thread:  commit, events out    hashed and freed: cached prefix blocks
     generate(request)                     the admission hits them
 
-The write runs on the engine thread (a memcpy of the blocks; for 32 blocks
-of the default model ~23 MB, see docs/KV_TRANSFER.md) so that reserve, write
-and commit are one step boundary: no step ever sees a block half written, and
-a failed write leaves it uncached.
+The write runs off the engine thread: into blocks nobody reads, it is a
+memcpy of ~23 MB for the default model's 512 tokens, but the first write
+into never-used cache pages faults them in (the cache is allocated lazily,
+``workers/kv_memory.py``), 74-380 ms measured on a loaded 2-core machine
+(docs/KV_TRANSFER.md). A failed write releases the blocks unhashed.
 
 Faults: any error, a timeout, a layout mismatch or a holder that holds
 nothing makes ``fetch`` return 0 and count a fallback; the caller then sends
@@ -46,7 +47,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from workers.engine.kv_transfer import TransferLedger
+from workers.engine.kv_transfer import HeldBlocks, TransferLedger
 from workers.engine.sequence import Sequence as EngineSequence
 from workers.kv_copy import KVLayout, layout_of, read_blocks, write_blocks
 from workers.kv_transfer_metrics import TransferMetrics
@@ -105,6 +106,9 @@ class KVTransfer:
         self._lock = threading.Lock()
         self._in_flight = {"in": 0, "out": 0}
         self._posted: set[asyncio.Task] = set()  # releases posted to the engine thread, not awaited
+        # Seconds of the stages of the last export (pin, read) and fetch (ask, import): the bench reads them.
+        self.last_export: dict[str, float] = {}
+        self.last_fetch: dict[str, float] = {}
 
     # ---------------------------------------------------------------- holder
     async def export(self, block_hashes: Sequence[bytes]) -> KVExport:
@@ -118,13 +122,16 @@ class KVTransfer:
             return KVExport((), self.layout, None, "busy: the replica's concurrent-transfer limit is reached")
         try:
             hashes = [bytes(h) for h in block_hashes]
+            began = time.perf_counter()
             held = await self.front.call(lambda engine: self.ledger.pin_prefix(hashes))
             if held is None:
                 return KVExport((), self.layout, None, "none of the blocks is cached here")
+            pinned = time.perf_counter()
             try:
                 data = await asyncio.to_thread(read_blocks, self.runner, held.block_ids)
             finally:
                 self._post(lambda engine: self.ledger.release(held.transfer_id))
+            self.last_export = {"pin_s": pinned - began, "read_s": time.perf_counter() - pinned}
             self.metrics.moved("out", len(held.block_ids), data.nbytes)
             return KVExport(held.block_hashes, self.layout, data)
         finally:
@@ -174,6 +181,7 @@ class KVTransfer:
             start = self.ledger.num_cached_leading(hashes)
             if start == len(hashes):
                 return 0
+            asked = time.perf_counter()
             try:
                 export = await asyncio.wait_for(_ask(holder, hashes[start:]), self.timeout_s)
             except asyncio.TimeoutError:
@@ -185,12 +193,14 @@ class KVTransfer:
                 logger.warning("KV fetch: %s; the request prefills", export.reason or reason)
                 self.metrics.fallback(reason)
                 return 0
-            num = await self.front.call(lambda engine: self._import(export, hashes, start, root, prompt_token_ids))
+            answered = time.perf_counter()
+            num = await self._import(export, hashes, start, root, prompt_token_ids)
+            self.last_fetch = {"ask_s": answered - asked, "import_s": time.perf_counter() - answered}
             if num is None:
                 self.metrics.fallback("no_room")
                 return 0
             num_tokens = num * self.ledger.pool.block_size
-            self.metrics.moved("in", num, export.data.nbytes)  # type: ignore[union-attr]
+            self.metrics.moved("in", num, num * self.layout.block_bytes)  # type: ignore[union-attr]
             self.metrics.prefix_tokens.inc(num_tokens)
             self.metrics.seconds.observe(time.perf_counter() - started)
             return num_tokens
@@ -216,31 +226,47 @@ class KVTransfer:
             return "mismatch"
         return None
 
-    def _import(self, export: KVExport, hashes: list[bytes], start: int, root: bytes,
-                prompt_token_ids: Sequence[int]) -> Optional[int]:
-        """Engine thread: reserve, write, commit (see the module doc).
-        Returns the blocks imported, or None when they do not fit."""
+    async def _import(self, export: KVExport, hashes: list[bytes], start: int, root: bytes,
+                      prompt_token_ids: Sequence[int]) -> Optional[int]:
+        """Reserve (engine thread), write (a worker thread: the reserved
+        blocks are no sequence's and carry no hash, so no step reads them),
+        commit (engine thread). Returns the blocks imported, or None when
+        they do not fit."""
+        reserved = await self.front.call(lambda engine: self._reserve(export, hashes, start, root, prompt_token_ids))
+        if reserved is None or reserved == 0:
+            return reserved
+        held, skip = reserved
+        try:
+            await asyncio.to_thread(write_blocks, self.runner, held.block_ids, export.data[:, :, skip:])  # type: ignore[index]
+        except Exception:
+            await self.front.call(lambda engine: self.ledger.release(held.transfer_id))  # never hashed: nothing read it
+            raise
+        except BaseException:  # cancelled: the release must not wait
+            self._post(lambda engine: self.ledger.release(held.transfer_id))
+            raise
+        return await self.front.call(lambda engine: self._commit(held))
+
+    def _reserve(self, export: KVExport, hashes: list[bytes], start: int, root: bytes,
+                 prompt_token_ids: Sequence[int]) -> Any:
+        """Engine thread: ``(held, blocks of the export skipped)``, 0 when
+        every block is cached here now, None when they do not fit."""
         bs = self.ledger.pool.block_size
         num = len(export.block_hashes)
         # Blocks cached here since the racy read are skipped: import only past the local run.
-        have = self.ledger.num_cached_leading(hashes[: start + num])
-        skip = max(0, have - start)
+        skip = max(0, self.ledger.num_cached_leading(hashes[: start + num]) - start)
         if skip == num:
             return 0
         first = start + skip
         held = self.ledger.reserve(hashes[first : start + num], hashes[first - 1] if first else root,
                                    list(prompt_token_ids[first * bs : (start + num) * bs]))
-        if held is None:
-            return None
-        try:
-            write_blocks(self.runner, held.block_ids, export.data[:, :, skip:])  # type: ignore[index]
-        except BaseException:
-            self.ledger.release(held.transfer_id)  # never hashed: nothing read it
-            raise
+        return None if held is None else (held, skip)
+
+    def _commit(self, held: HeldBlocks) -> int:
+        """Engine thread: the written blocks become cached prefix blocks; their events go out."""
         self.ledger.commit(held.transfer_id)
         if self.after_commit is not None:
             self.after_commit()
-        return num - skip
+        return len(held.block_ids)
 
     # ----------------------------------------------------------------- limits
     def _try_enter(self, direction: str) -> bool:

@@ -275,3 +275,34 @@ def test_default_model_512_token_prefix_fetched_equals_local_hit():
     finally:
         holder.close()
         receiver.close()
+
+
+def test_the_step_loop_runs_while_the_blocks_are_written(pair, monkeypatch):
+    """The write waits until another request finished on the receiver: it
+    can only finish if the engine keeps stepping during the copy."""
+    import threading
+
+    holder, receiver = pair
+    other_done = threading.Event()
+    real_write = kv_transfer_module.write_blocks
+
+    def write_after_other_request(runner, block_ids, data):
+        assert other_done.wait(60), "the engine did not step while the blocks were written"
+        real_write(runner, block_ids, data)
+
+    monkeypatch.setattr(kv_transfer_module, "write_blocks", write_after_other_request)
+
+    async def main():
+        prompt = prompt_of(60)
+        expected = await run(holder, "s1", prompt)
+        fetch = asyncio.ensure_future(receiver.transfer.fetch(LocalHolder(holder.transfer), prompt))
+        while not receiver.transfer.ledger.holdings():  # reserved: the write has begun
+            await asyncio.sleep(0.01)
+        other = await run(receiver, "s-other", prompt_of(61), max_tokens=4)
+        assert len(other[0]) == 4
+        other_done.set()
+        assert await fetch == 24
+        assert (await run(receiver, "s2", prompt))[0] == expected[0]
+        await check_idle(receiver)
+
+    asyncio.run(main())
