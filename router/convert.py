@@ -347,11 +347,13 @@ def _prompt_reasoning(msg: pb.GenerateRequest, tokenizer: RouterTokenizer,
 def split_reasoning_chunk(response: pb.GenerateResponse, chunk: StreamChunk,
                           parser: ReasoningParser) -> pb.GenerateResponse:
     """Moves the reasoning out of ``response.text`` (its choice's ``parser`` holds
-    what may start a tag) into ``response.reasoning``, in place; returns ``response``."""
-    reasoning, content = parser.feed(response.text)
+    what may start a tag) into ``response.reasoning``, in place, and on the
+    choice's last chunk counts its reasoning tokens in ``usage``; returns ``response``."""
+    reasoning, content = parser.feed(response.text, len(chunk.token_ids))
     if chunk.finish_reason is not None:
         more_reasoning, more_content = parser.finish()
         reasoning, content = reasoning + more_reasoning, content + more_content
+        response.usage.reasoning_tokens = parser.num_reasoning_tokens
     response.reasoning, response.text = reasoning, content
     return response
 

@@ -81,4 +81,5 @@ def test_a_grammar_leaves_the_think_block_free(cluster):
     with grpc.insecure_channel(address) as channel:
         responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
     assert "".join(r.reasoning for r in responses) == reasoning
+    assert responses[-1].usage.reasoning_tokens == MAX_TOKENS  # as the HTTP usage counts them
     assert "".join(r.text for r in responses) == content

@@ -63,6 +63,8 @@ def test_each_chunk_carries_its_reasoning_and_the_text_only_the_content(served, 
     assert "".join(r.text for r in responses) == "Sunny."
     assert [r.reasoning for r in responses][:3] == ["", "Paris", " weather?"]  # released as it comes
     assert responses[-1].finish_reason == "stop"
+    # One token a piece: the four pieces up to "</think>" (tags included), as the HTTP API counts them.
+    assert responses[-1].usage.reasoning_tokens == 4 and responses[-1].usage.completion_tokens == len(THOUGHT)
 
 
 def test_tool_calls_come_from_the_content_after_the_think_block(served, backend):
@@ -78,6 +80,7 @@ def test_no_parser_and_prompts_leave_the_text_whole(served, backend):
     whole = "".join(THOUGHT)
     responses = generate(served[1], pb.GenerateRequest(prompt="Weather in Paris?"))  # not chat: not split
     assert "".join(r.text for r in responses) == whole and not any(r.reasoning for r in responses)
+    assert responses[-1].usage.reasoning_tokens == 0
     backend.tokenizer.reasoning_parser = "none"
     responses = generate(served[1], chat())
     assert "".join(r.text for r in responses) == whole and not any(r.reasoning for r in responses)
