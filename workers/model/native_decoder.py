@@ -47,7 +47,7 @@ from workers.model import cpu_ops, gemm, i8gemm, native, qgemm
 from workers.model.attention import cpu_decode
 from workers.model.moe import SparseMoE
 from workers.model.moe_native import load as load_moe
-from workers.model.native_structs import F, L, Fns, Lin, P, address, lin_struct, weight_of
+from workers.model.native_structs import F, L, Fns, Lin, P, address, lin_struct, set_qgemm, weight_of
 
 
 class _Layer:
@@ -139,6 +139,8 @@ class NativeDecoder:
         lora_lib = lora_kernels.load()
         self._fns.lora = address(lora_lib.lora_add_f32) if lora_lib is not None else None
         self._fns.moe = address(moe_lib.moe_forward_f32) if moe_lib is not None else None
+        if self._qgemm is not None:
+            set_qgemm(self._fns, qgemm.load())
         self._layers_c = (_LayerC * len(self.layers))(*[
             _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale,
                     ctypes.addressof(moe.struct) if moe is not None else None)

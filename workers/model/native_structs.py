@@ -5,7 +5,8 @@ holds the C side; a field added there is added here, in the same place).
 
     Fns    the kernels, as function pointers: gemm, qgemm, norm, rotary, silu,
            decode attention, i8gemm, LoRA's grouped side paths (and this step's
-           adapter rows), the MoE layer
+           adapter rows), the MoE layer, and qgemm's panel range and group
+           sums (the MoE layer threads its experts' GEMMs itself)
     Lin    one linear layer: kind 0 packed float panels, 1 group-quantized
            (``qgemm.py``), 2 int8 x int8 (``i8gemm.py``)
 """
@@ -22,7 +23,7 @@ P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 class Fns(ctypes.Structure):
     _fields_ = [("gemm", P), ("qgemm", P), ("norm", P), ("rotary", P), ("silu", P), ("decode", P),
-                ("i8gemm", P), ("lora", P), ("lora_rows", P), ("moe", P)]
+                ("i8gemm", P), ("lora", P), ("lora_rows", P), ("moe", P), ("qgemm_panels", P), ("qgemm_sums", P)]
 
 
 class Lin(ctypes.Structure):
@@ -33,6 +34,12 @@ class Lin(ctypes.Structure):
 def address(fn: Any) -> int:
     """A ctypes function's address (0 for None)."""
     return ctypes.cast(fn, ctypes.c_void_p).value or 0 if fn is not None else 0
+
+
+def set_qgemm(fns: Fns, qlib: ctypes.CDLL) -> None:
+    """Points ``fns`` at the quantized GEMM of ``qlib`` (``qgemm.load()``) and its pieces."""
+    fns.qgemm, fns.qgemm_panels = address(qlib.qgemm_f32), address(qlib.qgemm_panels_f32)
+    fns.qgemm_sums = address(qlib.qgemm_group_sums)
 
 
 def weight_of(linear: Any) -> tuple:

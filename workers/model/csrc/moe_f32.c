@@ -1,4 +1,5 @@
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,6 +47,55 @@ void moe_route_f32(const float* logits, long T, long E, long k, long norm, float
     free(p);
 }
 
+/* Rows of each expert at most this many: the grouped path below (qgemm_f32 switches to its many-rows
+   kernel from 16 rows; the bits are the same either way, only the speed differs). */
+#define GROUPED_ROWS 16
+
+static long quantized(const lin_t* w) { return w->kind == 1 && !w->lora; }
+
+/* One GEMM of every active expert in one parallel region: work items are (expert, output panel),
+   expert-major; x_e / y_e are the experts' row blocks at xoff[a] * ldx / xoff[a] * ldy. */
+static void grouped_gemm(const fns_t* f, const lin_t* const* lins, long A, const long* xoff, const float* x,
+                         long ldx, const float* xs, float* y, long ldy, long nr) {
+    const long P = (lins[0]->n + nr - 1) / nr, G = (lins[0]->k + lins[0]->group - 1) / lins[0]->group;
+    #pragma omp for schedule(static)
+    for (long item = 0; item < A * P; ++item) {
+        const long a = item / P, p = item % P, n = xoff[a + 1] - xoff[a];
+        const lin_t* w = lins[a];
+        f->qgemm_panels(x + xoff[a] * ldx, n, w->k, ldx, xs + xoff[a] * G, (const unsigned char*)w->w, w->scales,
+                        w->mins, (int)w->bits, w->group, w->n, w->bias, y + xoff[a] * ldy, ldy, p, p + 1);
+    }
+}
+
+/* Every chosen expert's gate/up, SiLU and down with 2 barriers instead of a parallel region per
+   GEMM (each region's barrier is several microseconds, and a thread descheduled on a shared
+   machine holds the others at every one). rows / xoff: the active experts' tokens, expert-major. */
+static void grouped_experts(const fns_t* f, const moe_t* m, long A, const long* active, const long* xoff,
+                            const float* xg, long hidden, float* gu, float* act, float* y, float* xs1, float* xs2,
+                            long nr) {
+    const long I = m->inter, rows = xoff[A];
+    const lin_t* gl[A];
+    const lin_t* dl[A];
+    for (long a = 0; a < A; ++a) { gl[a] = &m->gate_up[active[a]]; dl[a] = &m->down[active[a]]; }
+    const long G1 = (gl[0]->k + gl[0]->group - 1) / gl[0]->group, G2 = (dl[0]->k + dl[0]->group - 1) / dl[0]->group;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (long a = 0; a < A; ++a)
+            f->qgemm_sums(xg + xoff[a] * hidden, xoff[a + 1] - xoff[a], gl[a]->k, hidden, gl[a]->group,
+                          xs1 + xoff[a] * G1);
+        grouped_gemm(f, gl, A, xoff, xg, hidden, xs1, gu, 2 * I, nr);
+        #pragma omp for schedule(static)
+        for (long r = 0; r < rows; ++r) {
+            f->silu(gu + r * 2 * I, act + r * I, 1, I);
+            long a = 0;
+            while (xoff[a + 1] <= r) ++a;
+            f->qgemm_sums(act + r * I, 1, I, I, dl[a]->group, xs2 + r * G2);
+        }
+        grouped_gemm(f, dl, A, xoff, act, I, xs2, y, hidden, nr);
+    }
+}
+
 /* out[T, hidden] = the MoE layer of x[T, hidden] (both contiguous); f supplies gemm / qgemm
    (the experts' and the router's linears) and silu. */
 void moe_forward_f32(const fns_t* f, const moe_t* m, const float* x, long T, long hidden, float* out) {
@@ -53,37 +103,59 @@ void moe_forward_f32(const fns_t* f, const moe_t* m, const float* x, long T, lon
     float* logits = (float*)malloc(sizeof(float) * (size_t)(T * E));
     float* w = (float*)malloc(sizeof(float) * (size_t)(T * K));
     long* ids = (long*)malloc(sizeof(long) * (size_t)(T * K));
-    long* rows = (long*)malloc(sizeof(long) * (size_t)T);
-    float* rw = (float*)malloc(sizeof(float) * (size_t)T);
-    float* xg = (float*)malloc(sizeof(float) * (size_t)(T * hidden));
-    float* gu = (float*)malloc(sizeof(float) * (size_t)(T * 2 * I));
-    float* act = (float*)malloc(sizeof(float) * (size_t)(T * I));
-    float* y = (float*)malloc(sizeof(float) * (size_t)(T * hidden));
+    long* active = (long*)malloc(sizeof(long) * (size_t)E);
+    long* xoff = (long*)malloc(sizeof(long) * (size_t)(E + 1));
+    long* rows = (long*)malloc(sizeof(long) * (size_t)(T * E));
+    float* rw = (float*)malloc(sizeof(float) * (size_t)(T * E));
     linear(f, &m->router, x, T, logits);
     moe_route_f32(logits, T, E, K, m->norm_topk, w, ids);
-    memset(out, 0, sizeof(float) * (size_t)(T * hidden));
-    for (long e = 0; e < E; ++e) {
-        long n = 0;
-        for (long t = 0; t < T; ++t) {  /* the tokens that chose e, ascending, with their weights */
+    long A = 0, most = 0;
+    xoff[0] = 0;
+    for (long e = 0; e < E; ++e) {  /* each expert's tokens, ascending, with their weights; experts ascending */
+        long n = xoff[A];
+        for (long t = 0; t < T; ++t) {
             long j = 0;
             while (j < K && ids[t * K + j] != e) ++j;
             if (j < K || m->dense) { rows[n] = t; rw[n] = j < K ? w[t * K + j] : 0.0f; ++n; }
         }
-        if (!n) continue;
-        const float* src = x;
-        if (n == 1) src = x + rows[0] * hidden;  /* one row: read it in place */
-        else if (n < T)
-            for (long r = 0; r < n; ++r) memcpy(xg + r * hidden, x + rows[r] * hidden, sizeof(float) * (size_t)hidden);
-        if (n > 1 && n < T) src = xg;
-        linear(f, &m->gate_up[e], src, n, gu);
-        f->silu(gu, act, n, I);
-        linear(f, &m->down[e], act, n, y);
-        for (long r = 0; r < n; ++r) {
-            float* o = out + rows[r] * hidden;
-            const float* yr = y + r * hidden;
-            const float wr = rw[r];
-            for (long c = 0; c < hidden; ++c) o[c] = o[c] + yr[c] * wr;
+        if (n == xoff[A]) continue;
+        most = n - xoff[A] > most ? n - xoff[A] : most;
+        active[A++] = e;
+        xoff[A] = n;
+    }
+    const long total = xoff[A];
+    int grouped = f->qgemm_panels && f->qgemm_sums && m->panel_width > 0 && A > 0 && most < GROUPED_ROWS;
+    for (long a = 0; a < A && grouped; ++a) {
+        const lin_t *g = &m->gate_up[active[a]], *d = &m->down[active[a]];
+        grouped = quantized(g) && quantized(d) && g->group == m->gate_up[active[0]].group
+                  && d->group == m->down[active[0]].group;
+    }
+    float* xg = (float*)malloc(sizeof(float) * (size_t)(total * hidden));
+    float* gu = (float*)malloc(sizeof(float) * (size_t)(total * 2 * I));
+    float* act = (float*)malloc(sizeof(float) * (size_t)(total * I));
+    float* y = (float*)malloc(sizeof(float) * (size_t)(total * hidden));
+    for (long r = 0; r < total; ++r) memcpy(xg + r * hidden, x + rows[r] * hidden, sizeof(float) * (size_t)hidden);
+    if (grouped) {
+        const lin_t *g = &m->gate_up[active[0]], *d = &m->down[active[0]];
+        float* xs1 = (float*)malloc(sizeof(float) * (size_t)(total * ((g->k + g->group - 1) / g->group) + 1));
+        float* xs2 = (float*)malloc(sizeof(float) * (size_t)(total * ((d->k + d->group - 1) / d->group) + 1));
+        grouped_experts(f, m, A, active, xoff, xg, hidden, gu, act, y, xs1, xs2, m->panel_width);
+        free(xs1); free(xs2);
+    } else {
+        for (long a = 0; a < A; ++a) {  /* one GEMM pair per expert, each threaded on its own */
+            const long r0 = xoff[a], n = xoff[a + 1] - r0;
+            linear(f, &m->gate_up[active[a]], xg + r0 * hidden, n, gu + r0 * 2 * I);
+            f->silu(gu + r0 * 2 * I, act + r0 * I, n, I);
+            linear(f, &m->down[active[a]], act + r0 * I, n, y + r0 * hidden);
         }
     }
-    free(logits); free(w); free(ids); free(rows); free(rw); free(xg); free(gu); free(act); free(y);
+    memset(out, 0, sizeof(float) * (size_t)(T * hidden));
+    for (long r = 0; r < total; ++r) {  /* expert-major: each token's experts in ascending order */
+        float* o = out + rows[r] * hidden;
+        const float* yr = y + r * hidden;
+        const float wr = rw[r];
+        for (long c = 0; c < hidden; ++c) o[c] = o[c] + yr[c] * wr;
+    }
+    free(logits); free(w); free(ids); free(active); free(xoff); free(rows); free(rw);
+    free(xg); free(gu); free(act); free(y);
 }

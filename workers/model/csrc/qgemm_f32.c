@@ -190,6 +190,37 @@ static const qukr_fn QUKRS[MRQ + 1] = {
 #endif
 };
 
+/* The rows' group sums xs [M][G] (in order over each group) that every panel reads. */
+void qgemm_group_sums(const float* x, long M, long K, long ldx, long gs, float* xs) {
+    const long G = (K + gs - 1) / gs;
+    for (long m = 0; m < M; ++m)
+        for (long g = 0; g < G; ++g) {
+            float s = 0.0f;
+            const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
+            for (long k = g * gs; k < end; ++k) s += x[m * ldx + k];
+            xs[m * G + g] = s;
+        }
+}
+
+/* Panels [p0, p1) of qgemm_f32 on the calling thread, by its few-rows loop (the same bits as
+   qgemm_f32 for any M), with xs from qgemm_group_sums: for callers that spread several GEMMs
+   over their own threads in one parallel region (moe_f32.c: every chosen expert of a layer). */
+void qgemm_panels_f32(const float* x, long M, long K, long ldx, const float* xs, const unsigned char* q,
+                      const float* scales, const float* mins, int bits, long gs, long N, const float* bias,
+                      float* y, long ldy, long p0, long p1) {
+    const long G = (K + gs - 1) / gs;
+    const long qbytes = K * bits / 8 * NR;
+    for (long p = p0; p < p1; ++p) {
+        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+        const float* b = bias ? bias + p * NR : 0;
+        for (long m = 0; m < M; m += MRQ) {
+            const int rows = (M - m) < MRQ ? (int)(M - m) : MRQ;
+            QUKRS[rows](x + m * ldx, ldx, xs + m * G, G, q + p * qbytes, scales + p * G * NR,
+                        mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+        }
+    }
+}
+
 /* A panel's q as exact small-integer floats, [K][NR] (4- and 5-bit: inputs 2kk and
    2kk + 1 from byte row kk, as the microkernel reads them). */
 static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
@@ -273,13 +304,7 @@ void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q,
     const long G = (K + gs - 1) / gs;
     const long qbytes = K * bits / 8 * NR;
     float* xs = (float*)malloc(sizeof(float) * (M * G + 1));
-    for (long m = 0; m < M; ++m)
-        for (long g = 0; g < G; ++g) {
-            float s = 0.0f;
-            const long end = (g + 1) * gs < K ? (g + 1) * gs : K;
-            for (long k = g * gs; k < end; ++k) s += x[m * ldx + k];
-            xs[m * G + g] = s;
-        }
+    qgemm_group_sums(x, M, K, ldx, gs, xs);
     const int parallel = (double)M * (double)N * (double)K > 262144.0;
     if (M >= DECODE_ROWS) {
         /* Many rows (prefill): each panel's q decoded to floats once, then FR rows at a time on them
@@ -304,14 +329,7 @@ void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q,
         return;
     }
     #pragma omp parallel for schedule(static) if (parallel)
-    for (long p = 0; p < P; ++p) {
-        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
-        const float* b = bias ? bias + p * NR : 0;
-        for (long m = 0; m < M; m += MRQ) {
-            const int rows = (M - m) < MRQ ? (int)(M - m) : MRQ;
-            QUKRS[rows](x + m * ldx, ldx, xs + m * G, G, q + p * qbytes, scales + p * G * NR,
-                        mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
-        }
-    }
+    for (long p = 0; p < P; ++p)
+        qgemm_panels_f32(x, M, K, ldx, xs, q, scales, mins, bits, gs, N, bias, y, ldy, p, p + 1);
     free(xs);
 }
