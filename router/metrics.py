@@ -19,6 +19,10 @@ Router series (prefix ``prefixserve:``, like the replicas' in
                                              by admission: admitted | rate_limited | concurrency_limited
     router_tenant_tokens_total{tenant,kind}  tokens of finished requests per tenant:
                                              prompt | completion | cached_prompt
+    router_continued_turn_tokens_total{kind} prompt tokens of Responses API turns continued by
+                                             previous_response_id: prompt | cached_prompt (their ratio
+                                             is the cached share of continued turns)
+    router_continued_turn_cached_ratio       cached / prompt tokens of each continued turn
     router_metrics_exporter                  1 on the one router that exports the replicas' series
 
 The ``tenant`` label takes only names of the tenants file (or ``default``),
@@ -112,6 +116,14 @@ class RouterMetrics:
         self.tenant_tokens = Counter(PREFIX + "router_tenant_tokens",
                                      "Tokens of finished requests per tenant: prompt, completion, cached_prompt.",
                                      ("tenant", "kind"), registry=self.registry)
+        self.continued_turn_tokens = Counter(
+            PREFIX + "router_continued_turn_tokens",
+            "Prompt tokens of Responses API turns continued by previous_response_id: prompt, cached_prompt.",
+            ("kind",), registry=self.registry)
+        self.continued_turn_cached_ratio = Histogram(
+            PREFIX + "router_continued_turn_cached_ratio",
+            "Cached / prompt tokens of one Responses API turn continued by previous_response_id.",
+            buckets=MATCH_RATIO_BUCKETS, registry=self.registry)
         self.metrics_exporter = Gauge(
             PREFIX + "router_metrics_exporter",
             "1 on the router that exports the replicas' series (one per namespace), 0 on the others.",
@@ -121,6 +133,8 @@ class RouterMetrics:
             self.requests.labels(policy, outcome)
         self.decision_seconds.labels(policy)
         self.prefix_match_ratio.labels(policy)
+        for kind in ("prompt", "cached_prompt"):
+            self.continued_turn_tokens.labels(kind)
 
     def record_request(self, outcome: str) -> None:
         """Counts one request that ended with ``outcome`` (one of ``OUTCOMES``)."""
@@ -138,6 +152,13 @@ class RouterMetrics:
         """Adds one finished request's token counts to ``tenant``'s."""
         for kind, count in (("prompt", prompt), ("completion", completion), ("cached_prompt", cached_prompt)):
             self.tenant_tokens.labels(tenant, kind).inc(max(0, count))
+
+    def record_continued_turn(self, prompt: int, cached_prompt: int) -> None:
+        """Counts one finished turn that continued a stored response (its prompt and cached prompt tokens)."""
+        self.continued_turn_tokens.labels("prompt").inc(max(0, prompt))
+        self.continued_turn_tokens.labels("cached_prompt").inc(max(0, cached_prompt))
+        if prompt > 0:
+            self.continued_turn_cached_ratio.observe(min(1.0, max(0, cached_prompt) / prompt))
 
     def record_decision(self, seconds: float, matched_blocks: Optional[int], num_blocks: int) -> None:
         """Records one routing decision and, when known, the chosen replica's prefix match."""
@@ -199,6 +220,21 @@ async def metered(stream: AsyncIterator[StreamChunk], metrics: RouterMetrics) ->
         raise
     finally:
         metrics.record_request(outcome)
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def continued_turn(stream: AsyncIterator[StreamChunk], metrics: RouterMetrics) -> AsyncIterator[StreamChunk]:
+    """Passes a continued turn's ``stream`` through and counts its prompt and
+    cached prompt tokens once its last chunk went out
+    (``RouterMetrics.record_continued_turn``). Closing this generator closes ``stream``."""
+    try:
+        async for chunk in stream:
+            if chunk.finished:
+                metrics.record_continued_turn(chunk.prompt_tokens, chunk.cached_prompt_tokens)
+            yield chunk
+    finally:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()

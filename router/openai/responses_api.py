@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cluster.shared.types import StreamChunk
+from router.metrics import continued_turn
 from router.openai import responses_input as conv
 from router.openai.bodies import finish_reason
 from router.openai.protocol import APIError, backend_error, error_response, internal_error, parse_request
@@ -140,6 +141,8 @@ class ResponsesAPI:
                 admission.release()
             return error_response(conv.responses_names(self._api_error(err)))
         stream = self.server._open(backend, parsed)
+        if previous and getattr(backend, "metrics", None) is not None:  # the cached share of continued turns
+            stream = continued_turn(stream, backend.metrics)
         if admission is not None:
             stream = admission.meter(stream)
         response = self._response(body, parsed.echo_model, conv.new_id("resp"), "in_progress", [], None)

@@ -227,3 +227,27 @@ def test_a_cancel_sent_to_another_router_reaches_the_running_one(served_response
 def test_background_needs_store_and_no_stream(api, fake, fields, message):
     with pytest.raises(openai.BadRequestError, match=message):
         api.responses.create(model="tiny-llama", input="hi", **fields)
+
+
+def test_continued_turns_count_their_cached_share(api, fake):
+    """router_continued_turn_*: the prompt and cached prompt tokens of turns that
+    continue a stored response (plain and streamed), nothing for a first turn."""
+    from router.metrics import RouterMetrics
+
+    fake.metrics = metrics = RouterMetrics("prefix_cost")
+    try:
+        first = api.responses.create(model="tiny-llama", input="first question", max_output_tokens=2)
+        second = api.responses.create(model="tiny-llama", input="second question", previous_response_id=first.id,
+                                      max_output_tokens=2)
+        events = list(api.responses.create(model="tiny-llama", input="third", previous_response_id=second.id,
+                                           max_output_tokens=2, stream=True))
+    finally:
+        del fake.metrics
+    third = events[-1].response.usage
+    samples = {(s.name, tuple(s.labels.values())): s.value for m in metrics.registry.collect() for s in m.samples}
+    turns = [second.usage, third]
+    assert samples[("prefixserve:router_continued_turn_tokens_total", ("prompt",))] == \
+        sum(u.input_tokens for u in turns)
+    cached = sum(u.input_tokens_details.cached_tokens for u in turns)
+    assert cached > 0 and samples[("prefixserve:router_continued_turn_tokens_total", ("cached_prompt",))] == cached
+    assert samples[("prefixserve:router_continued_turn_cached_ratio_count", ())] == 2
