@@ -10,7 +10,7 @@ routers; 3-D expert tensors quantized like the rest). Scales are picked so
 that greedy decoding does not collapse into repeating one token (it then
 checks little). gguf-py cannot quantize to k-quants, so Q4_K / Q6_K tensors are
 random blocks with small scales. ``native_types_only`` keeps to the formats
-the native kernels run (Q8_0, Q4_K, Q6_K).
+the native kernels run (Q8_0, Q5_0, Q4_K, Q6_K: F16 becomes Q8_0).
 
 Sizes transformers' GGUF loader does not read from the file take its config
 classes' defaults here (Qwen3's head_dim 128, Gemma 2's 256, Qwen2-MoE's
@@ -68,7 +68,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, native_types_only: boo
 
     heads, kv_heads, head_dim, inter, experts, top_k, expert_inter, shared_inter = SHAPES[arch]
     gguf_arch = "llama" if arch == "mixtral" else arch
-    q5_0, f16 = (Q.Q8_0, Q.Q8_0) if native_types_only else (Q.Q5_0, Q.F16)
+    q5_0, f16 = Q.Q5_0, (Q.Q8_0 if native_types_only else Q.F16)
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), gguf_arch)
     writer.add_name(f"tiny {arch}")

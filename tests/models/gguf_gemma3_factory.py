@@ -53,13 +53,13 @@ def write_tiny_gemma3_gguf(path: Path, seed: int = 0, native_types_only: bool = 
     """Writes the synthetic GGUF to ``path`` and returns it.
 
     Args:
-        native_types_only: Q8_0 instead of Q5_0 and F16, so that every linear
-            layer has a native kernel (``quantization="gguf"``).
+        native_types_only: Q8_0 instead of F16 (Q5_0 stays: the 5-bit kernel runs it), so that every
+            linear layer has a native kernel (``quantization="gguf"``).
     """
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
 
-    q5_0, f16 = (Q.Q8_0, Q.Q8_0) if native_types_only else (Q.Q5_0, Q.F16)
+    q5_0, f16 = Q.Q5_0, (Q.Q8_0 if native_types_only else Q.F16)
 
     rng = np.random.default_rng(seed)
     tokens, types = vocabulary()

@@ -185,7 +185,9 @@ def test_gguf_quantization_runs_the_files_blocks(arch, tmp_path) -> None:
     floats = {n: m for n, m in float_model.named_modules() if isinstance(m, Linear)}
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     quantized = {n: m for n, m in linears.items() if m.quant is not None}
-    assert {"q8_0", "q4_k"} <= {m.quant.name for m in quantized.values()}  # and q6_k but in qwen2moe
+    names = {m.quant.name for m in quantized.values()}
+    assert {"q8_0", "q4_k"} <= names  # and q6_k but in qwen2moe
+    assert any("q5_0" in name for name in names)  # the 5-bit kernel runs the file's Q5_0 (fused: the widest type)
     # Every projection of both layers (each expert's, the shared expert's) and the LM head; routers stay float.
     assert set(quantized) == {n for n, m in linears.items() if not getattr(m, "keep_float", False)}
     assert len(quantized) == {"qwen2moe": 2 * (2 + 4 * 2 + 2) + 1, "qwen3moe": 2 * (2 + 4 * 2) + 1}.get(arch, 9)

@@ -144,7 +144,7 @@ def test_gguf_quantization_runs_the_files_blocks_without_the_llama_permutation(t
     model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend(), quantization="gguf", gguf_path=path)
     floats = {n: m for n, m in float_model.named_modules() if isinstance(m, Linear)}
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    assert {m.quant.name for m in quantized.values()} == {"q8_0", "q4_k", "q6_k", "q4_k+q8_0"}  # gate+up fused
+    assert {m.quant.name for m in quantized.values()} == {"q8_0", "q4_k", "q6_k", "q4_k+q5_0", "q5_0+q8_0"}  # fused
     for name, layer in quantized.items():
         ids = torch.arange(layer.out_features)
         reference = floats[name].packed.rows(ids) if floats[name].packed is not None else floats[name].weight
