@@ -1,7 +1,7 @@
 """KV transfer across real Ray: two replicas as Ray actors, the receiver
 fetching from the holder through the holder's actor handle (the bytes cross
 Ray's object store), the imported blocks announced to the real Redis
-directory; a dead holder costs a prefill, never the request."""
+directory; a holder killed mid-transfer costs a prefill, never a request."""
 
 from __future__ import annotations
 
@@ -116,18 +116,44 @@ def test_fetched_over_ray_matches_a_local_hit_and_is_announced(replicas, model_d
         assert ray.get(handle.check_integrity.remote()) == {"used": 0, "held": 0}
 
 
-def test_a_dead_holder_costs_a_prefill_not_the_request(replicas, model_dir):
+def stalling_replica() -> type:
+    """A holder that pins what it is asked for, then never answers: killed mid-transfer by the test."""
+    base = checked_replica()
+
+    class StallingReplica(base):  # type: ignore[misc, valid-type]
+        exporting = False
+
+        async def export_kv(self, block_hashes):
+            held = await self._front.call(lambda engine: self.kv_transfer.ledger.pin_prefix(list(block_hashes)))
+            assert held is not None
+            StallingReplica.exporting = True
+            await asyncio.sleep(3600)
+
+        def is_exporting(self) -> bool:
+            return StallingReplica.exporting
+
+    return StallingReplica
+
+
+def test_a_holder_killed_mid_transfer_costs_a_prefill_not_a_request(replicas, model_dir):
     import ray
 
     _, receiver, url, namespace = replicas
-    doomed = ray.remote(num_cpus=0.25)(checked_replica()).remote(
+    doomed = ray.remote(num_cpus=0.25)(stalling_replica()).remote(
         {"model": str(model_dir), "block_size": BLOCK, "num_kv_blocks": 64}, url, namespace, replica_id="kv-doomed")
     rng = random.Random(8)
-    prompt = [rng.randrange(3, 500) for _ in range(27)]
+    prompt, other = [rng.randrange(3, 500) for _ in range(27)], [rng.randrange(3, 500) for _ in range(19)]
     expected = ray.get(doomed.run.remote(request("d-1", prompt)))
-    ray.kill(doomed)
-    got = ray.get(receiver.run.remote(request("d-2", prompt), doomed))  # fetch_and_generate from a dead holder
-    assert got["tokens"] == expected["tokens"] and got["cached"] == 0
+    fetching = receiver.run.remote(request("d-2", prompt), doomed)  # fetch_and_generate: asks the doomed holder
+    deadline = time.monotonic() + 30
+    while not ray.get(doomed.is_exporting.remote()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.get(doomed.is_exporting.remote()), "the holder never began the export"
+    alongside = receiver.run.remote(request("d-3", other))  # served while the fetch waits
+    ray.kill(doomed)  # mid-transfer: its blocks pinned, the receiver awaiting its answer
+    got, beside = ray.get([fetching, alongside], timeout=60)
+    assert got["tokens"] == expected["tokens"] and got["cached"] == 0  # prefilled, same tokens
+    assert len(beside["tokens"]) == 6
     text = ray.get(receiver.metrics_text.remote()).decode()
     assert _sample(text, "prefixserve:kv_transfer_fallbacks_total", 'reason="error"') == 1
     assert ray.get(receiver.check_integrity.remote()) == {"used": 0, "held": 0}
