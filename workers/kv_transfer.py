@@ -307,10 +307,14 @@ class KVTransferEndpoints:
 
     kv_transfer: KVTransfer
 
-    def _start_kv_transfer(self, front: Any, runner: Any, metrics: Any, after_commit: Callable[[], None]) -> None:
+    def _start_kv_transfer(self, front: Any, runner: Any, metrics: Any, after_commit: Callable[[], None],
+                           cache: Any) -> None:
+        """``cache``: the engine config's ``CacheConfig`` (the limit and the timeout)."""
         labels = dict(getattr(metrics, "_labels", {"replica": "", "model": ""}))
         self.kv_transfer = KVTransfer(front, runner, TransferMetrics(metrics.registry, labels),
-                                      after_commit=after_commit)
+                                      after_commit=after_commit,
+                                      max_concurrent_transfers=cache.kv_transfer_max_concurrent,
+                                      timeout_s=cache.kv_transfer_timeout_s)
 
     async def export_kv(self, block_hashes: list[bytes]) -> KVExport:
         """The leading blocks of ``block_hashes`` cached here (another replica fetches them)."""

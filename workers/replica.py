@@ -124,7 +124,7 @@ class ReplicaServer(KVTransferEndpoints):
         self.metrics.set_model_info(getattr(runner, "quantization", None), getattr(runner, "kv_cache_dtype", "auto"),
                                     int(getattr(runner, "weight_bytes", 0)), int(getattr(runner, "kv_cache_bytes", 0)))
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
-        self._start_kv_transfer(self._front, runner, self.metrics, self._collect_events)  # workers/kv_transfer.py
+        self._start_kv_transfer(self._front, runner, self.metrics, self._collect_events, config.cache)  # kv_transfer.py
         self._ttft = autoscaling.TTFTTracker()
         self._front.start()
         self._publisher = None

@@ -306,3 +306,18 @@ def test_the_step_loop_runs_while_the_blocks_are_written(pair, monkeypatch):
         await check_idle(receiver)
 
     asyncio.run(main())
+
+
+def test_the_replica_takes_its_limits_from_the_engine_config(tiny_dir):
+    from cluster.shared.config import EngineConfig
+    from workers.replica import ReplicaServer
+
+    with pytest.raises(ValueError, match="kv_transfer_max_concurrent"):
+        EngineConfig.from_kwargs(kv_transfer_max_concurrent=0)
+    server = ReplicaServer({"model": str(tiny_dir), "block_size": BS, "num_kv_blocks": 32,
+                            "kv_transfer_max_concurrent": 3, "kv_transfer_timeout_s": 2.5}, replica_id="kv-config")
+    try:
+        assert (server.kv_transfer.max_concurrent_transfers, server.kv_transfer.timeout_s) == (3, 2.5)
+        assert b"prefixserve:kv_transfer_seconds_count" in server.metrics_text()
+    finally:
+        server.shutdown()

@@ -122,6 +122,11 @@ class CacheConfig:
         kv_cache_dtype: ``auto`` (the model's dtype) or ``int8`` (one scale
             per token and head, ``workers/model/attention/kv_int8.py``; CPU,
             the torch attention backend): about 3.8x the blocks of float32.
+        kv_transfer_max_concurrent: KV fetches from other replicas, and
+            exports to them, a replica runs at once; one more is refused at
+            once (its request prefills), never queued (docs/KV_TRANSFER.md).
+        kv_transfer_timeout_s: Seconds a KV fetch waits for the holder
+            before its request prefills instead.
     """
 
     block_size: int = 16
@@ -131,6 +136,8 @@ class CacheConfig:
     swap_space: float = 1.0
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    kv_transfer_max_concurrent: int = 2
+    kv_transfer_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -146,6 +153,9 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_transfer_max_concurrent < 1 or self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_max_concurrent must be >= 1 and kv_transfer_timeout_s > 0, got "
+                             f"{self.kv_transfer_max_concurrent} and {self.kv_transfer_timeout_s}")
 
 
 @dataclass(frozen=True)
