@@ -339,12 +339,20 @@ class ReplicaServer(KVTransferEndpoints):
         finally:
             ready.set()
         assert self._publish_wakeup is not None
+        lora_sync = None
+        if getattr(self.engine, "lora", None) is not None:  # run-time unloads free the adapters' weights here too
+            from workers.lora.registry_sync import follow_unloads
+
+            lora_sync = asyncio.create_task(follow_unloads(self._redis_url, self._namespace, self.engine,
+                                                           self._front, lambda: self._closing))
         try:
             while not self._closing:
                 await self._publish_wakeup.wait()
                 self._publish_wakeup.clear()
                 await self._publish_pending()
         finally:
+            if lora_sync is not None:
+                lora_sync.cancel()
             await self._publisher.stop()
 
     async def _publish_pending(self) -> None:

@@ -7,8 +7,8 @@ A load is checked by one replica first (it reads the folder: a missing or
 corrupt adapter, a rank above ``max_lora_rank``, shapes that do not fit are
 400 with its reason, and nothing is registered), then registered for every
 router (``router/lora_registry.py``); requests may name it at once. An
-unload refuses new requests naming it at once; replicas drop its weights as
-they need the room. Adapters of ``lora_modules`` are fixed: neither replaced
+unload refuses new requests naming it at once; replicas drop its weights
+within seconds (``workers/lora/registry_sync.py``). Adapters of ``lora_modules`` are fixed: neither replaced
 nor unloaded here. With API keys on, only a tenant with ``lora_admin: true``
 may call these (403 otherwise). Answers as vLLM's: plain text on success.
 """

@@ -122,3 +122,32 @@ def test_load_cost_counts_prefill_steps_only():
     assert cost.load_tokens == pytest.approx(0.05 * MIN_PREFILL_TOKENS * 8)
     cost.observe_load(0.15)  # the mean moves towards the newer load
     assert 0.05 < cost.mean_load_s < 0.15
+
+
+def test_run_time_adapters_the_registry_dropped_are_unloaded(case):
+    """``drop_unregistered``: a run-time adapter (id > 0: its registry generation) whose
+    name is gone from the routers' registry, or listed at another generation, is dropped
+    unless a request uses it or it is younger than the grace; id-0 adapters stay."""
+    from workers.lora.registry_sync import registered_generations
+
+    base, adapters = case
+    llm = LLM(str(base), enable_lora=True, max_loras=3, max_cpu_loras=4, max_lora_rank=16, block_size=4, seed=0,
+              lora_modules=[f"fixed={adapters['qv4']}"])
+    manager = llm.engine.lora
+    for request in (LoRARequest("kept", 7, str(adapters["od8"])), LoRARequest("gone", 8, str(adapters["all16"])),
+                    LoRARequest("old", 9, str(adapters["qv4"]))):
+        manager.load(request)
+    registered = registered_generations({"kept": '{"path": "x", "generation": 7}', "old": '{"generation": 12}',
+                                         "junk": "{not json"})
+    assert registered == {"kept": 7, "old": 12}
+    assert manager.drop_unregistered(registered, in_use=()) == []  # all younger than the grace
+    slot_of = {key[0]: slot for key, (_, slot) in manager._loaded.items()}
+    before = manager.num_bytes()
+    assert manager.drop_unregistered(registered, in_use={slot_of["old"]}, min_age_s=0) == ["gone"]  # old is busy
+    assert manager.num_bytes() < before and manager.has_runtime_adapters()
+    assert manager.drop_unregistered(registered, in_use=(), min_age_s=0) == ["old"]
+    assert sorted(manager.names()) == ["fixed", "kept"]
+    from router.lora_registry import KEY_PREFIX
+    from workers.lora.registry_sync import KEY_PREFIX as followed
+
+    assert followed == KEY_PREFIX  # the replicas read the hash the routers write

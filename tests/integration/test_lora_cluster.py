@@ -8,6 +8,7 @@ adapter loaded and unloaded at run time answers, then is 404."""
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -99,6 +100,13 @@ def test_grpc_model_names_an_adapter(served, expected):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'ad5'" in err.value.details()
 
 
+def holders(address: str) -> list[str]:
+    """The adapters every replica reports loaded (ListReplicas, about a second old)."""
+    with grpc.insecure_channel(address) as channel:
+        replicas = pb_grpc.GenerationStub(channel).ListReplicas(pb.ListReplicasRequest(), timeout=30).replicas
+    return [name for replica in replicas for name in replica.lora_adapters]
+
+
 def test_load_and_unload_an_adapter_at_run_time(served, folders, expected, tmp_path):
     import httpx2
 
@@ -113,7 +121,15 @@ def test_load_and_unload_an_adapter_at_run_time(served, folders, expected, tmp_p
         bad = httpx2.post(f"{base_url}/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)},
                           timeout=120)
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        deadline = time.monotonic() + 10  # the replicas' stats come with their heartbeats (1 s)
+        while "rt" not in holders(served[1]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "rt" in holders(served[1])  # the check's replica, or the one that answered, holds it
         assert httpx2.post(f"{base_url}/unload_lora_adapter", json={"lora_name": "rt"}, timeout=60).status_code == 200
+        deadline = time.monotonic() + 30  # replicas follow the registry every 2 s (workers/lora/registry_sync.py)
+        while "rt" in holders(served[1]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "rt" not in holders(served[1])  # its weights left every replica, not waiting for the LRU
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="rt", prompt=PROMPT, max_tokens=1)
         with pytest.raises(openai.NotFoundError):

@@ -36,6 +36,7 @@ from workers.lora.side_paths import AdapterSlots, RankAdapterSlots
 logger = logging.getLogger(__name__)
 
 _READ_AHEAD = 8  # adapters read ahead and not yet loaded, kept at most
+REGISTRY_GRACE_S = 10.0  # a run-time adapter younger than this is kept though unregistered (drop_unregistered)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class LoRAManager:
         self.published: tuple[tuple[str, str], ...] = ()  # (name, content hash), replaced whole: any thread reads
         self._read_ahead: dict[tuple[str, str, int], LoRAAdapter] = {}  # prefetch() -> load(), any thread
         self._read_lock = threading.Lock()
+        self._loaded_at: dict[tuple[str, str, int], float] = {}  # time.monotonic() of each load
         self.num_loads = 0
         self.num_evictions = 0
         self.last_load_s = 0.0
@@ -118,6 +120,7 @@ class LoRAManager:
             self._forget(victim)
             self.num_evictions += 1
         self._loaded[key] = (adapter, slot)
+        self._loaded_at[key] = time.monotonic()
         self._publish()
         self.num_loads += 1
         self.last_load_s = time.perf_counter() - started
@@ -172,6 +175,32 @@ class LoRAManager:
                 del self._read_ahead[key]
         return bool(keys)
 
+    def has_runtime_adapters(self) -> bool:
+        """Whether an adapter a router loaded at run time is loaded (any thread)."""
+        return any(key[2] > 0 for key in list(self._loaded))
+
+    def drop_unregistered(self, registered: dict[str, int], in_use: Iterable[int],
+                          min_age_s: float = REGISTRY_GRACE_S) -> list[str]:
+        """Unloads the run-time adapters the routers' registry no longer lists.
+
+        A run-time adapter (``POST /v1/load_lora_adapter``) reaches the replica
+        with its registry generation as ``lora_int_id`` (> 0; ``lora_modules``
+        and folder adapters have 0, and stay). One whose name the registry
+        (``registered``: name -> generation) lists at another generation, or not
+        at all, was unloaded or replaced: its weights are dropped now rather than
+        when the LRU needs the room, unless a request still uses it or it was
+        loaded under ``min_age_s`` ago (a load is checked on a replica before it is
+        registered). Returns the names dropped.
+        """
+        now, busy = time.monotonic(), set(in_use)
+        stale = [key for key, (_, slot) in self._loaded.items()
+                 if key[2] > 0 and registered.get(key[0]) != key[2] and slot not in busy
+                 and now - self._loaded_at.get(key, now) >= min_age_s]
+        self.slots.drop([self._loaded[key][1] for key in stale])
+        for key in stale:
+            self._forget(key)
+        return [key[0] for key in stale]
+
     def num_bytes(self) -> Optional[int]:
         """Bytes of the installed side paths in this process (None with tensor
         parallelism: each rank holds its shard); an unload or eviction frees its adapter's."""
@@ -206,5 +235,6 @@ class LoRAManager:
 
     def _forget(self, key: tuple[str, str, int]) -> None:
         _, slot = self._loaded.pop(key)
+        self._loaded_at.pop(key, None)
         self._publish()
         logger.info("LoRA adapter %s (%s) unloaded from slot %d", key[0], key[1], slot)
