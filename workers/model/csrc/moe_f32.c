@@ -67,7 +67,7 @@ static void grouped_gemm(const fns_t* f, const lin_t* const* lins, long A, const
     }
 }
 
-/* Every chosen expert's gate/up, SiLU and down with 2 barriers instead of a parallel region per
+/* Every chosen expert's gate/up, SiLU and down with 3 barriers instead of a parallel region per
    GEMM (each region's barrier is several microseconds, and a thread descheduled on a shared
    machine holds the others at every one). rows / xoff: the active experts' tokens, expert-major. */
 static void grouped_experts(const fns_t* f, const moe_t* m, long A, const long* active, const long* xoff,
@@ -78,12 +78,11 @@ static void grouped_experts(const fns_t* f, const moe_t* m, long A, const long* 
     const lin_t* dl[A];
     for (long a = 0; a < A; ++a) { gl[a] = &m->gate_up[active[a]]; dl[a] = &m->down[active[a]]; }
     const long G1 = (gl[0]->k + gl[0]->group - 1) / gl[0]->group, G2 = (dl[0]->k + dl[0]->group - 1) / dl[0]->group;
+    for (long a = 0; a < A; ++a)  /* a few rows: cheaper here than a barrier */
+        f->qgemm_sums(xg + xoff[a] * hidden, xoff[a + 1] - xoff[a], gl[a]->k, hidden, gl[a]->group,
+                      xs1 + xoff[a] * G1);
     #pragma omp parallel
     {
-        #pragma omp for schedule(static)
-        for (long a = 0; a < A; ++a)
-            f->qgemm_sums(xg + xoff[a] * hidden, xoff[a + 1] - xoff[a], gl[a]->k, hidden, gl[a]->group,
-                          xs1 + xoff[a] * G1);
         grouped_gemm(f, gl, A, xoff, xg, hidden, xs1, gu, 2 * I, nr);
         #pragma omp for schedule(static)
         for (long r = 0; r < rows; ++r) {
