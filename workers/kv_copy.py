@@ -93,3 +93,22 @@ def write_blocks(runner: Any, block_ids: Sequence[int], data: np.ndarray) -> Non
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The same memory as uint8, the last dimension widened by the element size."""
     return tensor.contiguous().view(torch.uint8)
+
+
+class RankKVCopies:
+    """The copies on a tensor-parallel rank (mixed into ``RankWorker``): each
+    rank reads and writes its own heads' shard of the same block ids, so a
+    transfer between two replicas of the same ``tensor_parallel_size`` goes
+    rank to rank (``workers/kv_transfer.py``)."""
+
+    runner: Any
+
+    def kv_layout(self) -> KVLayout:
+        return layout_of(self.runner)
+
+    def read_kv(self, block_ids: Sequence[int]) -> np.ndarray:
+        return read_blocks(self.runner, block_ids)
+
+    def write_kv(self, block_ids: Sequence[int], data: np.ndarray, skip: int = 0) -> None:
+        """Writes ``data``'s blocks from the ``skip``-th on into ``block_ids``."""
+        write_blocks(self.runner, block_ids, data[:, :, skip:])

@@ -28,6 +28,12 @@ into never-used cache pages faults them in (the cache is allocated lazily,
 ``workers/kv_memory.py``), 74-380 ms measured on a loaded 2-core machine
 (docs/KV_TRANSFER.md). A failed write releases the blocks unhashed.
 
+Tensor parallel: the ranks hold the cache, so each rank of the holder
+copies its shard into the object store (``RankWorker.read_kv``) and the
+export carries one object ref per rank; rank i of the receiver writes rank
+i's shard (``write_kv``), read from the object store, never through either
+replica's process.
+
 Faults: any error, a timeout, a layout mismatch or a holder that holds
 nothing makes ``fetch`` return 0 and count a fallback; the caller then sends
 the request as it would have, and it prefills. At most
@@ -63,13 +69,17 @@ class KVExport:
     """A holder's answer: the leading blocks it had of those asked.
 
     ``data`` is ``workers/kv_copy.py``'s array for ``block_hashes``; None
-    (with ``reason``) when nothing is sent.
+    (with ``reason``) when nothing is sent. A tensor-parallel holder sends
+    instead one object ref per rank (``rank_data``, each rank's shard; the
+    receiver's rank i reads rank i's straight from the object store) and
+    rank 0's ``layout``.
     """
 
     block_hashes: tuple[bytes, ...]
     layout: Optional[KVLayout]
     data: Optional[np.ndarray]
     reason: str = ""
+    rank_data: tuple[Any, ...] = ()
 
 
 class KVTransfer:
@@ -77,9 +87,10 @@ class KVTransfer:
 
     Args:
         front: The replica's ``AsyncEngine`` (engine-thread calls go through it).
-        runner: The engine's ``ModelRunner``; None (tensor-parallel ranks hold
-            the cache) turns transfers off: exports send nothing, fetches
-            import nothing.
+        runner: The engine's ``ModelRunner``, or its ``TensorParallelRunner``
+            (the ranks then copy their shards, rank to rank); anything else
+            (a test's fake) turns transfers off: exports send nothing,
+            fetches import nothing.
         metrics: Where the ``kv_transfer_*`` series go.
         after_commit: Runs on the engine thread after an import committed
             (the replica drains the KV events there, so the directory learns
@@ -97,7 +108,11 @@ class KVTransfer:
         self.front = front
         self.engine = front.engine
         self.runner = runner if hasattr(runner, "kv_caches") else None
-        self.layout = layout_of(self.runner) if self.runner is not None else None
+        self.ranks: Optional[list[Any]] = getattr(runner, "_ranks", None) if hasattr(runner, "call_ranks") else None
+        self.layout: Optional[KVLayout] = layout_of(self.runner) if self.runner is not None else None
+        if self.ranks:  # rank 0's shard; every rank's has the same shape
+            self.layout = runner.call_ranks("kv_layout")[0]
+        self.num_ranks = len(self.ranks) if self.ranks else 1
         self.ledger = TransferLedger(self.engine.scheduler.kv_manager)
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.after_commit = after_commit
@@ -115,8 +130,8 @@ class KVTransfer:
         """The leading blocks of ``block_hashes`` cached here, copied out
         while pinned (see the module doc). Never raises for a miss: an empty
         export says why."""
-        if self.runner is None:
-            return KVExport((), None, None, "this replica's runner exports no KV (tensor parallel)")
+        if self.layout is None:
+            return KVExport((), None, None, "this replica's runner exports no KV")
         if not self._try_enter("out"):
             self.metrics.refused.inc()
             return KVExport((), self.layout, None, "busy: the replica's concurrent-transfer limit is reached")
@@ -128,14 +143,33 @@ class KVTransfer:
                 return KVExport((), self.layout, None, "none of the blocks is cached here")
             pinned = time.perf_counter()
             try:
-                data = await asyncio.to_thread(read_blocks, self.runner, held.block_ids)
+                if self.ranks:
+                    rank_data = await self._read_ranks(held.block_ids)
+                else:
+                    data = await asyncio.to_thread(read_blocks, self.runner, held.block_ids)
             finally:
                 self._post(lambda engine: self.ledger.release(held.transfer_id))
             self.last_export = {"pin_s": pinned - began, "read_s": time.perf_counter() - pinned}
-            self.metrics.moved("out", len(held.block_ids), data.nbytes)
+            self.metrics.moved("out", len(held.block_ids), len(held.block_ids) * self.block_bytes)
+            if self.ranks:
+                return KVExport(held.block_hashes, self.layout, None, rank_data=rank_data)
             return KVExport(held.block_hashes, self.layout, data)
         finally:
             self._leave("out")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across the layers and the ranks."""
+        return self.layout.block_bytes * self.num_ranks if self.layout is not None else 0
+
+    async def _read_ranks(self, block_ids: list[int]) -> tuple[Any, ...]:
+        """Each rank copies its shard into the object store; returns the refs
+        once every copy is done (the pin lasts until then), without fetching them here."""
+        import ray
+
+        refs = [rank.read_kv.remote(block_ids) for rank in self.ranks]  # type: ignore[union-attr]
+        await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
+        return tuple(refs)
 
     def _post(self, fn: Callable[[Any], object]) -> None:
         """Runs ``fn`` on the engine thread without waiting for it."""
@@ -169,7 +203,7 @@ class KVTransfer:
             them; the fallback's reason is counted and logged).
         """
         started = time.perf_counter()
-        if self.runner is None:
+        if self.layout is None:
             return 0
         if not self._try_enter("in"):
             self.metrics.fallback("busy")
@@ -200,7 +234,7 @@ class KVTransfer:
                 self.metrics.fallback("no_room")
                 return 0
             num_tokens = num * self.ledger.pool.block_size
-            self.metrics.moved("in", num, num * self.layout.block_bytes)  # type: ignore[union-attr]
+            self.metrics.moved("in", num, num * self.block_bytes)
             self.metrics.prefix_tokens.inc(num_tokens)
             self.metrics.seconds.observe(time.perf_counter() - started)
             return num_tokens
@@ -213,7 +247,8 @@ class KVTransfer:
 
     def _check(self, export: KVExport, asked: list[bytes]) -> Optional[str]:
         """Why ``export`` cannot be imported (a fallback reason), or None."""
-        if not isinstance(export, KVExport) or export.data is None or not export.block_hashes:
+        if not isinstance(export, KVExport) or not export.block_hashes or (
+                export.data is None and not export.rank_data):
             return "not_held"
         if export.layout != self.layout:
             logger.warning("KV fetch: the holder's cache layout %s differs from this one %s", export.layout,
@@ -222,7 +257,10 @@ class KVTransfer:
         num = len(export.block_hashes)
         if list(export.block_hashes) != asked[:num]:
             return "mismatch"
-        if tuple(export.data.shape) != self.layout.array_shape(num) or export.data.dtype != np.uint8:
+        if len(export.rank_data) != (self.num_ranks if self.ranks else 0):
+            return "mismatch"  # another tensor_parallel_size (the ranks check their shard's shape)
+        if not self.ranks and (tuple(export.data.shape) != self.layout.array_shape(num)  # type: ignore[union-attr]
+                               or export.data.dtype != np.uint8):  # type: ignore[union-attr]
             return "mismatch"
         return None
 
@@ -237,7 +275,11 @@ class KVTransfer:
             return reserved
         held, skip = reserved
         try:
-            await asyncio.to_thread(write_blocks, self.runner, held.block_ids, export.data[:, :, skip:])  # type: ignore[index]
+            if self.ranks:  # each rank reads its peer rank's shard from the object store
+                await asyncio.gather(*[rank.write_kv.remote(held.block_ids, ref, skip)
+                                       for rank, ref in zip(self.ranks, export.rank_data)])
+            else:
+                await asyncio.to_thread(write_blocks, self.runner, held.block_ids, export.data[:, :, skip:])  # type: ignore[index]
         except Exception:
             await self.front.call(lambda engine: self.ledger.release(held.transfer_id))  # never hashed: nothing read it
             raise

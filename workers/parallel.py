@@ -57,6 +57,7 @@ from workers.model.linear import weight_bytes
 from workers.model.loader import read_arch
 from workers.model.tp import TPContext, TPShard, plan_shards
 from workers.provision import activation_bytes_for, load_model_for, num_cpu_blocks_for, num_kv_blocks_for
+from workers.kv_copy import RankKVCopies
 from workers.runner import ModelRunner
 from workers.kv_memory import kv_block_bytes
 from workers.placement import RankPlacement, rank_placements, set_cpu_threads, threads_per_rank
@@ -83,7 +84,7 @@ class RankInfo:
     kv_cache_dtype: str = "auto"
 
 
-class RankWorker:
+class RankWorker(RankKVCopies):
     """One tensor-parallel rank; created as a Ray actor by ``TensorParallelRunner``.
 
     Args:
