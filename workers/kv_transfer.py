@@ -135,8 +135,11 @@ class KVTransfer:
         if not self._try_enter("out"):
             self.metrics.refused.inc()
             return KVExport((), self.layout, None, "busy: the replica's concurrent-transfer limit is reached")
+        # Run to the end even if the caller goes away (a Serve cancel): a pin must never be left behind.
+        return await self._to_the_end(self._export([bytes(h) for h in block_hashes]))
+
+    async def _export(self, hashes: list[bytes]) -> KVExport:
         try:
-            hashes = [bytes(h) for h in block_hashes]
             began = time.perf_counter()
             held = await self.front.call(lambda engine: self.ledger.pin_prefix(hashes))
             if held is None:
@@ -170,6 +173,13 @@ class KVTransfer:
         refs = [rank.read_kv.remote(block_ids) for rank in self.ranks]  # type: ignore[union-attr]
         await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
         return tuple(refs)
+
+    def _to_the_end(self, coro: Any) -> Any:
+        """``coro`` as a task that a cancel of the awaiting caller does not stop."""
+        task = asyncio.ensure_future(coro)
+        self._posted.add(task)
+        task.add_done_callback(lambda t: (self._posted.discard(t), t.cancelled() or t.exception()))
+        return asyncio.shield(task)
 
     def _post(self, fn: Callable[[Any], object]) -> None:
         """Runs ``fn`` on the engine thread without waiting for it."""
@@ -228,7 +238,9 @@ class KVTransfer:
                 self.metrics.fallback(reason)
                 return 0
             answered = time.perf_counter()
-            num = await self._import(export, hashes, start, root, prompt_token_ids)
+            # Reserve, write and commit run to the end even if this fetch is cancelled (the client
+            # left): a cancel between reserve and commit would leave the reserved blocks held.
+            num = await self._to_the_end(self._import(export, hashes, start, root, prompt_token_ids))
             self.last_fetch = {"ask_s": answered - asked, "import_s": time.perf_counter() - answered}
             if num is None:
                 self.metrics.fallback("no_room")

@@ -321,3 +321,40 @@ def test_the_replica_takes_its_limits_from_the_engine_config(tiny_dir):
         assert b"prefixserve:kv_transfer_seconds_count" in server.metrics_text()
     finally:
         server.shutdown()
+
+
+def test_a_fetch_cancelled_while_reserving_leaves_nothing_held(pair, monkeypatch):
+    """The client goes away while the engine thread reserves the blocks: the
+    import still runs to its end (committed), nothing stays reserved."""
+    import threading
+
+    holder, receiver = pair
+    entered, go_on = threading.Event(), threading.Event()
+    real_reserve = receiver.transfer._reserve
+
+    def held_reserve(*args):
+        entered.set()
+        assert go_on.wait(60)
+        return real_reserve(*args)
+
+    monkeypatch.setattr(receiver.transfer, "_reserve", held_reserve)
+
+    async def main():
+        prompt = prompt_of(70)
+        await run(holder, "k1", prompt)
+        fetch = asyncio.ensure_future(receiver.transfer.fetch(LocalHolder(holder.transfer), prompt))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        fetch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetch
+        go_on.set()
+        hashes, _ = receiver.transfer.prefix_hashes(prompt)
+        for _ in range(500):
+            if receiver.pool.get_cached_block(hashes[-1]) is not None:
+                break
+            await asyncio.sleep(0.01)
+        await check_idle(receiver)  # nothing held: the reservation was committed, not forgotten
+        assert all(receiver.pool.get_cached_block(h) is not None for h in hashes)
+
+    asyncio.run(main())
