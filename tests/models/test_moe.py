@@ -70,8 +70,9 @@ def test_the_native_layer_gives_the_torch_loops_bits(family, quantization, tmp_p
     assert torch.allclose(weights, expected_weights, rtol=1e-6, atol=1e-7)
     routed = moe.native.forward(x)
     assert torch.equal(routed, moe.routed_loop(x, weights, ids))  # one C call: the loop's kernels, order, bits
-    assert (moe.native.struct.panel_width > 0) == (quantization is not None)  # quantized: the grouped GEMMs
-    moe.native.fns.qgemm_panels = None  # one GEMM call per expert instead: the same bits
+    assert (moe.native.struct.panel_width > 0) == (quantization is not None)  # quantized: qgemm's panel ranges
+    assert moe.native.struct.gemm_panel_width > 0  # the experts' GEMMs grouped in one parallel region (either kind)
+    moe.native.fns.qgemm_panels = moe.native.fns.gemm_panels = None  # one GEMM call per expert instead: same bits
     assert torch.equal(moe.native.forward(x), routed)
     for i in (0, 5):
         assert torch.equal(moe.native.forward(x[i : i + 1])[0], routed[i])  # alone or with 8 others

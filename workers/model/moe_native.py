@@ -32,7 +32,7 @@ class MoeStruct(ctypes.Structure):
     """``moe_t`` of ``csrc/decoder_types.h``."""
 
     _fields_ = [("router", Lin), ("gate_up", P), ("down", P), ("num_experts", L), ("top_k", L), ("norm_topk", L),
-                ("inter", L), ("dense", L), ("panel_width", L)]
+                ("inter", L), ("dense", L), ("panel_width", L), ("gemm_panel_width", L)]
 
 
 def load() -> Optional[ctypes.CDLL]:
@@ -55,7 +55,7 @@ class NativeMoE:
         qlib = qgemm.load() if fns.qgemm_panels else None
         self.struct = MoeStruct(router, ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
                                 moe.num_experts, moe.top_k, int(self.norm_topk), down[0].k, 0,
-                                qlib.qgemm_panel_width() if qlib is not None else 0)
+                                qlib.qgemm_panel_width() if qlib is not None else 0, gemm.load().gemm_panel_width())
         self.fn = lib.moe_forward_f32
 
     @classmethod
@@ -74,7 +74,8 @@ class NativeMoE:
         qlib = qgemm.load() if any(lin.kind == 1 for lin in lins) else None
         if lib is None or ops is None or gemm_lib is None or (qlib is None and any(lin.kind == 1 for lin in lins)):
             return None
-        fns = Fns(gemm=address(gemm_lib.gemm_f32), silu=address(ops.silu_and_mul_f32), moe=address(lib.moe_forward_f32))
+        fns = Fns(gemm=address(gemm_lib.gemm_f32), silu=address(ops.silu_and_mul_f32), moe=address(lib.moe_forward_f32),
+                  gemm_panels=address(gemm_lib.gemm_panels_f32))
         if qlib is not None:
             set_qgemm(fns, qlib)
         return cls(moe, lib, router, [g for g, _ in experts], [d for _, d in experts], fns)

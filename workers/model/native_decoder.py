@@ -96,7 +96,7 @@ class NativeDecoder:
     def __init__(self, model: Any, ops: ctypes.CDLL, gemm_lib: ctypes.CDLL, attn_lib: ctypes.CDLL) -> None:
         self.model = model
         self.ops, self.attn_lib = ops, attn_lib
-        self._gemm = gemm_lib.gemm_f32
+        self._gemm, self._gemm_lib = gemm_lib.gemm_f32, gemm_lib
         qlib = qgemm.load()
         self._qgemm = qlib.qgemm_f32 if qlib is not None else None
         self._norm = ops.add_rms_norm_f32
@@ -139,6 +139,7 @@ class NativeDecoder:
         lora_lib = lora_kernels.load()
         self._fns.lora = address(lora_lib.lora_add_f32) if lora_lib is not None else None
         self._fns.moe = address(moe_lib.moe_forward_f32) if moe_lib is not None else None
+        self._fns.gemm_panels = address(self._gemm_lib.gemm_panels_f32)
         if self._qgemm is not None:
             set_qgemm(self._fns, qgemm.load())
         self._layers_c = (_LayerC * len(self.layers))(*[

@@ -23,7 +23,8 @@ P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 class Fns(ctypes.Structure):
     _fields_ = [("gemm", P), ("qgemm", P), ("norm", P), ("rotary", P), ("silu", P), ("decode", P),
-                ("i8gemm", P), ("lora", P), ("lora_rows", P), ("moe", P), ("qgemm_panels", P), ("qgemm_sums", P)]
+                ("i8gemm", P), ("lora", P), ("lora_rows", P), ("moe", P), ("qgemm_panels", P), ("qgemm_sums", P),
+                ("gemm_panels", P)]
 
 
 class Lin(ctypes.Structure):

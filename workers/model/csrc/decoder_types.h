@@ -19,6 +19,8 @@ typedef void (*i8gemm_fn)(const float*, long, long, long, const signed char*, co
 typedef void (*qpanels_fn)(const float*, long, long, long, const float*, const unsigned char*, const float*,
                            const float*, int, long, long, const float*, float*, long, long, long);
 typedef void (*qsums_fn)(const float*, long, long, long, long, float*);
+typedef void (*gpanels_fn)(const float*, long, long, long, const float*, long, const float*, float*, long, long,
+                           long);
 
 /* LoRA (workers/model/lora_kernels.py): lora_add_f32(layer's side paths, this step's rows, x, ldx, y, ldy) */
 typedef void (*lora_fn)(const void*, const void*, const float*, long, float*, long);
@@ -28,7 +30,8 @@ struct moe;
 typedef void (*moe_fn)(const struct fns*, const struct moe*, const float*, long, long, float*);
 typedef struct fns { gemm_fn gemm; qgemm_fn qgemm; norm_fn norm; rotary_fn rotary; silu_fn silu; decode_fn decode;
                      i8gemm_fn i8gemm; lora_fn lora; const void* lora_rows; /* NULL: no adapter rows this step */
-                     moe_fn moe; qpanels_fn qgemm_panels; qsums_fn qgemm_sums; /* NULL: per-expert calls */
+                     moe_fn moe; qpanels_fn qgemm_panels; qsums_fn qgemm_sums; gpanels_fn gemm_panels;
+                     /* the last three NULL: an MoE layer runs one GEMM call per expert */
                    } fns_t;
 /* kind 0: packed float panels in w (bias may be NULL); kind 1: quantized (qgemm.py; mins may be NULL);
    kind 2: w8a8 int8 panels (i8gemm.py; scales, and the column sums in mins) */
@@ -38,7 +41,7 @@ typedef struct { long kind; const void* w; const float* scales; const float* min
    experts; dense != 0 runs every expert on every token (bench moe's baseline: weight 0 where not chosen). */
 typedef struct moe { lin_t router; const lin_t* gate_up; const lin_t* down; long num_experts; long top_k;
                      long norm_topk; long inter; long dense;
-                     long panel_width; /* qgemm's (0: no grouped path) */ } moe_t;
+                     long panel_width; long gemm_panel_width; /* qgemm's, gemm's (0: no grouped path) */ } moe_t;
 
 static inline void linear(const fns_t* f, const lin_t* w, const float* x, long T, float* y) {
     if (w->kind == 0) f->gemm(x, T, w->k, w->k, (const float*)w->w, w->n, w->bias, y, w->n);

@@ -131,28 +131,37 @@ static const ukr_fn UKRPS[MR + 1] = {
 #define KC 128
 #define PACK_ROWS 32
 #define SB 8
+
+/* Panels [p0, p1) of gemm_f32 for fewer than PACK_ROWS rows on the calling thread: its few-rows
+   loop, so the same bits; for callers that spread several GEMMs over their own threads in one
+   parallel region (moe_f32.c: every chosen expert of a layer). */
+void gemm_panels_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
+                     const float* bias, float* y, long ldy, long p0, long p1) {
+    const long kc = M > MR ? KC : K;
+    const ukr_fn one_row = M == 1 ? ukr_stream_1 : UKRS[1];
+    for (long p = p0; p < p1; ++p) {
+        const float* w = wp + p * K * NR;
+        const float* b = bias ? bias + p * NR : 0;
+        const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
+        for (long k0 = 0; k0 < K; k0 += kc) {
+            const long k1 = k0 + kc < K ? k0 + kc : K;
+            for (long m = 0; m < M; m += MR) {
+                const int rows = (M - m) < MR ? (int)(M - m) : MR;
+                const ukr_fn ukr = rows == 1 ? one_row : UKRS[rows];
+                ukr(x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
+                    k1 == K ? b : 0, k0 == 0);
+            }
+        }
+    }
+}
+
 void gemm_f32(const float* x, long M, long K, long ldx, const float* wp, long N,
               const float* bias, float* y, long ldy) {
     const long P = (N + NR - 1) / NR;
     const int parallel = (double)M * (double)N * (double)K > 262144.0;
     if (M < PACK_ROWS) {
-        const long kc = M > MR ? KC : K;
-        const ukr_fn one_row = M == 1 ? ukr_stream_1 : UKRS[1];
         #pragma omp parallel for schedule(static) if (parallel)
-        for (long p = 0; p < P; ++p) {
-            const float* w = wp + p * K * NR;
-            const float* b = bias ? bias + p * NR : 0;
-            const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
-            for (long k0 = 0; k0 < K; k0 += kc) {
-                const long k1 = k0 + kc < K ? k0 + kc : K;
-                for (long m = 0; m < M; m += MR) {
-                    const int rows = (M - m) < MR ? (int)(M - m) : MR;
-                    const ukr_fn ukr = rows == 1 ? one_row : UKRS[rows];
-                    ukr(x + m * ldx + k0, ldx, w + k0 * NR, k1 - k0, y + m * ldy + p * NR, ldy, nvalid,
-                        k1 == K ? b : 0, k0 == 0);
-                }
-            }
-        }
+        for (long p = 0; p < P; ++p) gemm_panels_f32(x, M, K, ldx, wp, N, bias, y, ldy, p, p + 1);
         return;
     }
     const long strips = (M + MR - 1) / MR;

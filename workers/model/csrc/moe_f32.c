@@ -1,5 +1,4 @@
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,51 +46,66 @@ void moe_route_f32(const float* logits, long T, long E, long k, long norm, float
     free(p);
 }
 
-/* Rows of each expert at most this many: the grouped path below (qgemm_f32 switches to its many-rows
-   kernel from 16 rows; the bits are the same either way, only the speed differs). */
+/* Rows of each expert below this: the grouped path below (qgemm_f32 switches to its many-rows
+   kernel from 16 rows, gemm_f32 from 32; the bits are the same either way, only the speed differs). */
 #define GROUPED_ROWS 16
 
-static long quantized(const lin_t* w) { return w->kind == 1 && !w->lora; }
+static long groups(const lin_t* w) { return w->kind == 1 ? (w->k + w->group - 1) / w->group : 0; }
+
+/* Whether the grouped path can run lins[0..A): one kind (packed float or quantized, no LoRA), one
+   group size, and the panel-range kernels of that kind. */
+static int groupable(const fns_t* f, const moe_t* m, const lin_t* const* lins, long A) {
+    for (long a = 0; a < A; ++a) {
+        const lin_t* w = lins[a];
+        if (w->lora || w->kind != lins[0]->kind || w->group != lins[0]->group) return 0;
+        if (w->kind == 0 && !(f->gemm_panels && m->gemm_panel_width > 0)) return 0;
+        if (w->kind == 1 && !(f->qgemm_panels && f->qgemm_sums && m->panel_width > 0)) return 0;
+        if (w->kind > 1) return 0;
+    }
+    return 1;
+}
 
 /* One GEMM of every active expert in one parallel region: work items are (expert, output panel),
-   expert-major; x_e / y_e are the experts' row blocks at xoff[a] * ldx / xoff[a] * ldy. */
-static void grouped_gemm(const fns_t* f, const lin_t* const* lins, long A, const long* xoff, const float* x,
-                         long ldx, const float* xs, float* y, long ldy, long nr) {
-    const long P = (lins[0]->n + nr - 1) / nr, G = (lins[0]->k + lins[0]->group - 1) / lins[0]->group;
+   expert-major; x_e / y_e are the experts' row blocks at xoff[a] * ldx / xoff[a] * ldy; xs: the
+   rows' group sums (quantized). */
+static void grouped_gemm(const fns_t* f, const moe_t* m, const lin_t* const* lins, long A, const long* xoff,
+                         const float* x, long ldx, const float* xs, float* y, long ldy) {
+    const long nr = lins[0]->kind == 1 ? m->panel_width : m->gemm_panel_width;
+    const long P = (lins[0]->n + nr - 1) / nr, G = groups(lins[0]);
     #pragma omp for schedule(static)
     for (long item = 0; item < A * P; ++item) {
         const long a = item / P, p = item % P, n = xoff[a + 1] - xoff[a];
         const lin_t* w = lins[a];
-        f->qgemm_panels(x + xoff[a] * ldx, n, w->k, ldx, xs + xoff[a] * G, (const unsigned char*)w->w, w->scales,
-                        w->mins, (int)w->bits, w->group, w->n, w->bias, y + xoff[a] * ldy, ldy, p, p + 1);
+        if (w->kind == 0)
+            f->gemm_panels(x + xoff[a] * ldx, n, w->k, ldx, (const float*)w->w, w->n, w->bias, y + xoff[a] * ldy,
+                           ldy, p, p + 1);
+        else
+            f->qgemm_panels(x + xoff[a] * ldx, n, w->k, ldx, xs + xoff[a] * G, (const unsigned char*)w->w,
+                            w->scales, w->mins, (int)w->bits, w->group, w->n, w->bias, y + xoff[a] * ldy, ldy,
+                            p, p + 1);
     }
 }
 
 /* Every chosen expert's gate/up, SiLU and down with 3 barriers instead of a parallel region per
    GEMM (each region's barrier is several microseconds, and a thread descheduled on a shared
-   machine holds the others at every one). rows / xoff: the active experts' tokens, expert-major. */
-static void grouped_experts(const fns_t* f, const moe_t* m, long A, const long* active, const long* xoff,
-                            const float* xg, long hidden, float* gu, float* act, float* y, float* xs1, float* xs2,
-                            long nr) {
-    const long I = m->inter, rows = xoff[A];
-    const lin_t* gl[A];
-    const lin_t* dl[A];
-    for (long a = 0; a < A; ++a) { gl[a] = &m->gate_up[active[a]]; dl[a] = &m->down[active[a]]; }
-    const long G1 = (gl[0]->k + gl[0]->group - 1) / gl[0]->group, G2 = (dl[0]->k + dl[0]->group - 1) / dl[0]->group;
-    for (long a = 0; a < A; ++a)  /* a few rows: cheaper here than a barrier */
+   machine holds the others at every one). xoff: the active experts' row blocks, expert-major;
+   xs1 / xs2: room for the rows' group sums of gate/up's and down's inputs. */
+static void grouped_experts(const fns_t* f, const moe_t* m, const lin_t* const* gl, const lin_t* const* dl,
+                            long A, const long* xoff, const float* xg, long hidden, float* gu, float* act,
+                            float* y, float* xs1, float* xs2) {
+    const long I = m->inter, rows = xoff[A], G1 = groups(gl[0]), G2 = groups(dl[0]);
+    for (long a = 0; a < A && G1; ++a)  /* a few rows: cheaper here than a barrier */
         f->qgemm_sums(xg + xoff[a] * hidden, xoff[a + 1] - xoff[a], gl[a]->k, hidden, gl[a]->group,
                       xs1 + xoff[a] * G1);
     #pragma omp parallel
     {
-        grouped_gemm(f, gl, A, xoff, xg, hidden, xs1, gu, 2 * I, nr);
+        grouped_gemm(f, m, gl, A, xoff, xg, hidden, xs1, gu, 2 * I);
         #pragma omp for schedule(static)
         for (long r = 0; r < rows; ++r) {
             f->silu(gu + r * 2 * I, act + r * I, 1, I);
-            long a = 0;
-            while (xoff[a + 1] <= r) ++a;
-            f->qgemm_sums(act + r * I, 1, I, I, dl[a]->group, xs2 + r * G2);
+            if (G2) f->qgemm_sums(act + r * I, 1, I, I, dl[0]->group, xs2 + r * G2);
         }
-        grouped_gemm(f, dl, A, xoff, act, I, xs2, y, hidden, nr);
+        grouped_gemm(f, m, dl, A, xoff, act, I, xs2, y, hidden);
     }
 }
 
@@ -123,22 +137,19 @@ void moe_forward_f32(const fns_t* f, const moe_t* m, const float* x, long T, lon
         xoff[A] = n;
     }
     const long total = xoff[A];
-    int grouped = f->qgemm_panels && f->qgemm_sums && m->panel_width > 0 && A > 0 && most < GROUPED_ROWS;
-    for (long a = 0; a < A && grouped; ++a) {
-        const lin_t *g = &m->gate_up[active[a]], *d = &m->down[active[a]];
-        grouped = quantized(g) && quantized(d) && g->group == m->gate_up[active[0]].group
-                  && d->group == m->down[active[0]].group;
-    }
+    const lin_t** gl = (const lin_t**)malloc(sizeof(lin_t*) * (size_t)(A + 1));
+    const lin_t** dl = (const lin_t**)malloc(sizeof(lin_t*) * (size_t)(A + 1));
+    for (long a = 0; a < A; ++a) { gl[a] = &m->gate_up[active[a]]; dl[a] = &m->down[active[a]]; }
+    const int grouped = A > 0 && most < GROUPED_ROWS && groupable(f, m, gl, A) && groupable(f, m, dl, A);
     float* xg = (float*)malloc(sizeof(float) * (size_t)(total * hidden));
     float* gu = (float*)malloc(sizeof(float) * (size_t)(total * 2 * I));
     float* act = (float*)malloc(sizeof(float) * (size_t)(total * I));
     float* y = (float*)malloc(sizeof(float) * (size_t)(total * hidden));
     for (long r = 0; r < total; ++r) memcpy(xg + r * hidden, x + rows[r] * hidden, sizeof(float) * (size_t)hidden);
     if (grouped) {
-        const lin_t *g = &m->gate_up[active[0]], *d = &m->down[active[0]];
-        float* xs1 = (float*)malloc(sizeof(float) * (size_t)(total * ((g->k + g->group - 1) / g->group) + 1));
-        float* xs2 = (float*)malloc(sizeof(float) * (size_t)(total * ((d->k + d->group - 1) / d->group) + 1));
-        grouped_experts(f, m, A, active, xoff, xg, hidden, gu, act, y, xs1, xs2, m->panel_width);
+        float* xs1 = (float*)malloc(sizeof(float) * (size_t)(total * groups(gl[0]) + 1));
+        float* xs2 = (float*)malloc(sizeof(float) * (size_t)(total * groups(dl[0]) + 1));
+        grouped_experts(f, m, gl, dl, A, xoff, xg, hidden, gu, act, y, xs1, xs2);
         free(xs1); free(xs2);
     } else {
         for (long a = 0; a < A; ++a) {  /* one GEMM pair per expert, each threaded on its own */
@@ -156,5 +167,5 @@ void moe_forward_f32(const fns_t* f, const moe_t* m, const float* x, long T, lon
         for (long c = 0; c < hidden; ++c) o[c] = o[c] + yr[c] * wr;
     }
     free(logits); free(w); free(ids); free(active); free(xoff); free(rows); free(rw);
-    free(xg); free(gu); free(act); free(y);
+    free(xg); free(gu); free(act); free(y); free(gl); free(dl);
 }
