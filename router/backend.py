@@ -135,9 +135,13 @@ class RouterBackend:
         stall_timeout_s: Seconds without a chunk, after a stream's first,
             after which its replica counts as dead and the stream migrates
             (None: never).
-        replica_transport: ``grpc``: Serve's direct gRPC stream to the
+        replica_transport: ``direct``: a unary Serve call, the tokens
+            sent by the replica's engine thread to this router's sink
+            (``router/direct.py``); ``grpc``: Serve's gRPC stream to the
             replica (``_by_reference=False``); ``actor``: Ray actor tasks
             (``RouterConfig.replica_transport``).
+        sink_host: The address the direct transport's sink binds and
+            replicas connect to (this node's).
         same_loop: Run Serve's request router (our routing policy) on the
             front ends' event loop, through a handle of its own, instead of
             Serve's default thread with a second loop. Every request then
@@ -153,7 +157,7 @@ class RouterBackend:
                  max_inflight_requests: Optional[int] = None, metrics: Optional[Any] = None,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, replica_transport: str = "grpc",
                  same_loop: bool = True, presence: Optional[Any] = None,
-                 stall_timeout_s: Optional[float] = DEFAULT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: Optional[float] = DEFAULT_STALL_TIMEOUT_S, sink_host: str = "127.0.0.1") -> None:
         if replica_transport not in REPLICA_TRANSPORTS:
             raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
                              f"got {replica_transport!r}")
@@ -164,6 +168,8 @@ class RouterBackend:
         # again if the backend is later used from another loop, e.g. a second asyncio.run).
         self._generate: Any = None
         self._generate_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._sink: Any = None  # the task starting router.direct.DirectSink on that loop (direct transport)
+        self.sink_host = sink_host
         self.tokenizer = tokenizer
         self.model = model
         self.max_inflight_requests = max_inflight_requests
@@ -243,30 +249,31 @@ class RouterBackend:
         return tuple(self.stalled_at)
 
     async def _attempt(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
-        """One Serve streaming call; replica deaths propagate (``migrating_stream`` handles them)."""
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
+        """One Serve call; replica deaths propagate (``migrating_stream`` handles them)."""
         loop = asyncio.get_running_loop()
         if self._generate is None or self._generate_loop is not loop:
             self._generate, self._generate_loop = self._generate_handle(), loop
+            self._sink = None
+        if self.replica_transport == "direct":
+            from router.direct import DirectSink, direct_attempt
+
+            if self._sink is None:  # one sink per loop, started once however many requests wait for it
+                self._sink = asyncio.ensure_future(DirectSink(self.sink_host).start())
+            sink = await asyncio.shield(self._sink)
+            async for chunk in direct_attempt(self._generate, sink, request, _replica_error):
+                yield chunk
+            return
         response = self._generate.remote(request)
         finished = False
         try:
             async for chunk in response:
                 finished = chunk.finished
                 yield chunk
-        except BackPressureError as exc:
-            raise OverloadedError(f"all replicas are at capacity, retry later: {exc}") from exc
-        except DeploymentUnavailableError as exc:
-            raise NoReplicaError(f"no replica is available: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - unwrap user errors raised in the replica
-            cause = _user_error(exc)
-            if cause is not None:
-                raise cause from exc
-            overload = _overload(exc)
-            if overload is not None:
-                raise OverloadedError(str(overload), overload.retry_after_s) from exc
-            raise
+            mapped = _replica_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
         finally:
             if not finished:  # the replica's stream ends by itself after its last chunk
                 response.cancel()  # aborts the sequence
@@ -300,7 +307,27 @@ class RouterBackend:
             # used elsewhere (the launcher's calls, other loops, Serve's cache).
             handle = DeploymentHandle(handle.deployment_name, handle.app_name)
             handle._init(_run_router_in_separate_loop=False)
+        if self.replica_transport == "direct":
+            return handle.options(method_name="generate_direct", _by_reference=False)
         return handle.options(stream=True, method_name="generate", _by_reference=self.replica_transport == "actor")
+
+
+def _replica_error(exc: BaseException) -> BaseException:
+    """What a Serve call's error means to the front ends: the replica's ValueError or
+    overload, Serve's back-pressure, no replica; else ``exc`` itself (a death: migrated)."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, BackPressureError):
+        return OverloadedError(f"all replicas are at capacity, retry later: {exc}")
+    if isinstance(exc, DeploymentUnavailableError):
+        return NoReplicaError(f"no replica is available: {exc}")
+    cause = _user_error(exc)
+    if cause is not None:
+        return cause
+    overload = _overload(exc)
+    if overload is not None:
+        return OverloadedError(str(overload), overload.retry_after_s)
+    return exc
 
 
 def _overload(exc: BaseException) -> Optional[ReplicaOverloadedError]:

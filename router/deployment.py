@@ -211,6 +211,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
     from pathlib import Path
 
     from cluster.shared.directory import Directory
+    from cluster.shared.ray_local import node_ip
     from router.lora_registry import RuntimeAdapters
     from router.metrics import ClusterMetrics, get_router_metrics
     from router.models import ModelDirectories, ModelMetrics
@@ -230,7 +231,7 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
             handles[model.model_name], tokenizer, ModelInfo(model.model_name, model.max_model_len, model.lora, runtime),
             max_inflight_requests=limits.max_inflight_requests, metrics=router_metrics,
             migration_limit=router.migration_limit, replica_transport=router.replica_transport,
-            stall_timeout_s=router.stall_timeout_s,
+            stall_timeout_s=router.stall_timeout_s, sink_host=node_ip() or "127.0.0.1",
             presence=ReplicaPresence(directory) if directory is not None else None)
         directories[model.model_name] = directory
         metrics[model.model_name] = ClusterMetrics(router_metrics, directory)

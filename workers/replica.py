@@ -6,7 +6,8 @@ wraps it with ``serve.deployment``. It:
 
 - streams ``StreamChunk``s from ``generate()``; when the caller goes away
   (Serve cancels the generator), the sequence is aborted and its blocks
-  return to the pool;
+  return to the pool; ``generate_direct()`` has the engine thread send them
+  to the router instead (``workers/engine/direct_stream.py``);
 - after every engine step, drains the block pool's KV events (on the engine
   thread) and publishes them to the Redis prefix directory from a publisher
   thread with its own event loop (heartbeats start with the replica); a gap
@@ -39,9 +40,11 @@ from cluster.shared.fingerprint import served_model_name
 from cluster.shared.ray_local import node_ip as ray_node_ip
 from cluster.shared.types import GenerationRequest, LoRARequest, StreamChunk
 from workers.core_share import core_share_for, forward_threads, torch_threads
+from workers.direct_endpoint import DirectStreamEndpoint
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
+from workers.engine.direct_stream import SinkConnections, chunk_of
 from workers.engine.lora_slots import slots_in_use
 from workers.kv_transfer import KVTransferEndpoints
 from workers.metrics import ReplicaMetrics
@@ -59,7 +62,7 @@ def default_replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:8]}"
 
 
-class ReplicaServer(KVTransferEndpoints):
+class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
     """An engine replica with streaming, stats and KV-event publishing.
 
     Args:
@@ -125,6 +128,7 @@ class ReplicaServer(KVTransferEndpoints):
                                     int(getattr(runner, "weight_bytes", 0)), int(getattr(runner, "kv_cache_bytes", 0)))
         self._pending: "queue.SimpleQueue[KVEventBatch]" = queue.SimpleQueue()  # engine thread -> publisher
         self._start_kv_transfer(self._front, runner, self.metrics, self._collect_events, config.cache)  # kv_transfer.py
+        self._sinks = SinkConnections()  # routers' direct-stream sinks (generate_direct)
         self._ttft = autoscaling.TTFTTracker()
         self._front.start()
         self._publisher = None
@@ -164,20 +168,7 @@ class ReplicaServer(KVTransferEndpoints):
         timer = self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
         async for out in self._tracked(request):
             timer.on_output(out)
-            yield StreamChunk(
-                request_id=out.request_id,
-                token_ids=out.new_token_ids,
-                text=out.new_text,
-                finish_reason=out.finish_reason,
-                logprobs=out.new_logprobs,
-                prompt_tokens=out.num_prompt_tokens,
-                completion_tokens=out.num_output_tokens,
-                cached_prompt_tokens=out.num_cached_tokens,
-                replica_id=self.replica_id,
-                prompt_logprobs=out.prompt_logprobs,
-                index=out.index,
-                more_choices=out.more_choices,
-            )
+            yield chunk_of(out, self.replica_id)
 
     async def _tracked(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The engine's outputs, with arrival and first token noted for ``ttft_s``."""
@@ -267,6 +258,8 @@ class ReplicaServer(KVTransferEndpoints):
         if getattr(self, "_publisher_thread", None) is not None:
             self._publisher_thread.join(timeout=5)
         self._front.shutdown()
+        if getattr(self, "_sinks", None) is not None:
+            self._sinks.close()
         if getattr(self, "_cores", None) is not None:
             self._cores.close()
         parts, self._parts = self._parts, None
@@ -282,7 +275,9 @@ class ReplicaServer(KVTransferEndpoints):
 
     # ------------------------------------------------------- KV events
     def _after_step(self) -> None:
-        """Engine thread, after each step: KV events out, engine counters into the metrics."""
+        """Engine thread, after each step: direct-stream chunks and KV events out,
+        engine counters into the metrics."""
+        self._sinks.flush()
         self._collect_events()
         self.metrics.record_engine(self.engine, self._parts.runner if self._parts else None)
 

@@ -84,6 +84,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("local cluster (when neither --url nor --base-url is given)")
     group.add_argument("--replicas", type=int, default=2)
     group.add_argument("--replica-num-cpus", type=float, default=0.5)
+    group.add_argument("--replica-transport", default=None, choices=["direct", "grpc", "actor"],
+                       help="how the router reaches the replicas (default: the cluster config's)")
     group.add_argument("--routing-policy", default="prefix_cost",
                        choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
 

@@ -56,11 +56,14 @@ def start_local_cluster(args: argparse.Namespace, engine: Any, http: bool, grpc:
                         routing_policy: Optional[str] = None, redis_url: Optional[str] = None,
                         namespace: str = "bench") -> Any:
     """Starts a ``LocalCluster`` with free ports for the benchmark."""
-    from cluster.shared.config import ClusterConfig
     from cluster.launch.local import LocalCluster
+    from cluster.shared.config import ClusterConfig, RouterConfig
 
+    transport = getattr(args, "replica_transport", None)
+    router = RouterConfig(replica_transport=transport) if transport else RouterConfig()
     config = ClusterConfig(replicas=args.replicas, replica_num_cpus=args.replica_num_cpus, redis_url=redis_url,
-                           namespace=namespace, routing_policy=routing_policy or args.routing_policy, engine=engine)
+                           namespace=namespace, routing_policy=routing_policy or args.routing_policy, engine=engine,
+                           router=router)
     logger.info("starting a local cluster: %d replicas, policy %s", config.replicas, config.routing_policy)
     cluster = LocalCluster(config, grpc_port=0 if grpc else None, http_port=0 if http else None)
     try:

@@ -62,8 +62,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                     help="seconds a replica may send nothing after a stream's first chunk before the stream "
                          "migrates as from a dead replica (default 20; 0: never)")
     up.add_argument("--replica-transport", choices=list(REPLICA_TRANSPORTS), default=None,
-                    help="how the routers stream from replicas: Serve's direct gRPC channel (default) or Ray actor "
-                         "tasks (where only Ray's own ports are open between nodes)")
+                    help="how the routers stream from replicas: direct (default: a Serve call per request, the "
+                         "tokens sent by the replica's engine thread to the router's sink), grpc (Serve's stream, "
+                         "a message per token) or actor (Ray actor tasks, where only Ray's ports are open)")
     up.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                     help="how the routers read tool calls out of the output: auto (default) picks llama3_json "
                          "for a Llama 3.x chat template, else hermes (<tool_call> blocks)")

@@ -85,7 +85,7 @@ def test_unknown_keys_are_named_with_their_path_and_closest_key(mapping, message
         ({"autoscaling": {"downscale_headroom": 1.0}}, "downscale_headroom must be in"),
         ({"routing_policy": "cache-aware"}, "did you mean 'cache_aware'"),
         ({"directory_lookup": "lua"}, r"directory_lookup must be one of \('index', 'redis'\)"),
-        ({"router": {"replica_transport": "http"}}, "replica_transport must be one of grpc, actor, got 'http'"),
+        ({"router": {"replica_transport": "http"}}, "replica_transport must be one of direct, grpc, actor, got 'http'"),
         ({"router": {"tool_call_parser": "mistral"}},
          "tool_call_parser must be one of auto, hermes, llama3_json, got 'mistral'"),
         ({"max_replicas_per_node": 0}, r"max_replicas_per_node must be >= 1 \(or unset for no cap\), got 0"),
@@ -134,7 +134,7 @@ def test_up_flags_override_the_config_file(tmp_path):
                               "--http-port", "-1", "--grpc-host", "127.0.0.1", "--routing-policy", "round_robin"])
     cfg = up_config(args)
     assert cfg.replicas == 3 and cfg.routing_policy == "round_robin"
-    assert cfg.router.replica_transport == "grpc"
+    assert cfg.router.replica_transport == "direct"
     assert up_config(parser.parse_args(["up", "--replica-transport", "actor"])).router.replica_transport == "actor"
     assert cfg.directory_lookup == "index"
     assert up_config(parser.parse_args(["up", "--directory-lookup", "redis"])).directory_lookup == "redis"

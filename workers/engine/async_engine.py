@@ -10,7 +10,8 @@ regions of a decode step each pay a sleep and a wake-up. Loading on the main
 thread and stepping on another made a batch-1 step 25-30% slower on 2 cores
 (``cluster/bench/serve.py --engine-baseline``). Requests and aborts reach
 the thread through a queue; outputs go back to per-request asyncio queues via
-``call_soon_threadsafe``::
+``call_soon_threadsafe`` (``run_direct``: to a ``DirectStream`` that sends
+them to the router from the engine thread, ``workers/engine/direct_stream.py``)::
 
     generate() --add--> [inbox] --> engine thread: add / abort / step
          ^                                  |
@@ -19,21 +20,18 @@ the thread through a queue; outputs go back to per-request asyncio queues via
 Cancelling the consumer of ``generate()`` (client gone, deadline) aborts the
 request in the engine, which frees its blocks.
 
-Streaming: a stream yields each output as it comes, except that outputs
-already queued when the consumer comes back for the next one (it was busy:
-a loaded event loop, a slow client) go out as one, merged
-(``merge_outputs``), so a busy loop does less work per token instead of
-falling behind; nothing is held back to wait for more. With
-``stream_interval`` N > 1, tokens after the first are sent N at a time (the
-last chunk may hold fewer); the first token and the finish leave at once.
+Streaming: a stream yields each output as it comes, except that outputs already queued when the consumer comes
+back for the next one (it was busy: a loaded event loop, a slow client) go out as one, merged
+(``merge_outputs``), so a busy loop does less work per token instead of falling behind; nothing is held back
+to wait for more. With ``stream_interval`` N > 1, tokens after the first are sent N at a time (the last chunk
+may hold fewer); the first token and the finish leave at once.
 
-Admission: with ``max_waiting_requests`` set, ``generate()`` rejects a request
-at once (``ReplicaOverloadedError``, nothing queued) while the replica already
-holds ``max_num_seqs + max_waiting_requests`` unfinished requests, i.e. when
-more than ``max_waiting_requests`` would wait beyond one full batch. Counted
-here, on the caller's loop, so a burst is bounded exactly, not as of the last
-engine step. The error's ``retry_after_s`` (the client's retry hint) is the
-mean gap between the replica's recent completions (``retry_hint``).
+Admission: with ``max_waiting_requests`` set, ``generate()`` rejects a request at once
+(``ReplicaOverloadedError``, nothing queued) while the replica already holds ``max_num_seqs +
+max_waiting_requests`` unfinished requests, i.e. when more than ``max_waiting_requests`` would wait beyond one
+full batch. Counted here, on the caller's loop, so a burst is bounded exactly, not as of the last engine step.
+The error's ``retry_after_s`` (the client's retry hint) is the mean gap between the replica's recent
+completions (``retry_hint``).
 """
 
 from __future__ import annotations
@@ -44,18 +42,34 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, TypeVar
 
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
-from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, retry_hint
+from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, name_os_thread, retry_hint
 from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.structured import timeout_message
+
+if TYPE_CHECKING:
+    from workers.engine.direct_stream import DirectStream
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
 T = TypeVar("T")
+
+
+class _LoopQueue:
+    """``generate``'s target: outputs into an asyncio queue on the consumer's loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncEngine:
@@ -65,9 +79,8 @@ class AsyncEngine:
         engine: The engine; after ``start()`` only the engine thread touches it.
         after_step: Runs on the engine thread after each step.
         before_step: Runs on the engine thread before each step.
-        on_idle: Runs on the engine thread before it waits for work (no
-            request left); with ``before_step`` it tells a ``CoreShare``
-            when this replica is busy (``workers/core_share.py``).
+        on_idle: Runs on the engine thread before it waits for work (no request left);
+            with ``before_step`` it tells a ``CoreShare`` when this replica is busy.
         max_waiting_requests: Admission bound (see the module docstring);
             None admits everything.
         stream_interval: Tokens a stream sends per chunk after its first
@@ -88,7 +101,7 @@ class AsyncEngine:
         self._before_step = before_step
         self._on_idle = on_idle
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, "_LoopQueue | DirectStream"] = {}
         self._lock = threading.Lock()  # guards _streams
         self._finish_times: collections.deque[float] = collections.deque(maxlen=RETRY_HINT_WINDOW)
         self._thread: Optional[threading.Thread] = None
@@ -108,6 +121,7 @@ class AsyncEngine:
         box: dict[str, object] = {}
 
         def main() -> None:
+            name_os_thread("engine-loop")  # its OpenMP threads inherit it: a replica's forward in top -H
             try:
                 front = cls(factory(), **kwargs)  # type: ignore[arg-type]
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
@@ -150,16 +164,8 @@ class AsyncEngine:
             ReplicaOverloadedError: The admission bound is reached (nothing was queued).
             RuntimeError: The engine loop died.
         """
-        if self.error is not None:
-            raise RuntimeError(f"engine loop stopped: {self.error!r}")
-        self.engine.validate(request)  # read-only checks; fail fast in the caller
-        self._admit()
-        self.start()
-        compiled = await self._compile_grammar(request)  # off the engine thread: other requests step on
-        out_queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._streams[request.request_id] = (asyncio.get_running_loop(), out_queue)
-        self._inbox.put(("add", (request, compiled)))
+        out_queue = (target := _LoopQueue(asyncio.get_running_loop())).queue
+        await self._submit(request, target)
         finished = False
         held: Optional[RequestOutput] = None  # tokens not yet yielded (stream_interval)
         sent_first: set[int] = set()  # choices (RequestOutput.index) whose first token went out
@@ -196,6 +202,35 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self._inbox.put(("abort", request.request_id))
+
+    async def run_direct(self, request: GenerationRequest, stream: "DirectStream") -> int:
+        """Runs a request whose outputs ``stream`` turns into chunks on the engine
+        thread (``workers/engine/direct_stream.py``); returns the number of chunks sent.
+
+        Raises:
+            As ``generate``; and the error that ended the stream.
+        """
+        await self._submit(request, stream)
+        try:
+            return await stream.done
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            stream.detach()
+            if not stream.finished:
+                self._inbox.put(("abort", request.request_id))
+
+    async def _submit(self, request: GenerationRequest, target: "_LoopQueue | DirectStream") -> None:
+        """Checks, admits and queues ``request``; the engine thread puts its outputs to ``target``."""
+        if self.error is not None:
+            raise RuntimeError(f"engine loop stopped: {self.error!r}")
+        self.engine.validate(request)  # read-only checks; fail fast in the caller
+        self._admit()
+        self.start()
+        compiled = await self._compile_grammar(request)  # off the engine thread: other requests step on
+        with self._lock:
+            self._streams[request.request_id] = target
+        self._inbox.put(("add", (request, compiled)))
 
     async def _compile_grammar(self, request: GenerationRequest) -> object:
         """The request's structured-output grammar, compiled on the backend's
@@ -240,8 +275,7 @@ class AsyncEngine:
             )
 
     def abort(self, request_id: str) -> None:
-        """Asks the engine thread to abort a request (no-op if unknown)."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(("abort", request_id))  # the engine thread aborts it (no-op if unknown)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result.
@@ -257,6 +291,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------ engine thread
     def _run(self) -> None:
+        name_os_thread("engine-loop")
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
@@ -343,17 +378,18 @@ class AsyncEngine:
             if isinstance(item, RequestOutput) and not item.finished:
                 self.engine.abort_request(request_id)
             return
-        loop, out_queue = target
         try:
-            loop.call_soon_threadsafe(out_queue.put_nowait, item)
+            target.put(item)
         except RuntimeError:  # the consumer's loop is closed
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - one stream's failure must never end the engine loop
+            logger.exception("delivering to request %r failed", request_id)
             self.engine.abort_request(request_id)
 
     def _abort_all(self) -> None:
         with self._lock:
             ids = list(self._streams)
-        for request_id in ids:
-            out = self.engine.abort_request(request_id)
+        for request_id, out in ((r, self.engine.abort_request(r)) for r in ids):
             if out is not None:
                 self._send(request_id, out)
 

@@ -19,7 +19,7 @@ from cluster.shared.config.models import (SERVING_FIELDS,
                                           AutoscalingConfig, ModelConfig, check_serving_fields, deployment_suffix)
 from cluster.shared.fingerprint import served_model_name
 
-REPLICA_TRANSPORTS = ("grpc", "actor")
+REPLICA_TRANSPORTS = ("direct", "grpc", "actor")
 # Output formats of tool calls (router/tools: "auto" reads the chat template); vLLM's flag values.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 # How reasoning (<think>...</think>) is split from content (router/reasoning.py); vLLM's flag values.
@@ -54,11 +54,16 @@ class RouterConfig:
             the first chunk never count, however long the prompt. None
             disables it (a stalled node's streams then end at their deadline).
         replica_transport: How a router's Serve handle talks to the replicas:
-            ``grpc`` (default) streams over Serve's direct gRPC channel to the
-            replica (``_by_reference=False``; ~40% less router CPU per
-            request than actor tasks, ``prefixserve bench router``);
-            ``actor`` uses Ray actor tasks and object refs, for networks that
-            let only Ray's own ports through between pods.
+            ``direct`` (default) makes one unary Serve call per request and
+            the replica's engine thread sends the tokens to the router over
+            a TCP connection of its own, one frame per step for all of that
+            router's streams (``workers/engine/direct_stream.py``; Serve still
+            routes, admits, cancels and reports deaths); ``grpc`` streams
+            each token over Serve's gRPC channel to the replica
+            (``_by_reference=False``; ~40% less router CPU per request than
+            actor tasks, ``prefixserve bench router``); ``actor`` uses Ray
+            actor tasks and object refs, for networks that let only Ray's
+            own ports through between pods.
         tool_call_parser: How the routers read tool calls out of the model's
             output (``router/tools``, vLLM's ``--tool-call-parser``): ``auto``
             (default) picks ``llama3_json`` for a Llama 3.x chat template and
@@ -109,7 +114,7 @@ class RouterConfig:
     router_resources: dict = field(default_factory=dict)
     migration_limit: int = 3
     stall_timeout_s: Optional[float] = 20.0
-    replica_transport: str = "grpc"
+    replica_transport: str = "direct"
     tool_call_parser: str = "auto"
     reasoning_parser: str = "none"
     drain_timeout_s: float = 30.0
