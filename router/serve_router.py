@@ -282,6 +282,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             num_adapters=len(stats.get("lora_adapters", ())),
             max_adapters=max(0, int(stats.get("max_cpu_loras", 0))),
             adapter_load_tokens=_finite_nonnegative(stats.get("lora_load_tokens", 0.0)),
+            core_group=str(stats.get("core_group", "") or ""),
         )
 
 

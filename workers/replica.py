@@ -188,7 +188,8 @@ class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
     def record_routing_stats(self) -> dict[str, Any]:
         """Load figures for Serve's request router (no engine-thread access)."""
         stats = self._front.stats
-        return {**asdict(stats), "replica_id": self.replica_id}
+        group = ray_node_ip() if self._cores is not None else ""  # replicas splitting this machine's cores
+        return {**asdict(stats), "replica_id": self.replica_id, "core_group": group}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (``cluster/shared/autoscaling.py`` reads them):

@@ -86,6 +86,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replica-num-cpus", type=float, default=0.5)
     group.add_argument("--replica-transport", default=None, choices=["direct", "grpc", "actor"],
                        help="how the router reaches the replicas (default: the cluster config's)")
+    group.add_argument("--routing-param", action="append", default=[], metavar="NAME=VALUE",
+                       help="a threshold of the routing policy (routing_policy_params), e.g. pack_max_seqs=8")
     group.add_argument("--routing-policy", default="prefix_cost",
                        choices=["cache_aware", "least_load", "power_of_two", "round_robin"])
 

@@ -61,9 +61,10 @@ def start_local_cluster(args: argparse.Namespace, engine: Any, http: bool, grpc:
 
     transport = getattr(args, "replica_transport", None)
     router = RouterConfig(replica_transport=transport) if transport else RouterConfig()
+    params = dict(_routing_param(text) for text in getattr(args, "routing_param", None) or ())
     config = ClusterConfig(replicas=args.replicas, replica_num_cpus=args.replica_num_cpus, redis_url=redis_url,
                            namespace=namespace, routing_policy=routing_policy or args.routing_policy, engine=engine,
-                           router=router)
+                           router=router, routing_policy_params=params)
     logger.info("starting a local cluster: %d replicas, policy %s", config.replicas, config.routing_policy)
     cluster = LocalCluster(config, grpc_port=0 if grpc else None, http_port=0 if http else None)
     try:
@@ -85,3 +86,14 @@ def write_outputs(json_path: Optional[str], report: dict[str, Any], plot_path: O
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         plot(plot_path, runs, title)
         logger.info("wrote %s", plot_path)
+
+
+def _routing_param(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` of ``--routing-param``: the value as JSON (a number), else the text."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--routing-param takes NAME=VALUE (e.g. pack_max_seqs=8), got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value

@@ -57,6 +57,11 @@ class ReplicaView:
             0: unknown): loading one more when full evicts one.
         adapter_load_tokens: What loading an adapter costs it, in prefill
             tokens, as it measured (0: not measured; the policy's default).
+        core_group: Non-empty for a replica that splits one machine's cores
+            with the others of the same group (``workers/core_share.py``; the
+            node's address): a second busy replica there halves the first's
+            threads and reads the weights again each step. "" for a replica
+            with cores of its own.
     """
 
     replica_id: str
@@ -73,6 +78,7 @@ class ReplicaView:
     num_adapters: int = 0
     max_adapters: int = 0
     adapter_load_tokens: float = 0.0
+    core_group: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:

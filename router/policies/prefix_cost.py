@@ -54,6 +54,21 @@ LoRA adapters
     its parameters (``adapter_*``) and their defaults are in
     ``router/policies/lora_placement.py``. A base-model request pays nothing.
 
+Replicas that split one machine's cores
+    Replicas packed on one machine with a fraction of a CPU each split its
+    cores by how many are busy (``workers/core_share.py``; the same
+    ``core_group``). There, waking an idle replica halves a busy sibling's
+    threads, and both then read the whole model every decode step: two
+    batches of 2 read twice the weights one batch of 4 does (measured on 2
+    cores: 2 replicas at 4 concurrent requests gave 0.66x the throughput of
+    one engine batching all four). So while a sibling is busy with fewer than
+    ``pack_max_seqs`` sequences (and has KV headroom), an idle replica of its
+    group costs ``pack_idle_tokens`` more: in a steady stream of requests
+    they pack onto the running batch until it is that large (or its
+    per-sequence cost passes the penalty), then spread. Replicas with cores of their
+    own (whole CPUs, GPUs, one per machine) are never packed. Turn it on with
+    ``routing_policy_params: {pack_max_seqs: 8}``.
+
 Directory down
     No replica has a confirmed match (``matched_blocks is None``): every
     ``m_r`` is 0 and the ranking is by queued work alone.
@@ -82,6 +97,24 @@ Parameters and defaults
     hot_prefix_rps = 8.0        Requests/s of one prefix that one replica
                                 serves; above it the prefix is replicated.
                                 0 turns replication off.
+    pack_max_seqs = 0           Sequences a busy replica takes before an idle
+                                sibling on the same cores is woken; 0 (the
+                                default) turns packing off. 8 suits the
+                                default model on CPU (a decode step reads the
+                                weights once for up to ~8 rows at nearly the
+                                cost of one). Off by default: under a burst
+                                of requests for cached prefixes it let one of
+                                eight miss its holder in the routing test
+                                (tests/integration/test_prefix_routing.py),
+                                not yet understood.
+    pack_idle_tokens = 128.0    What waking an idle sibling costs, in prefill
+                                tokens: a tie-breaker, not a wall. It beats
+                                the per-sequence terms of a small running
+                                batch (~5 sequences of 300 tokens: 16 + 6
+                                each) but not prefill already queued there
+                                (a burst still spreads) nor a confirmed
+                                prefix match of more than 4 blocks (64
+                                tokens, weighted 2.0), which still wins.
 """
 
 from __future__ import annotations
@@ -105,6 +138,8 @@ DEFAULT_DECODE_TOKEN_WEIGHT = 0.02
 DEFAULT_SEQUENCE_TOKENS = 16.0
 DEFAULT_KV_HIGH_WATER = 0.95
 DEFAULT_HOT_PREFIX_RPS = 8.0
+DEFAULT_PACK_MAX_SEQS = 0  # off: a knob for replicas packed on one machine (module doc)
+DEFAULT_PACK_IDLE_TOKENS = 128.0
 
 
 def rendezvous(prefix_key: bytes, replica_id: str) -> bytes:
@@ -128,13 +163,18 @@ class PrefixCostPolicy:
         adapter_eviction_tokens: float = DEFAULT_ADAPTER_EVICTION_TOKENS,
         adapter_rps_per_home: float = DEFAULT_ADAPTER_RPS_PER_HOME,
         adapter_shrink_ratio: float = DEFAULT_ADAPTER_SHRINK_RATIO,
+        pack_max_seqs: int = DEFAULT_PACK_MAX_SEQS,
+        pack_idle_tokens: float = DEFAULT_PACK_IDLE_TOKENS,
     ) -> None:
         for name, value in (("new_prefill_weight", new_prefill_weight),
                             ("decode_token_weight", decode_token_weight), ("sequence_tokens", sequence_tokens),
                             ("hot_prefix_rps", hot_prefix_rps), ("adapter_load_tokens", adapter_load_tokens),
-                            ("adapter_eviction_tokens", adapter_eviction_tokens)):
+                            ("adapter_eviction_tokens", adapter_eviction_tokens),
+                            ("pack_idle_tokens", pack_idle_tokens)):
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(pack_max_seqs, int) and pack_max_seqs >= 0):
+            raise ValueError(f"pack_max_seqs must be an integer >= 0, got {pack_max_seqs!r}")
         if not 0.0 < kv_high_water <= 1.0:
             raise ValueError(f"kv_high_water must be in (0, 1], got {kv_high_water!r}")
         self.new_prefill_weight = float(new_prefill_weight)
@@ -145,19 +185,24 @@ class PrefixCostPolicy:
         self.adapter_load_tokens = float(adapter_load_tokens)
         self.adapter_eviction_tokens = float(adapter_eviction_tokens)
         self.adapter_homes = AdapterHomes(adapter_rps_per_home, adapter_shrink_ratio)
+        self.pack_max_seqs = pack_max_seqs
+        self.pack_idle_tokens = float(pack_idle_tokens)
 
     def choose(self, inp: RoutingInput) -> list[str]:
         """Returns every replica id, best first. Mutates only the adapters' home counts
         (``AdapterHomes``, idempotent for a repeated input)."""
         matched = self.credited_matches(inp)
         homes = self.adapter_home_ids(inp)
+        idle = self.packed_idle_ids(inp)
         return [r.replica_id for r in sorted(
-            inp.replicas, key=lambda r: self.sort_key(inp, r, matched[r.replica_id], homes))]
+            inp.replicas, key=lambda r: self.sort_key(inp, r, matched[r.replica_id], homes, idle))]
 
     def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int,
-                 adapter_homes: frozenset = frozenset()) -> tuple[int, float, bytes]:
+                 adapter_homes: frozenset = frozenset(), packed_idle: frozenset = frozenset()
+                 ) -> tuple[int, float, bytes]:
         """``(tier, cost, rendezvous)`` of one replica (module doc); ``adapter_homes``:
-        the ids of the request's adapter's homes among ``inp.replicas``."""
+        the ids of the request's adapter's homes among ``inp.replicas``; ``packed_idle``:
+        idle replicas whose core group has a busy sibling with room (``packed_idle_ids``)."""
         block = inp.tokens_per_block
         new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
         cost = (view.num_prefill_tokens + self.new_prefill_weight * new_prefill
@@ -166,8 +211,19 @@ class PrefixCostPolicy:
         if inp.adapter:
             cost += adapter_cost(view, view.replica_id in adapter_homes, self.adapter_load_tokens,
                                  self.adapter_eviction_tokens)
+        if view.replica_id in packed_idle:
+            cost += self.pack_idle_tokens
         return (0 if self.has_headroom(view, new_prefill, block) else 1, cost,
                 rendezvous(inp.prefix_key, view.replica_id))
+
+    def packed_idle_ids(self, inp: RoutingInput) -> frozenset:
+        """Idle replicas that share their cores with a sibling busy with fewer than
+        ``pack_max_seqs`` sequences and KV headroom (module doc): waking them costs more."""
+        if not self.pack_max_seqs:
+            return frozenset()
+        busy_groups = {v.core_group for v in inp.replicas if v.core_group
+                       and 0 < _num_seqs(v) < self.pack_max_seqs and v.kv_cache_usage < self.kv_high_water}
+        return frozenset(v.replica_id for v in inp.replicas if v.core_group in busy_groups and _num_seqs(v) == 0)
 
     def has_headroom(self, view: ReplicaView, new_prefill: int, block: int) -> bool:
         """Whether the replica can take the request's new blocks without evicting or preempting."""
@@ -213,3 +269,7 @@ class PrefixCostPolicy:
         k = self.num_adapter_homes(inp.adapter, inp.adapter_rate, len(inp.replicas))
         key = adapter_key(inp.adapter)
         return frozenset(sorted((r.replica_id for r in inp.replicas), key=lambda rid: rendezvous(key, rid))[:k])
+
+
+def _num_seqs(view: ReplicaView) -> int:
+    return view.num_running + view.num_waiting + view.num_swapped

@@ -50,7 +50,7 @@ def test_the_same_queues_give_different_choices_for_short_and_long_prompts():
 def test_a_small_match_still_counts():
     # cache_aware ignored matches below 30 % of the prompt; here 2 of 32 blocks break the tie.
     views = (ReplicaView("a", matched_blocks=0), ReplicaView("b", matched_blocks=2))
-    assert PrefixCostPolicy().choose(inp(*views))[0] == "b"
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views))[0] == "b"
 
 
 def test_decode_load_and_sequence_counts_add_to_the_cost():
@@ -68,7 +68,7 @@ def test_a_replica_without_kv_headroom_ranks_after_those_with_it(usage, blocks, 
     # 2 new blocks + 1 need.
     views = (ReplicaView("a", matched_blocks=30, kv_cache_usage=usage, num_kv_blocks=blocks),
              ReplicaView("b", matched_blocks=0, num_kv_blocks=1000, num_prefill_tokens=5000))
-    assert PrefixCostPolicy().choose(inp(*views))[0] == first
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views))[0] == first
 
 
 def test_headroom_counts_the_new_blocks():
@@ -81,7 +81,7 @@ def test_headroom_counts_the_new_blocks():
 def test_directory_down_ranks_by_queued_work_alone():
     views = (ReplicaView("a", num_prefill_tokens=300), ReplicaView("b", num_prefill_tokens=100),
              ReplicaView("c", num_prefill_tokens=200))
-    assert PrefixCostPolicy().choose(inp(*views)) == ["b", "c", "a"]
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views)) == ["b", "c", "a"]
 
 
 def test_ties_follow_the_prefix_alike_in_every_router_and_spread_over_prefixes():
@@ -89,8 +89,8 @@ def test_ties_follow_the_prefix_alike_in_every_router_and_spread_over_prefixes()
     firsts = collections.Counter()
     for i in range(2000):
         key = i.to_bytes(4, "little")
-        forward = PrefixCostPolicy().choose(inp(*[ReplicaView(r) for r in ids], key=key))
-        backward = PrefixCostPolicy().choose(inp(*[ReplicaView(r) for r in reversed(ids)], key=key))
+        forward = PrefixCostPolicy(pack_max_seqs=8).choose(inp(*[ReplicaView(r) for r in ids], key=key))
+        backward = PrefixCostPolicy(pack_max_seqs=8).choose(inp(*[ReplicaView(r) for r in reversed(ids)], key=key))
         assert forward == backward == sorted(ids, key=lambda r: rendezvous(key, r))
         firsts[forward[0]] += 1
     assert set(firsts) == set(ids)
@@ -211,3 +211,66 @@ def test_recent_sends_keep_checkpoints_and_round_credits_down_to_them():
     assert recent.leading(chain[:9] + [b"x" * 16], now=1.0) == {"r": 8}  # rounded down to depth 7
     assert recent.leading(chain + [bytes([i]) * 16 for i in range(10, 14)], now=1.0) == {"r": 8}
     assert recent.leading(chain[:2], now=1.0) == {}
+
+
+# ------------------------------------------------ replicas splitting one machine's cores
+
+def busy(replica_id, seqs, group="10.0.0.1", **kw):
+    return ReplicaView(replica_id, num_running=seqs, matched_blocks=0, num_decode_tokens=300 * seqs,
+                       core_group=group, **kw)
+
+
+@pytest.mark.parametrize("seqs, expected", [(1, "busy"), (3, "busy"), (5, "busy"), (6, "idle"), (8, "idle")])
+def test_requests_pack_onto_a_busy_sibling_until_its_batch_is_full(seqs, expected):
+    # Same cores: an idle sibling costs pack_idle_tokens (128) more while the busy one runs
+    # < pack_max_seqs; a batch of 6 costs 6 * (16 + 0.02 * 300) = 132 > 128 itself: spread.
+    policy = PrefixCostPolicy(pack_max_seqs=8)
+    views = (busy("busy", seqs), busy("idle", 0))
+    assert policy.choose(inp(*views, prompt=256))[0] == expected
+
+
+def test_replicas_with_cores_of_their_own_are_never_packed():
+    policy = PrefixCostPolicy(pack_max_seqs=8)
+    for views in ((busy("busy", 2, group=""), busy("idle", 0, group="")),
+                  (busy("busy", 2, group="10.0.0.1"), busy("idle", 0, group="10.0.0.2"))):  # other machines
+        assert policy.choose(inp(*views, prompt=256))[0] == "idle"
+    assert PrefixCostPolicy().choose(inp(busy("busy", 2), busy("idle", 0), prompt=256))[0] == "idle"  # off by default
+
+
+def test_a_busy_sibling_without_kv_headroom_is_not_packed_onto():
+    views = (busy("busy", 2, kv_cache_usage=0.97), busy("idle", 0))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "idle"
+
+
+def test_a_long_confirmed_prefix_on_the_idle_sibling_still_wins_over_packing():
+    # 13 of 16 blocks held: 208 tokens saved, weighted 416, more than pack_idle_tokens (128).
+    views = (busy("busy", 2), ReplicaView("holder", matched_blocks=13, core_group="10.0.0.1"))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "holder"
+
+
+def test_prefill_queued_on_the_busy_sibling_spreads_a_burst():
+    views = (busy("busy", 1, num_prefill_tokens=256), busy("idle", 0))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "idle"
+
+
+def test_pack_parameters_are_validated():
+    with pytest.raises(ValueError, match="pack_max_seqs must be an integer >= 0"):
+        PrefixCostPolicy(pack_max_seqs=-1)
+    with pytest.raises(ValueError, match="pack_idle_tokens must be a finite number >= 0"):
+        get_policy("prefix_cost", pack_idle_tokens=float("nan"))
+
+
+def test_the_serve_router_reads_the_core_group():
+    serve_common = pytest.importorskip("ray.serve._private.common")
+    from router.serve_router import PrefixAwareRequestRouter
+    from tests.unit.test_serve_router import FakeReplica
+
+    router = PrefixAwareRequestRouter(serve_common.DeploymentID("d", "app"),
+                                      serve_common.DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=None, block_size=4, model_fingerprint="fp")
+    replica = FakeReplica("r")
+    for reported, read in (("127.0.0.1", "127.0.0.1"), ("", ""), (None, "")):
+        replica.routing_stats = {"core_group": reported}
+        assert router._view(replica, 0).core_group == read
+    replica.routing_stats = {}  # a replica from before the field
+    assert router._view(replica, 0).core_group == ""
