@@ -27,6 +27,7 @@ What differs from a local ``ray.init``:
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -94,9 +95,15 @@ class RayNodes:
         num_workers: Worker nodes (node IPs 127.0.0.2, .3, ...).
         num_cpus: Logical CPUs each node offers (fractional replicas fit).
         object_store_mb: Each node's object store.
+        autoscaling_config: Ray's autoscaler on the head with this cluster
+            config (``provider.type: fake_multinode``: the autoscaler starts the
+            nodes it adds as processes of its own, under the head's tree, so
+            ``stop()`` ends them too); its GCS address is filled in.
     """
 
-    def __init__(self, num_workers: int = 2, num_cpus: int = 2, object_store_mb: int = 128) -> None:
+    def __init__(self, num_workers: int = 2, num_cpus: int = 2, object_store_mb: int = 128,
+                 autoscaling_config: Optional[dict] = None) -> None:
+        self.autoscaling_config = autoscaling_config
         self.num_workers = num_workers
         self.num_cpus = num_cpus
         self.object_store_mb = object_store_mb
@@ -121,7 +128,8 @@ class RayNodes:
         _become_subreaper()
         try:
             self._start_node(HEAD_IP, ["--head", "--port", str(self.port), "--include-dashboard=false",
-                                       "--temp-dir", str(self.temp_dir)])
+                                       "--temp-dir", str(self.temp_dir), *self._autoscaler_args()],
+                             self._autoscaler_env())
             # One at a time: two at once race for the session's socket names
             # (plasma_store.1, raylet.1) and one times out.
             for i in range(self.num_workers):
@@ -132,7 +140,20 @@ class RayNodes:
             raise
         return self
 
-    def _start_node(self, ip: str, args: list[str]) -> None:
+    def _autoscaler_args(self) -> list[str]:
+        if self.autoscaling_config is None:
+            return []
+        config = json.loads(json.dumps(self.autoscaling_config))
+        config["provider"]["gcs_address"] = self.address  # else the fake provider assumes port 6379
+        path = self.temp_dir / "autoscaling.json"
+        path.write_text(json.dumps(config))
+        return [f"--autoscaling-config={path}"]
+
+    def _autoscaler_env(self) -> dict[str, str]:
+        # The fake provider refuses to run without RAY_FAKE_CLUSTER; one autoscaler round a second.
+        return {} if self.autoscaling_config is None else {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+
+    def _start_node(self, ip: str, args: list[str], extra_env: Optional[dict[str, str]] = None) -> None:
         """Runs ``ray start`` for one node and records the processes it left.
 
         Raises:
@@ -144,7 +165,7 @@ class RayNodes:
         proc = subprocess.run(
             [ray, "start", "--node-ip-address", ip, "--num-cpus", str(self.num_cpus),
              "--object-store-memory", str(self.object_store_mb * 1024**2), "--disable-usage-stats", *args],
-            env=self.client_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+            env={**self.client_env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
         # Daemonized, its processes were re-parented to this (subreaper) process;
         # each names its node's IP on its command line.
         pids = [p.pid for p in psutil.Process().children() if p.pid not in before and _node_ip_of(p) == ip]
@@ -167,8 +188,6 @@ class RayNodes:
                              text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-3000:])
-        import json
-
         # Ray may print its own lines (a dead node's warning) around ours.
         line = next(line for line in out.stdout.splitlines() if line.startswith("ALIVE "))
         return json.loads(line[len("ALIVE "):])
