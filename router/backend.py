@@ -162,6 +162,10 @@ class RouterBackend:
             raise ValueError(f"replica_transport must be one of {', '.join(REPLICA_TRANSPORTS)}, "
                              f"got {replica_transport!r}")
         self.handle = handle
+        if replica_transport == "direct" and ray_tls_enabled():
+            # Ray encrypts its own traffic; the direct sink is a plain TCP socket: stay on Serve's channel.
+            logger.info("RAY_USE_TLS is on: streaming from replicas over Serve's gRPC channel, not the direct sink")
+            replica_transport = "grpc"
         self.replica_transport = replica_transport
         self.same_loop = same_loop
         # The handle's streaming `generate` options, made on the serving loop (and
@@ -310,6 +314,11 @@ class RouterBackend:
         if self.replica_transport == "direct":
             return handle.options(method_name="generate_direct", _by_reference=False)
         return handle.options(stream=True, method_name="generate", _by_reference=self.replica_transport == "actor")
+
+
+def ray_tls_enabled() -> bool:
+    """Whether Ray's own traffic is TLS (``RAY_USE_TLS``, as Ray reads it)."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
 
 
 def _replica_error(exc: BaseException) -> BaseException:

@@ -228,3 +228,13 @@ def test_the_replica_cannot_reach_a_sink_that_is_not_there():
             asyncio.run(main())
     finally:
         replica.shutdown()
+
+
+def test_ray_tls_keeps_the_tokens_on_serves_channel(monkeypatch):
+    from router.backend import ModelInfo, RouterBackend
+
+    model = ModelInfo("m", 256)
+    assert RouterBackend(object(), object(), model, replica_transport="direct").replica_transport == "direct"
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    assert RouterBackend(object(), object(), model, replica_transport="direct").replica_transport == "grpc"
+    assert RouterBackend(object(), object(), model, replica_transport="actor").replica_transport == "actor"
