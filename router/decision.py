@@ -17,8 +17,10 @@ or every live replica; ``None`` when the directory is unavailable) the core
    to ``max_holders`` of the replicas that hold it (drawn at random),
 3. builds their views (the caller's ``view_of``: the replica's own stats plus
    the prompt tokens this router sent it since them, ``pending_tokens``),
-4. asks the policy for the ranking, and records the send for step 1 and for
-   ``pending_tokens``.
+4. asks the policy for the ranking (``decide_ranking``: with the policy's
+   hints, such as the holder a replica should fetch the prefix from;
+   ``decide``: the ids alone), and records the send for step 1 and for
+   ``pending_tokens`` (for a fetch, the prefill past the holder's match).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections import OrderedDict, deque
 from typing import Callable, Optional, Sequence
 
 from router.policies import Policy, ReplicaView, RoutingInput
+from router.policies.base import Ranking, rank
 from router.policies.lora_placement import adapter_key
 from router.policies.prefix_cost import rendezvous
 from router.prefix_rates import PrefixRates
@@ -86,7 +89,16 @@ class RoutingCore:
     def decide(self, chain: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str],
                counts: Optional[dict[str, int]], view_of: ViewOf, adapter: str = "",
                adapter_holders: Sequence[str] = ()) -> list[str]:
-        """Ranks (a candidate subset of) ``replica_ids`` for one request, best first.
+        """Ranks (a candidate subset of) ``replica_ids`` for one request, best first
+        (``decide_ranking`` without the policy's hints)."""
+        return self.decide_ranking(chain, num_prompt_tokens, replica_ids, counts, view_of, adapter,
+                                   adapter_holders).replica_ids
+
+    def decide_ranking(self, chain: Sequence[bytes], num_prompt_tokens: int, replica_ids: Sequence[str],
+                       counts: Optional[dict[str, int]], view_of: ViewOf, adapter: str = "",
+                       adapter_holders: Sequence[str] = ()) -> Ranking:
+        """Ranks (a candidate subset of) ``replica_ids`` for one request, best first,
+        with the policy's hints (``Ranking.fetch_from``).
 
         Args:
             chain: The request's block hashes.
@@ -117,17 +129,20 @@ class RoutingCore:
         if adapter and len(candidates) < len(replica_ids):
             candidates = self.with_adapter_candidates(candidates, replica_ids, adapter, adapter_rate, adapter_holders)
         views = [view_of(rid, None if counts is None else max(0, counts.get(rid, 0))) for rid in candidates]
-        ranked = self.policy.choose(RoutingInput(len(chain), num_prompt_tokens, views, block_size=self.block_size,
+        ranking = rank(self.policy, RoutingInput(len(chain), num_prompt_tokens, views, block_size=self.block_size,
                                                  prefix_key=prefix_key, prefix_rate=rate, adapter=adapter,
                                                  adapter_rate=adapter_rate))
+        ranked = ranking.replica_ids
         if ranked:
-            matched = 0 if counts is None else max(0, counts.get(ranked[0], 0))
+            # A replica that fetches the prefix prefills past the holder's match only.
+            counted = ranking.fetch_from.get(ranked[0], ranked[0])
+            matched = 0 if counts is None else max(0, counts.get(counted, 0))
             sends = self._sent.get(ranked[0])
             if sends is None:
                 sends = self._sent[ranked[0]] = _Sends()
             sends.add(now, max(0, num_prompt_tokens - self.block_size * matched))
             self.recent.record(chain, ranked[0], now)
-        return ranked
+        return ranking
 
     def cluster_rate(self, local_rate: float) -> float:
         """A prefix's request rate over all routers, from this router's share of it."""

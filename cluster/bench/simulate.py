@@ -30,7 +30,10 @@ oracle, simulated TTFT P50/P99, decision CPU time P50/P99 (index lookup +
 decision, measured), index operations per decision, decisions/s, index
 entries and bytes, KV event batches per second per replica; with
 ``--adapters`` (LoRA, ``cluster/bench/simulate_lora.py``) also adapter loads
-and evictions per minute. JSON and a PNG.
+and evictions per minute; with ``--transfers off,on`` (KV fetched from a
+prefix's holder, ``cluster/bench/simulate_transfer.py``) each policy that
+prices fetches runs without and with them on the same trace, and the rows
+with them add fetches and bytes moved. JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from cluster.bench import simulate_lora as lora
+from cluster.bench import simulate_transfer as transfer
 from cluster.bench.simulate_report import print_table, write
 from cluster.shared.directory.index import PrefixIndex
 from cluster.shared.hashing import hash_block_chain, root_hash
@@ -85,6 +89,7 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-period-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     lora.add_adapter_args(parser)
+    transfer.add_transfer_args(parser)
     parser.add_argument("--json", default="bench-results/simulate.json")
     parser.add_argument("--plot", default="bench-results/simulate.png", help="PNG ('' to skip)")
 
@@ -222,28 +227,34 @@ class Fleet:
     def adapter_holders(self, adapter: str) -> list[str]:
         return self.lora.holders.get(adapter, []) if self.lora is not None and adapter else []
 
-    def serve(self, rid: str, request: TraceRequest) -> tuple[int, float]:
-        """Runs the request on a replica: (cached tokens, TTFT)."""
+    def store(self, rid: str, blocks: list[bytes]) -> None:
+        """Enters ``blocks`` at the recent end of the replica's LRU, evicts past its
+        capacity, and publishes both as one KV event batch."""
+        r = self.replicas[rid]
+        for block in blocks:
+            r.cache[block] = None
+        removed = []
+        while len(r.cache) > r.capacity:
+            block, _ = r.cache.popitem(last=False)
+            removed.append(block)
+        stored_set = set(blocks)
+        removed = [b for b in removed if b not in stored_set] if stored_set else removed
+        still = [b for b in blocks if b in r.cache]
+        r.seq += 1
+        r.batches += 1
+        self.index.apply(rid, 1, r.seq, False, removed, still)
+
+    def serve(self, rid: str, request: TraceRequest, ready: float = 0.0) -> tuple[int, float]:
+        """Runs the request on a replica, its prefill starting no earlier than ``ready``
+        (a fetch's end): (cached tokens, TTFT)."""
         r, args = self.replicas[rid], self.args
         hits = 0
         while hits < len(request.chain) and request.chain[hits] in r.cache:
             r.cache.move_to_end(request.chain[hits])
             hits += 1
-        stored, removed = [], []
-        for block in request.chain[hits:]:
-            r.cache[block] = None
-            stored.append(block)
-        while len(r.cache) > r.capacity:
-            block, _ = r.cache.popitem(last=False)
-            removed.append(block)
-        stored_set = set(stored)
-        removed = [b for b in removed if b not in stored_set] if stored_set else removed
-        still = [b for b in stored if b in r.cache]
-        r.seq += 1
-        r.batches += 1
-        self.index.apply(rid, 1, r.seq, False, removed, still)
+        self.store(rid, request.chain[hits:])
         cached = hits * args.block_size
-        start = max(request.arrival, r.busy_until) + (self.lora.use(rid, request.adapter) if self.lora else 0.0)
+        start = max(request.arrival, r.busy_until, ready) + (self.lora.use(rid, request.adapter) if self.lora else 0.0)
         r.busy_until = start + (request.num_prompt_tokens - cached) / args.prefill_tokens_per_s
         ttft = r.busy_until - request.arrival
         running = r.running(request.arrival)
@@ -254,11 +265,13 @@ class Fleet:
 
 # -------------------------------------------------------------------- runs
 def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, num_replicas: int,
-            num_routers: int) -> dict[str, Any]:
+            num_routers: int, transfers: bool = False) -> dict[str, Any]:
     fleet = Fleet(args, num_replicas)
+    fetches = transfer.Transfers(args) if transfers else None
     clock = [0.0]
     rng = random.Random(args.seed + 1)
-    params = {**lora.policy_defaults(args, policy), **args.policy_params.get(policy, {})}
+    params = {**lora.policy_defaults(args, policy), **transfer.policy_params(args, policy, transfers),
+              **args.policy_params.get(policy, {})}
     cores = [RoutingCore(get_policy(policy, **params),
                          args.block_size, num_routers=num_routers, clock=lambda: clock[0],
                          rng=random.Random(args.seed + 100 + i)) for i in range(num_routers)]
@@ -273,19 +286,23 @@ def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, nu
         before = fleet.index.lookup_ops
         began = time.perf_counter()
         counts = fleet.index.lookup(request.chain)
-        ranked = core.decide(request.chain, request.num_prompt_tokens, fleet.ids, counts,
-                             lambda rid, matched: fleet.view(core, rid, matched, request.adapter),
-                             adapter=request.adapter, adapter_holders=fleet.adapter_holders(request.adapter))
+        ranking = core.decide_ranking(request.chain, request.num_prompt_tokens, fleet.ids, counts,
+                                      lambda rid, matched: fleet.view(core, rid, matched, request.adapter),
+                                      adapter=request.adapter, adapter_holders=fleet.adapter_holders(request.adapter))
         decision_s.append(time.perf_counter() - began)
         ops.append(fleet.index.lookup_ops - before)
-        cached, ttft = fleet.serve(ranked[0], request)
+        chosen, ready = ranking.replica_ids[0], 0.0
+        holder = ranking.fetch_from.get(chosen) if fetches is not None else None
+        if holder is not None:
+            ready = fetches.fetch(fleet, chosen, holder, request.chain, request.arrival)
+        cached, ttft = fleet.serve(chosen, request, ready)
         cached_tokens += cached
         prompt_tokens += request.num_prompt_tokens
         ttfts.append(ttft)
     duration = trace[-1].arrival - trace[0].arrival if len(trace) > 1 else 1.0
     q = statistics.quantiles
     return {
-        "policy": policy, "replicas": num_replicas, "routers": num_routers,
+        "policy": policy, "replicas": num_replicas, "routers": num_routers, "transfers": "on" if transfers else "off",
         "hit_rate": round(cached_tokens / max(prompt_tokens, 1), 4),
         "ttft_p50_s": round(q(ttfts, n=100)[49], 3), "ttft_p99_s": round(q(ttfts, n=100)[98], 3),
         "decision_p50_us": round(q(decision_s, n=100)[49] * 1e6, 1),
@@ -296,7 +313,8 @@ def run_one(args: argparse.Namespace, trace: list[TraceRequest], policy: str, nu
         "index_entries": fleet.index.num_entries,
         "event_batches_per_s_per_replica": round(sum(r.batches for r in fleet.replicas.values())
                                                  / num_replicas / max(duration, 1e-9), 3),
-        **(fleet.lora.results(duration) if fleet.lora else {})}
+        **(fleet.lora.results(duration) if fleet.lora else {}),
+        **(fetches.results(len(trace)) if fetches is not None else {})}
 
 
 def index_bytes_per_entry(num_replicas: int = 100, blocks_each: int = 2000) -> float:
@@ -325,6 +343,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         get_policy(name, **params)  # unknown names or parameters fail here, named
     if not lora.check_adapter_args(args):
         return 2
+    try:
+        modes = transfer.transfer_modes(args)
+    except ValueError as exc:
+        logger.error("bad arguments: %s", exc)
+        return 2
     if unknown or not fleets or not routers or min(fleets + routers) < 1 or args.requests < 2:
         logger.error("bad arguments: policies must be among %s (got %s); --replicas and --routers positive "
                      "integers; --requests >= 2", ", ".join(policy_names()), ", ".join(unknown) or "ok")
@@ -338,13 +361,14 @@ def run_simulate(args: argparse.Namespace) -> int:
                     num_replicas, len(trace), trace[-1].arrival, time.perf_counter() - began,
                     100 * oracles[num_replicas])
         for num_routers in routers:
-            for policy in policies:
+            for policy, on in [(p, on) for p in policies for on in modes
+                               if not on or p in transfer.FETCHING_POLICIES]:
                 began = time.perf_counter()
-                result = run_one(args, trace, policy, num_replicas, num_routers)
+                result = run_one(args, trace, policy, num_replicas, num_routers, transfers=on)
                 result["hit_rate_over_oracle"] = round(result["hit_rate"] / max(oracles[num_replicas], 1e-9), 3)
                 runs.append(result)
-                logger.info("%s, %d replicas, %d routers: hit %.1f%% (%.2f of oracle), decision p99 %.0f us "
-                            "[%.1f s]", policy, num_replicas, num_routers, 100 * result["hit_rate"],
+                logger.info("%s (transfers %s), %d replicas, %d routers: hit %.1f%% (%.2f of oracle), decision "
+                            "p99 %.0f us [%.1f s]", policy, result["transfers"], num_replicas, num_routers, 100 * result["hit_rate"],
                             result["hit_rate_over_oracle"], result["decision_p99_us"], time.perf_counter() - began)
     per_entry = index_bytes_per_entry()
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("func",) and not callable(v)},

@@ -16,17 +16,25 @@ logger = logging.getLogger(__name__)
 
 
 def print_table(report: dict[str, Any]) -> None:
-    rows = [("policy", "replicas", "routers", "hit rate", "/oracle", "TTFT p50 s", "p99", "decision p50 us", "p99",
-             "decisions/s", "index ops/dec", "p99 ops", "index entries", "batches/s/replica")
-            + (("loads/min", "evictions/min") if report["args"].get("adapters") else ())]
+    transfers = any(r.get("transfers") == "on" for r in report["runs"])
+    rows = [("policy", "replicas", "routers") + (("transfers",) if transfers else ())
+            + ("hit rate", "/oracle", "TTFT p50 s", "p99", "decision p50 us", "p99",
+               "decisions/s", "index ops/dec", "p99 ops", "index entries", "batches/s/replica")
+            + (("loads/min", "evictions/min") if report["args"].get("adapters") else ())
+            + (("fetches/100 req", "GB moved", "fallbacks") if transfers else ())]
     for r in report["runs"]:
-        rows.append((r["policy"], str(r["replicas"]), str(r["routers"]), f"{r['hit_rate']:.1%}",
-                     f"{r['hit_rate_over_oracle']:.3f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
-                     f"{r['decision_p50_us']:.0f}", f"{r['decision_p99_us']:.0f}", str(r["decisions_per_s"]),
-                     f"{r['index_ops_per_decision']:.1f}", f"{r['index_ops_p99']:.0f}", str(r["index_entries"]),
-                     f"{r['event_batches_per_s_per_replica']:.2f}")
+        rows.append((r["policy"], str(r["replicas"]), str(r["routers"]))
+                    + ((r.get("transfers", "off"),) if transfers else ())
+                    + (f"{r['hit_rate']:.1%}",
+                       f"{r['hit_rate_over_oracle']:.3f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+                       f"{r['decision_p50_us']:.0f}", f"{r['decision_p99_us']:.0f}", str(r["decisions_per_s"]),
+                       f"{r['index_ops_per_decision']:.1f}", f"{r['index_ops_p99']:.0f}", str(r["index_entries"]),
+                       f"{r['event_batches_per_s_per_replica']:.2f}")
                     + ((f"{r['adapter_loads_per_min']:.0f}", f"{r['adapter_evictions_per_min']:.0f}")
-                       if "adapter_loads_per_min" in r else ()))
+                       if "adapter_loads_per_min" in r else ())
+                    + ((f"{r['fetches_per_100']:.1f}", f"{r['fetched_gb']:.2f}",
+                        str(sum(r["fetch_fallbacks"].values())))
+                       if "fetches_per_100" in r else (("-", "-", "-") if transfers else ())))
     lines = format_table(rows)
     lines.append(f"index memory: {report['index_bytes_per_entry']:.0f} bytes per (block, replica) entry "
                  f"(Python, measured)")
@@ -48,12 +56,15 @@ def write(report: dict[str, Any], args: argparse.Namespace) -> None:
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         for policy in sorted({r["policy"] for r in report["runs"]}):
-            for routers in sorted({r["routers"] for r in report["runs"]}):
-                rows = sorted((r for r in report["runs"] if r["policy"] == policy and r["routers"] == routers),
-                              key=lambda r: r["replicas"])
-                xs = [r["replicas"] for r in rows]
-                ax1.plot(xs, [r["hit_rate_over_oracle"] for r in rows], marker="o", label=f"{policy}, {routers} routers")
-                ax2.plot(xs, [r["decision_p99_us"] for r in rows], marker="o", label=f"{policy}, {routers} routers")
+            for routers, mode in sorted({(r["routers"], r.get("transfers", "off")) for r in report["runs"]}):
+                rows = sorted((r for r in report["runs"] if r["policy"] == policy and r["routers"] == routers
+                               and r.get("transfers", "off") == mode), key=lambda r: r["replicas"])
+                if not rows:
+                    continue
+                xs, label = [r["replicas"] for r in rows], f"{policy}, {routers} routers" + (
+                    ", transfers" if mode == "on" else "")
+                ax1.plot(xs, [r["hit_rate_over_oracle"] for r in rows], marker="o", label=label)
+                ax2.plot(xs, [r["decision_p99_us"] for r in rows], marker="o", label=label)
         ax1.set(xscale="log", xlabel="replicas", ylabel="hit rate / oracle", title="prefix-cache hit rate")
         ax2.set(xscale="log", xlabel="replicas", ylabel="µs", title="decision CPU time, P99")
         ax1.legend(fontsize=7)

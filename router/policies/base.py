@@ -21,8 +21,8 @@ fewest in-flight sequences first, then the emptier KV cache, then the id
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from cluster.shared.types import ReplicaStats
 
@@ -62,6 +62,9 @@ class ReplicaView:
             node's address): a second busy replica there halves the first's
             threads and reads the weights again each step. "" for a replica
             with cores of its own.
+        kv_bytes_per_token: Bytes of its KV cache per token, all layers and
+            ranks (0: not reported; ``prefix_cost`` then uses its
+            ``kv_bytes_per_token`` parameter to price a fetch).
     """
 
     replica_id: str
@@ -79,12 +82,14 @@ class ReplicaView:
     max_adapters: int = 0
     adapter_load_tokens: float = 0.0
     core_group: str = ""
+    kv_bytes_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
             raise ValueError(f"replica_id must be a non-empty string, got {self.replica_id!r}")
         for name in ("num_running", "num_waiting", "num_swapped", "num_cached_blocks", "num_prefill_tokens",
-                     "num_decode_tokens", "num_kv_blocks", "num_adapters", "max_adapters", "adapter_load_tokens"):
+                     "num_decode_tokens", "num_kv_blocks", "num_adapters", "max_adapters", "adapter_load_tokens",
+                     "kv_bytes_per_token"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} of replica {self.replica_id!r} must be >= 0, got {value!r}")
@@ -198,6 +203,25 @@ class Policy(Protocol):
     def choose(self, inp: RoutingInput) -> list[str]:
         """Returns replica ids in preference order."""
         ...
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A policy's answer with its hints: every replica id, best first, and for the
+    replicas that were priced as fetching the request's prefix, the replica to
+    fetch it from (``fetch_from[replica] = holder``; ``router/policies/kv_fetch.py``).
+    Whoever sends the request to ``replica`` should have it fetch from the holder
+    first; without that the replica prefills the prefix itself."""
+
+    replica_ids: list[str]
+    fetch_from: Mapping[str, str] = field(default_factory=dict)
+
+
+def rank(policy: Policy, inp: RoutingInput) -> Ranking:
+    """The policy's ``Ranking``: its ``rank(inp)`` where it has one (hints), else
+    ``choose(inp)`` with no hints."""
+    ranker = getattr(policy, "rank", None)
+    return ranker(inp) if ranker is not None else Ranking(policy.choose(inp))
 
 
 def replica_load(view: ReplicaView, swapped_weight: float = DEFAULT_SWAPPED_WEIGHT) -> float:

@@ -69,6 +69,25 @@ Replicas that split one machine's cores
     own (whole CPUs, GPUs, one per machine) are never packed. Turn it on with
     ``routing_policy_params: {pack_max_seqs: 8}``.
 
+Fetching the prefix from its holder (issue 33)
+    With ``fetch_bytes_per_s`` > 0 a third option is priced: a replica that
+    lacks (part of) the longest confirmed match may fetch it from the holder
+    (``docs/KV_TRANSFER.md``) and prefill only the rest. Its cost is its queue,
+    the request's prefill past the holder's match, and the transfer (bytes
+    over a bandwidth, a fixed overhead and the holder's read, in its prefill
+    tokens, plus a penalty for the copy's cache room); it is priced so where that is cheaper than recomputing. The
+    ranking (``rank``) then names, for each such replica, the holder to fetch
+    from (``Ranking.fetch_from``). The formula, the choice of holder, when a
+    fetch is not priced, and the parameters (``fetch_*``, ``kv_bytes_per_token``,
+    ``prefill_tokens_per_s``, off by default) are in
+    ``router/policies/kv_fetch.py``. Hot prefixes are then replicated by
+    copying: a replica of the hot set that does not hold the prefix, credited
+    the match, is priced as a fetch from the holder (the match plus the
+    transfer) and its ranking entry says to fetch, so it warms up with a copy
+    of the blocks instead of recomputing them (where the copy would cost more
+    than recomputing, or it has no room to import, it keeps the credit and
+    recomputes, as without fetches).
+
 Directory down
     No replica has a confirmed match (``matched_blocks is None``): every
     ``m_r`` is 0 and the ranking is by queued work alone.
@@ -122,7 +141,18 @@ from __future__ import annotations
 import hashlib
 import math
 
-from router.policies.base import ReplicaView, RoutingInput
+from router.policies.base import Ranking, ReplicaView, RoutingInput
+from router.policies.kv_fetch import (
+    DEFAULT_FETCH_BYTES_PER_S,
+    DEFAULT_FETCH_HOLDER_BYTES_PER_S,
+    DEFAULT_FETCH_OVERHEAD_S,
+    DEFAULT_FETCH_PENALTY_TOKENS,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    FetchPricing,
+    best_holder,
+    has_room_to_import,
+)
 from router.policies.lora_placement import (
     DEFAULT_ADAPTER_EVICTION_TOKENS,
     DEFAULT_ADAPTER_LOAD_TOKENS,
@@ -165,6 +195,12 @@ class PrefixCostPolicy:
         adapter_shrink_ratio: float = DEFAULT_ADAPTER_SHRINK_RATIO,
         pack_max_seqs: int = DEFAULT_PACK_MAX_SEQS,
         pack_idle_tokens: float = DEFAULT_PACK_IDLE_TOKENS,
+        fetch_bytes_per_s: float = DEFAULT_FETCH_BYTES_PER_S,
+        fetch_overhead_s: float = DEFAULT_FETCH_OVERHEAD_S,
+        fetch_holder_bytes_per_s: float = DEFAULT_FETCH_HOLDER_BYTES_PER_S,
+        kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN,
+        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        fetch_penalty_tokens: float = DEFAULT_FETCH_PENALTY_TOKENS,
     ) -> None:
         for name, value in (("new_prefill_weight", new_prefill_weight),
                             ("decode_token_weight", decode_token_weight), ("sequence_tokens", sequence_tokens),
@@ -187,34 +223,73 @@ class PrefixCostPolicy:
         self.adapter_homes = AdapterHomes(adapter_rps_per_home, adapter_shrink_ratio)
         self.pack_max_seqs = pack_max_seqs
         self.pack_idle_tokens = float(pack_idle_tokens)
+        self.fetch = FetchPricing(fetch_bytes_per_s, fetch_overhead_s, fetch_holder_bytes_per_s, kv_bytes_per_token,
+                                  prefill_tokens_per_s, fetch_penalty_tokens)
 
     def choose(self, inp: RoutingInput) -> list[str]:
-        """Returns every replica id, best first. Mutates only the adapters' home counts
-        (``AdapterHomes``, idempotent for a repeated input)."""
+        """Returns every replica id, best first (``rank`` without its hints)."""
+        return self.rank(inp).replica_ids
+
+    def rank(self, inp: RoutingInput) -> Ranking:
+        """Every replica id, best first, and the holder each replica priced as a fetch
+        should fetch from. Mutates only the adapters' home counts (``AdapterHomes``,
+        idempotent for a repeated input)."""
         matched = self.credited_matches(inp)
         homes = self.adapter_home_ids(inp)
         idle = self.packed_idle_ids(inp)
-        return [r.replica_id for r in sorted(
-            inp.replicas, key=lambda r: self.sort_key(inp, r, matched[r.replica_id], homes, idle))]
+        plans = self.fetch_plans(inp, matched)
+        keys = {}
+        for r in inp.replicas:
+            plan = plans.get(r.replica_id)
+            keys[r.replica_id] = (self.sort_key(inp, r, plan[1], homes, idle, plan[2]) if plan
+                                  else self.sort_key(inp, r, matched[r.replica_id], homes, idle))
+        ranked = sorted(keys, key=keys.__getitem__)
+        return Ranking(ranked, {rid: plan[0] for rid, plan in plans.items()})
 
     def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int,
-                 adapter_homes: frozenset = frozenset(), packed_idle: frozenset = frozenset()
-                 ) -> tuple[int, float, bytes]:
+                 adapter_homes: frozenset = frozenset(), packed_idle: frozenset = frozenset(),
+                 fetched_blocks: int = 0) -> tuple[int, float, bytes]:
         """``(tier, cost, rendezvous)`` of one replica (module doc); ``adapter_homes``:
         the ids of the request's adapter's homes among ``inp.replicas``; ``packed_idle``:
-        idle replicas whose core group has a busy sibling with room (``packed_idle_ids``)."""
+        idle replicas whose core group has a busy sibling with room (``packed_idle_ids``);
+        ``fetched_blocks``: blocks of ``matched_blocks`` it would fetch (priced by
+        ``kv_fetch``; they need room as its new blocks do)."""
         block = inp.tokens_per_block
         new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
         cost = (view.num_prefill_tokens + self.new_prefill_weight * new_prefill
                 + self.decode_token_weight * view.num_decode_tokens
                 + self.sequence_tokens * (view.num_running + view.num_waiting + view.num_swapped))
+        if fetched_blocks:
+            cost += self.fetch.transfer_tokens(view, block * fetched_blocks)
         if inp.adapter:
             cost += adapter_cost(view, view.replica_id in adapter_homes, self.adapter_load_tokens,
                                  self.adapter_eviction_tokens)
         if view.replica_id in packed_idle:
             cost += self.pack_idle_tokens
-        return (0 if self.has_headroom(view, new_prefill, block) else 1, cost,
+        return (0 if self.has_headroom(view, new_prefill + block * fetched_blocks, block) else 1, cost,
                 rendezvous(inp.prefix_key, view.replica_id))
+
+    def fetch_plans(self, inp: RoutingInput, credited: dict[str, int]) -> dict[str, tuple[str, int, int]]:
+        """``{replica: (holder, blocks matched after the fetch, blocks fetched)}`` for the
+        replicas priced as fetching (``kv_fetch`` module doc): where a fetch costs less than
+        recomputing (for a hot prefix's set too: credited the match, it would recompute it)."""
+        if not self.fetch.enabled or not inp.prefix_key or inp.adapter:
+            return {}
+        holder = best_holder(inp, lambda rid: rendezvous(inp.prefix_key, rid))
+        if holder is None:
+            return {}
+        holder_id, holder_blocks = holder
+        block, plans = inp.tokens_per_block, {}
+        for view in inp.replicas:
+            own = min(view.matched_blocks or 0, inp.num_blocks)
+            fetched = holder_blocks - own
+            if view.replica_id == holder_id or fetched <= 0 or not has_room_to_import(view, fetched):
+                continue
+            # Cheaper than recomputing the blocks (which a hot-set replica, credited the
+            # match, would otherwise do to warm up): priced, and hinted, as a fetch.
+            if self.fetch.transfer_tokens(view, block * fetched) < self.new_prefill_weight * block * fetched:
+                plans[view.replica_id] = (holder_id, holder_blocks, fetched)
+        return plans
 
     def packed_idle_ids(self, inp: RoutingInput) -> frozenset:
         """Idle replicas that share their cores with a sibling busy with fewer than

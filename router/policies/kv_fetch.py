@@ -1,0 +1,159 @@
+"""The price of fetching a prefix's KV from the replica that holds it, for
+``prefix_cost`` (issue 33; the transfer path is docs/KV_TRANSFER.md).
+
+The third option
+    Besides a local hit on the holder (which may be loaded) and a cold
+    prefill elsewhere, a less-loaded replica r may fetch the prefix's blocks
+    from the holder h and prefill only the rest. With B tokens per block, P
+    prompt tokens, m_h the blocks the directory confirms h holds and m_r those
+    r holds (m_r < m_h):
+
+        fetched   = B * (m_h - m_r)                     tokens whose KV moves
+        bytes     = fetched * kv_bytes_per_token
+        seconds   = bytes / fetch_bytes_per_s           the copy, end to end
+                  + fetch_overhead_s                    asking the holder (one Ray call)
+                  + bytes / fetch_holder_bytes_per_s    the holder's read (its cost to serve it)
+        transfer  = seconds * prefill_tokens_per_s      in r's prefill tokens
+                  + fetch_penalty_tokens                one more copy of the prefix
+
+        cost_fetch(r) = queue(r) + new_prefill_weight * (P - B * m_h) + transfer
+
+    against ``queue(r) + new_prefill_weight * (P - B * m_r)`` for recomputing.
+    ``transfer`` is not weighted: the copy runs off the receiver's engine
+    thread, so it delays this request only, not the ones queued behind it.
+    On the default model a 512-token prefix moves 23.6 MB: ~32 ms, 15 prefill
+    tokens, against 1024 weighted tokens to recompute it. Time alone would
+    make a holder give up a request as soon as its queue is ~15 tokens longer
+    than another's, and every small imbalance would copy the prefix: each
+    copy takes cache room on the receiver and evicts another prefix there.
+    ``fetch_penalty_tokens`` prices that: a holder keeps the request while its
+    queue is within ~270 tokens (half a second on 2 cores) of the receiver's.
+
+Which holder
+    The replica with the longest confirmed match (``matched_blocks`` as the
+    directory answered it, never a hot-prefix credit), then the one with the
+    fewest sequences (its export runs beside its own steps), then the
+    prefix's rendezvous order (every router picks the same holder).
+
+When a fetch is not priced
+    - ``fetch_bytes_per_s`` is 0 (the default, see below) or the directory did
+      not answer.
+    - The request has a LoRA adapter: its blocks hash on the adapter's
+      content, which the fetch does not compute yet (``fetch_and_generate``
+      skips it).
+    - r would take more than half of its free blocks for the fetched ones:
+      the receiver refuses such an import (``no_room``,
+      ``workers/engine/kv_transfer.py``); r is then priced as a cold prefill.
+
+Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
+    fetch_bytes_per_s = 0.0     Bytes per second of a fetch, end to end
+                                (the holder's gather, the object store, the
+                                receiver's scatter). 0 turns fetch pricing
+                                off: the default until the Serve router makes
+                                the chosen replica fetch (a ranking that
+                                counts on a fetch nobody makes sends the
+                                request to a cold prefill). 1.5e9 is what was
+                                measured on loopback: 23.6 MB imported in
+                                ~16 ms beyond the fixed cost (6.5 ms read,
+                                object store, 3.3-5.2 ms write).
+    fetch_overhead_s = 0.010    Fixed time of a fetch: the Ray call to the
+                                holder and its pin (14.6 ms asked, of which
+                                6.5 ms the read, measured).
+    fetch_holder_bytes_per_s = 3.6e9  The holder's read of the blocks it
+                                sends (23.6 MB in 6.5 ms on a serving
+                                replica): CPU it takes from its own steps.
+                                0: not priced.
+    kv_bytes_per_token = 46080  KV bytes per token when the replica does not
+                                report them (``ReplicaView.kv_bytes_per_token``,
+                                0: not reported; replicas do not report it
+                                yet, so this parameter decides today): the
+                                default model in float32, 30 layers x K and V x
+                                3 heads x 64 x 4 bytes; ~12300 with
+                                ``kv_cache_dtype: int8`` (values and scales).
+    fetch_penalty_tokens = 256  What one more copy of a prefix costs the fleet
+                                (cache room on the receiver: another prefix
+                                evicted there), in prefill tokens.
+                                ``prefixserve simulate`` (8 replicas, 512
+                                blocks each, 40 Zipf tenants of 1,024-token
+                                prompts): at 0 it lowered the hit rate at a
+                                light load (91.6% -> 84.8%; prefixes copied
+                                everywhere evict each other); with 128-512
+                                tokens it kept it (90.9-91.1%) and still cut
+                                TTFT P99 at a load that queues on the holders
+                                (13.3 s -> 2.4 s); docs/KV_TRANSFER.md.
+    prefill_tokens_per_s = 460  A replica's prefill rate, converting seconds
+                                to prefill tokens (the default model on 2
+                                cores, as ``prefixserve simulate`` models it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from router.policies.base import ReplicaView, RoutingInput
+
+DEFAULT_FETCH_BYTES_PER_S = 0.0  # off until the serve path fetches (module doc)
+MEASURED_FETCH_BYTES_PER_S = 1.5e9  # loopback, docs/KV_TRANSFER.md
+DEFAULT_FETCH_OVERHEAD_S = 0.010
+DEFAULT_FETCH_HOLDER_BYTES_PER_S = 3.6e9
+DEFAULT_KV_BYTES_PER_TOKEN = 46080.0
+DEFAULT_FETCH_PENALTY_TOKENS = 256.0
+DEFAULT_PREFILL_TOKENS_PER_S = 460.0
+
+
+@dataclass(frozen=True)
+class FetchPricing:
+    """The fetch cost model's parameters (module doc); ``enabled`` when priced."""
+
+    fetch_bytes_per_s: float = DEFAULT_FETCH_BYTES_PER_S
+    fetch_overhead_s: float = DEFAULT_FETCH_OVERHEAD_S
+    fetch_holder_bytes_per_s: float = DEFAULT_FETCH_HOLDER_BYTES_PER_S
+    kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    fetch_penalty_tokens: float = DEFAULT_FETCH_PENALTY_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("fetch_bytes_per_s", "fetch_overhead_s", "fetch_holder_bytes_per_s", "kv_bytes_per_token",
+                     "prefill_tokens_per_s", "fetch_penalty_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.fetch_bytes_per_s and not (self.kv_bytes_per_token and self.prefill_tokens_per_s):
+            raise ValueError("pricing fetches (fetch_bytes_per_s > 0) needs kv_bytes_per_token and "
+                             "prefill_tokens_per_s > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fetch_bytes_per_s > 0
+
+    def seconds(self, receiver: ReplicaView, num_tokens: int) -> float:
+        """Time to fetch ``num_tokens`` tokens' KV into ``receiver``, the holder's read included."""
+        num_bytes = num_tokens * (receiver.kv_bytes_per_token or self.kv_bytes_per_token)
+        holder = num_bytes / self.fetch_holder_bytes_per_s if self.fetch_holder_bytes_per_s else 0.0
+        return num_bytes / self.fetch_bytes_per_s + self.fetch_overhead_s + holder
+
+    def transfer_tokens(self, receiver: ReplicaView, num_tokens: int) -> float:
+        """``seconds`` in the receiver's prefill tokens, plus the penalty (module doc)."""
+        return self.seconds(receiver, num_tokens) * self.prefill_tokens_per_s + self.fetch_penalty_tokens
+
+
+def best_holder(inp: RoutingInput, order_key) -> Optional[tuple[str, int]]:
+    """``(holder id, its confirmed blocks)``: longest confirmed match, fewest sequences,
+    then ``order_key(replica_id)`` (rendezvous); None when nobody holds a block."""
+    held = [v for v in inp.replicas if (v.matched_blocks or 0) > 0]
+    if not held:
+        return None
+    best = min(held, key=lambda v: (-min(v.matched_blocks, inp.num_blocks),
+                                    v.num_running + v.num_waiting + v.num_swapped, order_key(v.replica_id)))
+    return best.replica_id, min(best.matched_blocks, inp.num_blocks)
+
+
+def has_room_to_import(view: ReplicaView, num_blocks: int) -> bool:
+    """Whether the receiver would accept ``num_blocks`` imported blocks: at most half of its
+    free blocks (the receiver's own rule); True when its pool size is unknown."""
+    if not view.num_kv_blocks:
+        return True
+    free = round(view.num_kv_blocks * (1.0 - view.kv_cache_usage))
+    return 2 * num_blocks <= free
