@@ -36,12 +36,43 @@ def on_node(cls: type, ip: str, num_cpus: float = 0.25):
         def node_ip(self) -> str:
             return ray.util.get_node_ip_address()
 
+        def num_ranks(self) -> int:
+            return self.kv_transfer.num_ranks
+
     return ray.remote(num_cpus=num_cpus, resources={f"node:{ip}": 0.01})(Placed)
 
 
 def config(args: dict) -> dict:
     return {"model": args["model_dir"], "block_size": BLOCK, "num_kv_blocks": 64,
-            "kv_transfer_timeout_s": args.get("timeout_s", 10.0)}
+            "kv_transfer_timeout_s": args.get("timeout_s", 10.0), "tensor_parallel_size": args.get("tp", 1)}
+
+
+def start_replica(args: dict, ip: str, replica_id: str):
+    """A replica on node ``ip``; with ``tp`` > 1 it and its ranks in one STRICT_PACK
+    placement group there (bundle 0 the replica, one bundle per rank), as Serve places them."""
+    tp = args.get("tp", 1)
+    actor = on_node(checked_replica(), ip)
+    if tp == 1:
+        return actor.remote(config(args), args["redis_url"], args["namespace"], replica_id=replica_id), None
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"CPU": 0.25, f"node:{ip}": 0.01}] + [{"CPU": 0.25}] * tp, strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=60)
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                                placement_group_capture_child_tasks=True)
+    handle = actor.options(scheduling_strategy=strategy).remote(config(args), args["redis_url"], args["namespace"],
+                                                                replica_id=replica_id)
+    return handle, pg
+
+
+def bundle_node_ips(pg) -> list[str]:
+    """The node IP of each bundle of ``pg`` (the ranks' nodes)."""
+    from ray.util import placement_group_table
+
+    by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    bundles = placement_group_table(pg)["bundles_to_node_id"]
+    return [by_id[bundles[i]] for i in sorted(bundles)]
 
 
 def emit(tag: str, payload: object = "") -> None:
@@ -52,12 +83,12 @@ def fetch(args: dict) -> dict:
     """Holder on one worker node, receiver on the other: the receiver fetches the
     prompt's cached prefix by block hash and answers as a local hit does."""
     url, namespace = args["redis_url"], args["namespace"]
-    holder = on_node(checked_replica(), args["holder_ip"]).remote(config(args), url, namespace,
-                                                                  replica_id="mn-holder")
-    receiver = on_node(checked_replica(), args["receiver_ip"]).remote(config(args), url, namespace,
-                                                                      replica_id="mn-receiver")
+    holder, holder_pg = start_replica(args, args["holder_ip"], "mn-holder")
+    receiver, receiver_pg = start_replica(args, args["receiver_ip"], "mn-receiver")
     nodes = ray.get([holder.node_ip.remote(), receiver.node_ip.remote()])
     emit("NODE", nodes)
+    num_ranks = ray.get([holder.num_ranks.remote(), receiver.num_ranks.remote()])
+    rank_nodes = [bundle_node_ips(pg) for pg in (holder_pg, receiver_pg)] if holder_pg is not None else []
     rng = random.Random(7)
     prompt = [rng.randrange(3, 500) for _ in range(27)]  # 6 full blocks of 4 can hit
     cold = ray.get(holder.run.remote(request("h-cold", prompt)))
@@ -73,7 +104,7 @@ def fetch(args: dict) -> dict:
     fetched = ray.get(receiver.run.remote(request("r-fetched", prompt)))
     text = ray.get(receiver.metrics_text.remote()).decode()
     holder_text = ray.get(holder.metrics_text.remote()).decode()
-    return {"nodes": nodes, "cold": cold, "local_hit": local_hit, "fetched": fetched, "imported": imported,
+    return {"nodes": nodes, "rank_nodes": rank_nodes, "num_ranks": num_ranks, "cold": cold, "local_hit": local_hit, "fetched": fetched, "imported": imported,
             "fetch_s": fetch_s, "directory": directory,
             "blocks_in": _sample(text, "prefixserve:kv_transfer_blocks_total", 'direction="in"'),
             "bytes_in": _sample(text, "prefixserve:kv_transfer_bytes_total", 'direction="in"'),

@@ -76,12 +76,18 @@ def finish(proc: subprocess.Popen, seen: list[str]) -> dict:
             proc.wait()
 
 
-def test_a_prefix_fetched_from_another_node_matches_a_local_hit(nodes, redis_server, model_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prefix_fetched_from_another_node_matches_a_local_hit(nodes, redis_server, model_dir, tp):
+    """With ``tp`` 2 each replica and its two ranks are packed on its node, and
+    the shards go rank to rank across the nodes."""
     seen: list[str] = []
-    got = finish(start_driver(nodes, redis_server, model_dir, "fetch"), seen)
-    print(f"\nholder on {got['nodes'][0]}, receiver on {got['nodes'][1]}: {got['imported']} tokens "
+    got = finish(start_driver(nodes, redis_server, model_dir, "fetch", tp=tp), seen)
+    print(f"\nTP {tp}: holder on {got['nodes'][0]}, receiver on {got['nodes'][1]}: {got['imported']} tokens "
           f"({got['bytes_in']:.0f} bytes) fetched across nodes in {got['fetch_s'] * 1000:.0f} ms")
     assert got["nodes"] == [HOLDER_IP, RECEIVER_IP]  # two nodes: the bytes crossed object stores
+    assert got["num_ranks"] == [tp, tp]  # rank to rank with tp 2
+    if tp > 1:  # every bundle (the replica's, each rank's) on the replica's node
+        assert got["rank_nodes"] == [[HOLDER_IP] * (tp + 1), [RECEIVER_IP] * (tp + 1)]
     assert got["imported"] == 24 and got["blocks_in"] == 6
     assert got["bytes_in"] == got["bytes_out"] > 0
     assert got["directory"].get("mn-receiver") == 6  # announced by the receiver's KV events
