@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, TypeVar
 
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
-from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, name_os_thread, retry_hint
+from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, name_os_thread, retry_hint, settle_future
 from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.structured import timeout_message
 
@@ -342,16 +342,8 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
             result, error = None, exc
 
-        def settle() -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
         try:
-            loop.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(settle_future, future, result, error)
         except RuntimeError:  # the caller's loop is closed
             pass
 

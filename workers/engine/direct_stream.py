@@ -40,6 +40,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from cluster.shared.types import StreamChunk
+from workers.engine.loop_stats import settle_future
 from workers.engine.outputs import RequestOutput, merge_outputs
 
 logger = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ class DirectStream:
         if self.conn.broken is not None and error is None:
             error = DirectStreamError(f"the router at {self.conn.address[0]}:{self.conn.address[1]} went away")
         try:
-            self.loop.call_soon_threadsafe(_settle, self.done, self.num_chunks, error)
+            self.loop.call_soon_threadsafe(settle_future, self.done, self.num_chunks, error)
         except RuntimeError:  # the loop is closed: nobody waits
             pass
 
@@ -269,12 +270,3 @@ def chunk_of(out: RequestOutput, replica_id: str) -> StreamChunk:
         logprobs=out.new_logprobs, prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
         cached_prompt_tokens=out.num_cached_tokens, replica_id=replica_id, prompt_logprobs=out.prompt_logprobs,
         index=out.index, more_choices=out.more_choices)
-
-
-def _settle(future: asyncio.Future, result: int, error: Optional[BaseException]) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

@@ -1,8 +1,10 @@
-"""The engine thread's bookkeeping: where its time goes (``LoopTiming``) and
-the retry hint an overloaded replica gives (``retry_hint``)."""
+"""The engine thread's bookkeeping: where its time goes (``LoopTiming``), the
+retry hint an overloaded replica gives (``retry_hint``), its OS thread's name
+and the futures it settles on the callers' loops."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 # Recent completions the retry hint is estimated from, and its bounds (seconds).
@@ -60,3 +62,14 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def settle_future(future: asyncio.Future, result: object, error: Optional[BaseException]) -> None:
+    """Ends ``future`` with ``error`` or ``result`` unless it already ended (a cancelled
+    caller); run on the future's loop (``call_soon_threadsafe`` from the engine thread)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
