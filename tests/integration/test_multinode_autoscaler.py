@@ -1,8 +1,9 @@
 """Autoscaling across nodes (issue 50 item 5): Ray's autoscaler on its fake
 multi-node provider (``provider.type: fake_multinode``, the one Ray documents
 for testing autoscaling on one machine; ``multinode.py`` starts it on the
-head with ``--autoscaling-config``). The head offers 1 CPU and each replica
-reserves 1, so the head holds one replica and no more.
+head with ``--autoscaling-config``). The head offers 1 CPU and holds one
+replica and no more: each replica reserves 1 CPU, or (second case) 0.25 CPU
+with ``--max-replicas-per-node 1``.
 
 ``prefixserve up --address`` with the KV-aware replica autoscaling policy
 (min 1, max 2): load that fills the replica's KV cache makes the policy ask
@@ -80,22 +81,34 @@ def replicas_on_added_nodes(nodes: RayNodes) -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def nodes():
+    with RayNodes(num_workers=0, num_cpus=1, autoscaling_config=AUTOSCALER) as started:
+        yield started
+
+
+# What keeps a second replica off the head: its CPUs (the default: replicas
+# spread where there is room), or --max-replicas-per-node 1 (Serve's implicit
+# per-node resource, which Ray's autoscaler knows every node type has).
+FULL_HEAD = {"cpus": ("--replica-num-cpus", "1"),
+             "per-node cap": ("--replica-num-cpus", "0.25", "--max-replicas-per-node", "1")}
+
+
+@pytest.fixture(params=list(FULL_HEAD))
+def cluster(request, nodes, tmp_path_factory):
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("as-model") / "tiny")
     config = tmp_path_factory.mktemp("as-config") / "cluster.yaml"
     config.write_text(SCALING_YAML)
-    with RayNodes(num_workers=0, num_cpus=1, autoscaling_config=AUTOSCALER) as nodes:
-        proc, log = start_up(tmp_path_factory.mktemp("as-up") / "up.log", "--config", str(config),
-                             "--address", nodes.address, "--replicas", "1", "--routing-policy", "least_load",
-                             "--model", str(model_dir), "--block-size", "4", "--num-kv-blocks", "48",
-                             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--swap-space", "0.01",
-                             "--replica-num-cpus", "1", "--grpc-port", "0", "--http-port", "-1",
-                             env=nodes.client_env())
-        try:
-            text = wait_for_log(proc, log, "ready: gRPC on")
-            yield nodes, re.search(r"gRPC on (127\.0\.0\.1:\d+)", text).group(1)
-        finally:
-            stop_up(proc, log)
+    proc, log = start_up(tmp_path_factory.mktemp("as-up") / "up.log", "--config", str(config),
+                         "--address", nodes.address, "--replicas", "1", "--routing-policy", "least_load",
+                         "--model", str(model_dir), "--block-size", "4", "--num-kv-blocks", "48",
+                         "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--swap-space", "0.01",
+                         *FULL_HEAD[request.param], "--grpc-port", "0", "--http-port", "-1",
+                         env=nodes.client_env())
+    try:
+        text = wait_for_log(proc, log, "ready: gRPC on")
+        yield nodes, re.search(r"gRPC on (127\.0\.0\.1:\d+)", text).group(1), request.param
+    finally:
+        stop_up(proc, log)
 
 
 def request(tag: str) -> pb.GenerateRequest:
@@ -110,7 +123,7 @@ async def live_replicas(stub) -> set[str]:
 
 
 def test_load_adds_a_node_whose_replica_takes_traffic_and_idle_removes_both(cluster):
-    nodes, address = cluster
+    nodes, address, variant = cluster
 
     async def main():
         async with grpc.aio.insecure_channel(address) as channel:
@@ -162,7 +175,7 @@ def test_load_adds_a_node_whose_replica_takes_traffic_and_idle_removes_both(clus
             return first, added, before, during, after, served, timings, reply
 
     first, added, before, during, after, served, timings, reply = asyncio.run(main())
-    print(f"\nnodes alive / replicas on added nodes: before {before}, under load {during}, idle {after[1]}; "
+    print(f"\nhead full by {variant}: nodes alive / replicas on added nodes: before {before}, under load {during}, idle {after[1]}; "
           f"requests per replica {dict(served)}; seconds from the load's start: a node added "
           f"{timings.get('node', float('nan')):.1f}, its replica live {timings['replica']:.1f}, 3 requests answered "
           f"there {timings['traffic']:.1f}; from idle: the replica gone from the directory "
