@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 
 from router.policies import Policy, ReplicaView, RoutingInput
 from router.policies.base import Ranking, rank
+from router.policies.kv_fetch import FETCH_HORIZON_S
 from router.policies.lora_placement import adapter_key
 from router.policies.prefix_cost import rendezvous
 from router.prefix_rates import PrefixRates
@@ -82,6 +83,7 @@ class RoutingCore:
         self.adapter_rates = PrefixRates()
         # Per replica: (time, prompt tokens) of this router's sends, oldest first, and their sum.
         self._sent: dict[str, _Sends] = {}
+        self._exports: dict[str, deque[float]] = {}  # holder -> times of this router's fetch hints naming it
         self._hot_sets: "OrderedDict[tuple, list[str]]" = OrderedDict()
         self._adapter_orders: "OrderedDict[tuple, list[str]]" = OrderedDict()
         self._fleet: tuple = ((), frozenset())  # the last fleet, as a tuple and as a set
@@ -142,6 +144,9 @@ class RoutingCore:
                 sends = self._sent[ranked[0]] = _Sends()
             sends.add(now, max(0, num_prompt_tokens - self.block_size * matched))
             self.recent.record(chain, ranked[0], now)
+            if counted != ranked[0]:
+                self._exports.setdefault(counted, deque()).append(now)
+                self.exports_in_flight(counted)  # drops the expired ones
         return ranking
 
     def cluster_rate(self, local_rate: float) -> float:
@@ -210,6 +215,8 @@ class RoutingCore:
             self._fleet = (as_tuple, live)
             for gone in [rid for rid in self._sent if rid not in live]:
                 del self._sent[gone]
+            for gone in [rid for rid in self._exports if rid not in live]:
+                del self._exports[gone]
         return live, as_tuple
 
     def hot_set(self, replica_ids: Sequence[str], prefix_key: bytes, k: int) -> list[str]:
@@ -228,6 +235,19 @@ class RoutingCore:
         else:
             self._hot_sets.move_to_end(key)
         return order[:k]
+
+    def exports_in_flight(self, replica_id: str) -> int:
+        """Fetches from this holder that this router hinted in the last ``FETCH_HORIZON_S``
+        (``ReplicaView.num_exports``)."""
+        times = self._exports.get(replica_id)
+        if not times:
+            return 0
+        horizon = self.clock() - FETCH_HORIZON_S
+        while times and times[0] <= horizon:
+            times.popleft()
+        if not times:
+            del self._exports[replica_id]
+        return len(times)
 
     def pending_tokens(self, replica_id: str, stats_at: float) -> int:
         """Prompt tokens this router sent the replica after its stats were taken."""

@@ -222,7 +222,7 @@ class Fleet:
                            num_prefill_tokens=s.get("num_prefill_tokens", 0)
                            + core.pending_tokens(rid, s.get("at", 0.0)),
                            num_decode_tokens=s.get("num_decode_tokens", 0), num_kv_blocks=s.get("num_kv_blocks", 0),
-                           **adapter_fields)
+                           num_exports=core.exports_in_flight(rid), **adapter_fields)
 
     def adapter_holders(self, adapter: str) -> list[str]:
         return self.lora.holders.get(adapter, []) if self.lora is not None and adapter else []

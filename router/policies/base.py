@@ -65,6 +65,9 @@ class ReplicaView:
         kv_bytes_per_token: Bytes of its KV cache per token, all layers and
             ranks (0: not reported; ``prefix_cost`` then uses its
             ``kv_bytes_per_token`` parameter to price a fetch).
+        num_exports: Fetches of its blocks in flight that the router knows of
+            (its own recent fetch hints naming it, ``RoutingCore.exports_in_flight``):
+            a holder at its export limit refuses the next.
     """
 
     replica_id: str
@@ -83,13 +86,14 @@ class ReplicaView:
     adapter_load_tokens: float = 0.0
     core_group: str = ""
     kv_bytes_per_token: float = 0.0
+    num_exports: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_id, str) or not self.replica_id:
             raise ValueError(f"replica_id must be a non-empty string, got {self.replica_id!r}")
         for name in ("num_running", "num_waiting", "num_swapped", "num_cached_blocks", "num_prefill_tokens",
                      "num_decode_tokens", "num_kv_blocks", "num_adapters", "max_adapters", "adapter_load_tokens",
-                     "kv_bytes_per_token"):
+                     "kv_bytes_per_token", "num_exports"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} of replica {self.replica_id!r} must be >= 0, got {value!r}")

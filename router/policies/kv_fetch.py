@@ -30,10 +30,13 @@ The third option
     queue is within ~270 tokens (half a second on 2 cores) of the receiver's.
 
 Which holder
-    The replica with the longest confirmed match (``matched_blocks`` as the
-    directory answered it, never a hot-prefix credit), then the one with the
-    fewest sequences (its export runs beside its own steps), then the
-    prefix's rendezvous order (every router picks the same holder).
+    Among the replicas with fewer than ``fetch_max_exports`` fetches of their
+    blocks in flight (``ReplicaView.num_exports``: what this router asked in
+    the last ``FETCH_HORIZON_S``; a holder at its limit refuses the next
+    export): the longest confirmed match (``matched_blocks`` as the directory
+    answered it, never a hot-prefix credit), then the fewest exports in
+    flight, then the fewest sequences (its export runs beside its own steps),
+    then the prefix's rendezvous order (every router picks the same holder).
 
 When a fetch is not priced
     - ``fetch_bytes_per_s`` is 0 (the default, see below) or the directory did
@@ -81,6 +84,10 @@ Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
                                 tokens it kept it (90.9-91.1%) and still cut
                                 TTFT P99 at a load that queues on the holders
                                 (13.3 s -> 2.4 s); docs/KV_TRANSFER.md.
+    fetch_max_exports = 2       Exports a holder runs at once (the replicas'
+                                ``cache.kv_transfer_max_concurrent``): a
+                                holder with that many fetches in flight is
+                                not named.
     prefill_tokens_per_s = 460  A replica's prefill rate, converting seconds
                                 to prefill tokens (the default model on 2
                                 cores, as ``prefixserve simulate`` models it).
@@ -101,6 +108,8 @@ DEFAULT_FETCH_HOLDER_BYTES_PER_S = 3.6e9
 DEFAULT_KV_BYTES_PER_TOKEN = 46080.0
 DEFAULT_FETCH_PENALTY_TOKENS = 256.0
 DEFAULT_PREFILL_TOKENS_PER_S = 460.0
+DEFAULT_FETCH_MAX_EXPORTS = 2
+FETCH_HORIZON_S = 0.1  # a fetch hint counts as in flight this long (a 2,048-token prefix: ~0.1 s)
 
 
 @dataclass(frozen=True)
@@ -139,13 +148,15 @@ class FetchPricing:
         return self.seconds(receiver, num_tokens) * self.prefill_tokens_per_s + self.fetch_penalty_tokens
 
 
-def best_holder(inp: RoutingInput, order_key) -> Optional[tuple[str, int]]:
-    """``(holder id, its confirmed blocks)``: longest confirmed match, fewest sequences,
-    then ``order_key(replica_id)`` (rendezvous); None when nobody holds a block."""
-    held = [v for v in inp.replicas if (v.matched_blocks or 0) > 0]
+def best_holder(inp: RoutingInput, order_key, max_exports: int = DEFAULT_FETCH_MAX_EXPORTS
+                ) -> Optional[tuple[str, int]]:
+    """``(holder id, its confirmed blocks)``: below ``max_exports`` exports in flight, longest
+    confirmed match, fewest exports, fewest sequences, then ``order_key(replica_id)``
+    (rendezvous); None when no such replica holds a block."""
+    held = [v for v in inp.replicas if (v.matched_blocks or 0) > 0 and v.num_exports < max_exports]
     if not held:
         return None
-    best = min(held, key=lambda v: (-min(v.matched_blocks, inp.num_blocks),
+    best = min(held, key=lambda v: (-min(v.matched_blocks, inp.num_blocks), v.num_exports,
                                     v.num_running + v.num_waiting + v.num_swapped, order_key(v.replica_id)))
     return best.replica_id, min(best.matched_blocks, inp.num_blocks)
 

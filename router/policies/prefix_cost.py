@@ -145,6 +145,7 @@ from router.policies.base import Ranking, ReplicaView, RoutingInput
 from router.policies.kv_fetch import (
     DEFAULT_FETCH_BYTES_PER_S,
     DEFAULT_FETCH_HOLDER_BYTES_PER_S,
+    DEFAULT_FETCH_MAX_EXPORTS,
     DEFAULT_FETCH_OVERHEAD_S,
     DEFAULT_FETCH_PENALTY_TOKENS,
     DEFAULT_KV_BYTES_PER_TOKEN,
@@ -201,6 +202,7 @@ class PrefixCostPolicy:
         kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN,
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         fetch_penalty_tokens: float = DEFAULT_FETCH_PENALTY_TOKENS,
+        fetch_max_exports: int = DEFAULT_FETCH_MAX_EXPORTS,
     ) -> None:
         for name, value in (("new_prefill_weight", new_prefill_weight),
                             ("decode_token_weight", decode_token_weight), ("sequence_tokens", sequence_tokens),
@@ -209,6 +211,8 @@ class PrefixCostPolicy:
                             ("pack_idle_tokens", pack_idle_tokens)):
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(fetch_max_exports, int) and fetch_max_exports >= 1):
+            raise ValueError(f"fetch_max_exports must be an integer >= 1, got {fetch_max_exports!r}")
         if not (isinstance(pack_max_seqs, int) and pack_max_seqs >= 0):
             raise ValueError(f"pack_max_seqs must be an integer >= 0, got {pack_max_seqs!r}")
         if not 0.0 < kv_high_water <= 1.0:
@@ -223,6 +227,7 @@ class PrefixCostPolicy:
         self.adapter_homes = AdapterHomes(adapter_rps_per_home, adapter_shrink_ratio)
         self.pack_max_seqs = pack_max_seqs
         self.pack_idle_tokens = float(pack_idle_tokens)
+        self.fetch_max_exports = fetch_max_exports
         self.fetch = FetchPricing(fetch_bytes_per_s, fetch_overhead_s, fetch_holder_bytes_per_s, kv_bytes_per_token,
                                   prefill_tokens_per_s, fetch_penalty_tokens)
 
@@ -275,7 +280,7 @@ class PrefixCostPolicy:
         recomputing (for a hot prefix's set too: credited the match, it would recompute it)."""
         if not self.fetch.enabled or not inp.prefix_key or inp.adapter:
             return {}
-        holder = best_holder(inp, lambda rid: rendezvous(inp.prefix_key, rid))
+        holder = best_holder(inp, lambda rid: rendezvous(inp.prefix_key, rid), self.fetch_max_exports)
         if holder is None:
             return {}
         holder_id, holder_blocks = holder

@@ -137,3 +137,46 @@ def test_the_decision_core_returns_the_hint_and_counts_the_prefill_past_the_hold
     # Policies without hints still rank through the same call.
     plain = rank(get_policy("round_robin"), inp(loaded_holder(0), ReplicaView("idle", matched_blocks=0)))
     assert plain.fetch_from == {} and sorted(plain.replica_ids) == ["holder", "idle"]
+
+
+def test_a_holder_at_its_export_limit_is_not_named():
+    # Two holders of the same 30 blocks: the one with fewer fetches in flight is
+    # named; at fetch_max_exports (2) a holder is skipped, even with the longer match.
+    a = ReplicaView("a", matched_blocks=30, num_prefill_tokens=1000, num_exports=1)
+    b = ReplicaView("b", matched_blocks=30, num_prefill_tokens=1000, num_running=3)
+    idle = ReplicaView("idle", matched_blocks=0)
+    assert policy().rank(inp(a, b, idle)).fetch_from["idle"] == "b"
+    longer = ReplicaView("a", matched_blocks=31, num_prefill_tokens=1000, num_exports=2)
+    assert policy().rank(inp(longer, b, idle)).fetch_from["idle"] == "b"
+    assert policy(fetch_max_exports=3).rank(inp(longer, b, idle)).fetch_from["idle"] == "a"
+    only = ReplicaView("a", matched_blocks=30, num_prefill_tokens=1000, num_exports=2)
+    assert policy().rank(inp(only, idle)) == Ranking(["idle", "a"], {})  # nobody to fetch from: priced cold
+    with pytest.raises(ValueError, match="fetch_max_exports"):
+        PrefixCostPolicy(fetch_max_exports=0)
+
+
+def test_the_decision_core_counts_its_fetch_hints_per_holder_for_a_while():
+    now = [100.0]
+    core = RoutingCore(policy(), B, clock=lambda: now[0])
+    shared = [bytes([i]) * 16 for i in range(30)]  # a system prompt the holder has; questions differ
+
+    def chain(n):
+        return shared + [bytes([100 + n, i]) * 8 for i in range(2)]
+
+    def view_of(rid, matched):
+        queued = 5000 if rid == "holder" else core.pending_tokens(rid, 99.0)
+        return ReplicaView(rid, matched_blocks=matched, num_prefill_tokens=queued,
+                           num_exports=core.exports_in_flight(rid))
+
+    fleet = ["holder", "r1", "r2", "r3"]
+    first = core.decide_ranking(chain(1), 512, fleet, {"holder": 30}, view_of)
+    assert first.fetch_from[first.replica_ids[0]] == "holder" and core.exports_in_flight("holder") == 1
+    now[0] += 0.01
+    second = core.decide_ranking(chain(2), 512, fleet, {"holder": 30}, view_of)
+    assert second.fetch_from[second.replica_ids[0]] == "holder" and core.exports_in_flight("holder") == 2
+    # At the limit the holder is not named: the next request is priced cold elsewhere.
+    now[0] += 0.01
+    third = core.decide_ranking(chain(3), 512, fleet, {"holder": 30}, view_of)
+    assert third.fetch_from == {} and third.replica_ids[0] != "holder" and core.exports_in_flight("holder") == 2
+    now[0] += 0.2  # past FETCH_HORIZON_S
+    assert core.exports_in_flight("holder") == 0
