@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from workers.model import native
-from workers.model import cpu_ops
+from workers.model import cpu_ops, moe_native
 from workers.model.attention import cpu_decode, cpu_prefill
 
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -29,6 +29,7 @@ KERNELS = [
     ("qgemm_f32.c", native.FLAGS, [()]),
     ("decoder_step.c", native.FLAGS, [()]),
     ("lora_f32.c", native.FLAGS, [()]),
+    ("moe_f32.c", moe_native._FLAGS, [()]),
     ("paged_decode.c", cpu_decode._FLAGS, [(), ("-DKV_INT8",)]),
     ("paged_prefill.c", cpu_prefill._FLAGS, [()]),
 ]
