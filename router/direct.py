@@ -28,16 +28,13 @@ import asyncio
 import logging
 import pickle
 import secrets
-import struct
 from typing import Any, AsyncIterator, Callable, Optional
 
+from cluster.shared.direct_wire import FRAME_HEADER, MAX_FRAME_BYTES, SECRET_BYTES
 from cluster.shared.types import StreamChunk
 
 logger = logging.getLogger(__name__)
 
-FRAME_HEADER = struct.Struct("<I")
-SECRET_BYTES = 32
-MAX_FRAME_BYTES = 64 << 20  # a frame holds one step's chunks for this router
 LATE_CHUNKS_S = 10.0  # how long chunks may trail the reply that counted them
 
 

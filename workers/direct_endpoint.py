@@ -5,8 +5,7 @@ serving."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from cluster.shared.types import GenerationRequest
 from workers.engine.direct_stream import DirectStream, SinkConnections, chunk_of
@@ -14,14 +13,13 @@ from workers.engine.direct_stream import DirectStream, SinkConnections, chunk_of
 
 class DirectStreamEndpoint:
     """The direct transport's method; the class sets ``_sinks``, ``_front``,
-    ``_ttft``, ``metrics``, ``engine`` and ``replica_id``."""
+    ``_ttft`` and ``replica_id`` and has ``_start_request``."""
 
     _sinks: SinkConnections
     _front: Any
     _ttft: Any
-    metrics: Any
-    engine: Any
     replica_id: str
+    _start_request: Callable[[GenerationRequest], Awaitable[Any]]  # the replica's: adapter read, metrics timer
 
     async def generate_direct(self, request: GenerationRequest, sink: tuple[str, int, str], key: str) -> int:
         """Runs the request, its chunks sent by the engine thread to the router's
@@ -32,11 +30,8 @@ class DirectStreamEndpoint:
             ValueError: The request is invalid (says what to change).
             ConnectionError: The router's sink cannot be reached, or went away.
         """
-        lora = request.lora_request
-        if lora is not None and self.engine.lora is not None:
-            await asyncio.to_thread(self.engine.lora.prefetch, lora)
+        timer = await self._start_request(request)
         conn = await self._sinks.get(*sink)
-        timer = self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
         request_id = request.request_id
 
         def on_output(out: Any) -> None:  # engine thread

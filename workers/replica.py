@@ -162,13 +162,18 @@ class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
         Raises:
             ValueError: The request is invalid (says what to change).
         """
-        lora = request.lora_request
-        if lora is not None and self.engine.lora is not None:  # a new adapter is read here, not on the engine thread
-            await asyncio.to_thread(self.engine.lora.prefetch, lora)
-        timer = self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
+        timer = await self._start_request(request)
         async for out in self._tracked(request):
             timer.on_output(out)
             yield chunk_of(out, self.replica_id)
+
+    async def _start_request(self, request: GenerationRequest) -> Any:
+        """Reads the request's adapter if it is new (here, not on the engine thread),
+        then starts its metrics timer."""
+        lora = request.lora_request
+        if lora is not None and self.engine.lora is not None:
+            await asyncio.to_thread(self.engine.lora.prefetch, lora)
+        return self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
 
     async def _tracked(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The engine's outputs, with arrival and first token noted for ``ttft_s``."""

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, TypeVar
 from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, ReplicaStats
 from workers.engine.engine import LLMEngine
 from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, name_os_thread, retry_hint, settle_future
-from workers.engine.outputs import RequestOutput, merge_outputs
+from workers.engine.outputs import RequestOutput, chunk_due, merge_outputs
 from workers.engine.structured import timeout_message
 
 if TYPE_CHECKING:
@@ -187,8 +187,7 @@ class AsyncEngine:
                     if held.finished or out_queue.empty():
                         break
                     item = out_queue.get_nowait()  # already computed: sent with the rest, never waited for
-                if (held.finish_reason is not None or held.index not in sent_first
-                        or len(held.new_token_ids) >= self.stream_interval):
+                if chunk_due(held, sent_first, self.stream_interval):
                     out, held = held, None
                     if out.new_token_ids:
                         sent_first.add(out.index)

@@ -35,18 +35,16 @@ import asyncio
 import logging
 import pickle
 import socket
-import struct
 import threading
 from typing import Any, Callable, Optional
 
+from cluster.shared.direct_wire import FRAME_HEADER
 from cluster.shared.types import StreamChunk
 from workers.engine.loop_stats import settle_future
-from workers.engine.outputs import RequestOutput, merge_outputs
+from workers.engine.outputs import RequestOutput, chunk_due, merge_outputs
 
 logger = logging.getLogger(__name__)
 
-FRAME_HEADER = struct.Struct("<I")
-SECRET_BYTES = 32  # the router's secret, ASCII hex, first bytes of every connection
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -230,8 +228,7 @@ class DirectStream:
             held = None
         held = item if held is None else merge_outputs(held, item)
         self._held = held
-        if held.finish_reason is not None or held.index not in self._sent_first \
-                or len(held.new_token_ids) >= self._interval:
+        if chunk_due(held, self._sent_first, self._interval):
             self._emit(held)
             if held.finished:
                 self._end(None)
@@ -253,8 +250,7 @@ class DirectStream:
     def _end(self, error: Optional[BaseException]) -> None:
         self.finished = True
         self.conn.flush()  # the last chunk leaves before the reply does
-        with self.conn._lock:
-            self.conn.streams.discard(self)
+        self.detach()
         if self.conn.broken is not None and error is None:
             error = DirectStreamError(f"the router at {self.conn.address[0]}:{self.conn.address[1]} went away")
         try:

@@ -177,3 +177,10 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         index=later.index,
         more_choices=later.more_choices,
     )
+
+
+def chunk_due(held: RequestOutput, sent_first: set[int], stream_interval: int) -> bool:
+    """Whether the tokens held for a stream go out now: at a finish, as a choice's
+    first token, or once ``stream_interval`` of them are held (``stream_interval``)."""
+    return held.finish_reason is not None or held.index not in sent_first \
+        or len(held.new_token_ids) >= stream_interval
