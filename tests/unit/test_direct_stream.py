@@ -238,3 +238,22 @@ def test_ray_tls_keeps_the_tokens_on_serves_channel(monkeypatch):
     monkeypatch.setenv("RAY_USE_TLS", "1")
     assert RouterBackend(object(), object(), model, replica_transport="direct").replica_transport == "grpc"
     assert RouterBackend(object(), object(), model, replica_transport="actor").replica_transport == "actor"
+
+
+def test_direct_completions_feed_the_overload_retry_hint():
+    replica = make_replica()
+
+    async def main():
+        sink = await DirectSink("127.0.0.1").start()
+        try:
+            for i in range(3):
+                await collect(direct_attempt(FakeCall(replica), sink, req(f"h{i}", max_tokens=4), identity))
+            await asyncio.sleep(0.05)  # the replies settle
+        finally:
+            await sink.aclose()
+
+    try:
+        asyncio.run(main())
+        assert len(replica._front._finish_times) == 3
+    finally:
+        replica.shutdown()

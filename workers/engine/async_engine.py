@@ -211,7 +211,9 @@ class AsyncEngine:
         """
         await self._submit(request, stream)
         try:
-            return await stream.done
+            sent = await stream.done
+            self._finish_times.append(time.monotonic())  # the overload retry hint, as generate() keeps it
+            return sent
         finally:
             with self._lock:
                 self._streams.pop(request.request_id, None)
