@@ -10,7 +10,10 @@ Definitions follow ``vllm bench serve``:
 
 plus, from the servers' ``Usage``: prefix hit rate = cached prompt tokens /
 prompt tokens, and for datasets with a shared system prompt the hit rate over
-that part alone (``min(cached, shared_prefix_len) / shared_prefix_len``).
+that part alone (``min(cached, shared_prefix_len) / shared_prefix_len``), and
+for multi-turn datasets the continued-turn hit rate: cached / prompt tokens
+over the turns after each conversation's first (the router's
+``router_continued_turn_cached_ratio`` for ``previous_response_id`` turns).
 Percentiles are nearest-rank (``cluster.client.table.percentile``), as in every
 benchmark here.
 
@@ -178,6 +181,12 @@ def summarize(records: Sequence[RequestRecord], duration: float,
     if shared_total:
         hit = sum(min(r.cached_prompt_tokens, r.shared_prefix_len) for r in shared)
         out["shared_prefix_hit_rate"] = round(hit / shared_total, 4)
+    continued = [r for r in done if r.turn > 0]
+    if continued:
+        continued_prompt = sum(r.prompt_tokens for r in continued)
+        out["continued_turns"] = len(continued)
+        out["continued_turn_hit_rate"] = round(
+            sum(r.cached_prompt_tokens for r in continued) / continued_prompt, 4) if continued_prompt else 0.0
     if slos:
         good = sum(1 for r in done if meets_slos(r, slos))
         out["goodput"] = {"slos_ms": {k: v * 1000.0 for k, v in slos.items()}, "good_requests": good,
@@ -224,6 +233,9 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
     ]
     if "shared_prefix_hit_rate" in summary:
         rows.append(("System-prompt hit rate:", f"{summary['shared_prefix_hit_rate']:.1%}"))
+    if "continued_turn_hit_rate" in summary:
+        rows.append((f"Continued-turn hit rate ({summary['continued_turns']} turns):",
+                     f"{summary['continued_turn_hit_rate']:.1%}"))
     if "goodput" in summary:
         slos = " ".join(f"{k}<={v:g}ms" for k, v in summary["goodput"]["slos_ms"].items())
         rows.append((f"Request goodput (req/s, {slos}):", f"{summary['goodput']['request_goodput']:.2f}"))
