@@ -21,6 +21,14 @@ For each request (a ``GenerationRequest`` as the first argument) it
 4. returns the policy's ranking, one replica per rank, so Serve falls back
    to the next one when a replica rejects (full queue). Each decision goes to
    the request it was computed for (no ``FIFOMixin``, see the class).
+5. writes the ranking's fetch hints into the request
+   (``GenerationRequest.kv_fetch_from``: replica -> the holder to fetch the
+   prefix's KV from; Serve serializes the arguments after this call, so the
+   hint travels with the request to whichever replica of the ranking takes
+   it, over any transport). A replica fetches through its own handle to the
+   deployment: its ``export_kv`` call names the holder (``holder_id``) and is
+   routed to that replica alone (to the least loaded one when the holder has
+   left: it answers with what it holds, checked by hash).
 
 Requests that are not ``GenerationRequest``s (stats, resets) are routed by
 load alone, ties broken at random (so repeated calls reach every replica).
@@ -118,6 +126,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             return []
         request = _generation_request(pending_request)
         if request is None:
+            target = _export_target(pending_request)
+            if target:
+                chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+                if chosen:
+                    return [chosen]
             return self._by_load(candidate_replicas)
         try:
             return await self._choose_for(request, candidate_replicas)
@@ -152,9 +165,12 @@ class PrefixAwareRequestRouter(RequestRouter):
                                   if r.replica_id.unique_id not in request.avoid_replica_ids] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         holders = [rid for rid, r in by_id.items() if adapter and _holds(r.routing_stats or {}, adapter)]
-        ranked = self._core.decide(chain, len(request.prompt_token_ids), list(by_id), counts,
-                                   lambda rid, matched: self._view(by_id[rid], matched, adapter),
-                                   adapter=adapter, adapter_holders=holders)
+        ranking = self._core.decide_ranking(chain, len(request.prompt_token_ids), list(by_id), counts,
+                                            lambda rid, matched: self._view(by_id[rid], matched, adapter),
+                                            adapter=adapter, adapter_holders=holders)
+        ranked = ranking.replica_ids
+        # Replaced, not updated: a request routed again (a rejection, a migration) carries this decision's.
+        request.kv_fetch_from = {rid: holder for rid, holder in ranking.fetch_from.items() if holder in by_id}
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
@@ -283,6 +299,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             max_adapters=max(0, int(stats.get("max_cpu_loras", 0))),
             adapter_load_tokens=_finite_nonnegative(stats.get("lora_load_tokens", 0.0)),
             core_group=str(stats.get("core_group", "") or ""),
+            kv_bytes_per_token=_finite_nonnegative(stats.get("kv_bytes_per_token", 0.0)),
+            num_exports=self._core.exports_in_flight(replica_id),
         )
 
 
@@ -298,6 +316,13 @@ def _finite_nonnegative(value: Any) -> float:
 def _holds(stats: dict, adapter: str) -> bool:
     """Whether routing stats list ``adapter`` among the replica's loaded LoRA adapters."""
     return any(name == adapter for name, _ in stats.get("lora_adapters", ()))
+
+
+def _export_target(pending: Optional[PendingRequest]) -> str:
+    """The replica a KV export call names (``ReplicaServer.export_kv``'s ``holder_id``), or ""."""
+    if pending is None or getattr(pending.metadata, "call_method", "") != "export_kv":
+        return ""
+    return str(pending.kwargs.get("holder_id", "") or "")
 
 
 def _generation_request(pending: Optional[PendingRequest]) -> Optional[GenerationRequest]:

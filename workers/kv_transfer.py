@@ -353,37 +353,3 @@ class _Remote:
 
     def remote(self, *args: Any) -> Any:
         return self._fn(*args)
-
-
-class KVTransferEndpoints:
-    """The transfer methods of ``ReplicaServer`` (mixed in: the replica's
-    module stays about serving). The class sets ``self.kv_transfer``."""
-
-    kv_transfer: KVTransfer
-
-    def _start_kv_transfer(self, front: Any, runner: Any, metrics: Any, after_commit: Callable[[], None],
-                           cache: Any) -> None:
-        """``cache``: the engine config's ``CacheConfig`` (the limit and the timeout)."""
-        labels = dict(getattr(metrics, "_labels", {"replica": "", "model": ""}))
-        self.kv_transfer = KVTransfer(front, runner, TransferMetrics(metrics.registry, labels),
-                                      after_commit=after_commit,
-                                      max_concurrent_transfers=cache.kv_transfer_max_concurrent,
-                                      timeout_s=cache.kv_transfer_timeout_s)
-
-    async def export_kv(self, block_hashes: list[bytes]) -> KVExport:
-        """The leading blocks of ``block_hashes`` cached here (another replica fetches them)."""
-        return await self.kv_transfer.export(block_hashes)
-
-    async def fetch_prefix(self, holder: Any, prompt_token_ids: list[int], cache_salt: str = "") -> int:
-        """Imports the prompt's cached prefix blocks this replica lacks from
-        ``holder`` (a handle with ``export_kv``); returns the tokens imported
-        (0: the request will prefill them)."""
-        return await self.kv_transfer.fetch(holder, prompt_token_ids, cache_salt)
-
-    async def fetch_and_generate(self, request: Any, holder: Any) -> Any:
-        """``generate(request)`` after fetching its prefix from ``holder``
-        (a failed fetch only means a longer prefill)."""
-        if request.lora_request is None:  # an adapter's blocks hash on its content: not fetched yet
-            await self.kv_transfer.fetch(holder, request.prompt_token_ids, request.cache_salt)
-        async for chunk in self.generate(request):  # type: ignore[attr-defined]
-            yield chunk

@@ -46,7 +46,7 @@ from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
 from workers.engine.direct_stream import SinkConnections, chunk_of
 from workers.engine.lora_slots import slots_in_use
-from workers.kv_transfer import KVTransferEndpoints
+from workers.kv_transfer_endpoints import KVTransferEndpoints
 from workers.metrics import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
@@ -169,11 +169,14 @@ class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
 
     async def _start_request(self, request: GenerationRequest) -> Any:
         """Reads the request's adapter if it is new (here, not on the engine thread),
-        then starts its metrics timer."""
+        starts its metrics timer, then fetches its prefix's KV from the holder the
+        request router named (``kv_transfer_endpoints.py``; inside the TTFT)."""
         lora = request.lora_request
         if lora is not None and self.engine.lora is not None:
             await asyncio.to_thread(self.engine.lora.prefetch, lora)
-        return self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
+        timer = self.metrics.start_request(lora_name=lora.lora_name if lora is not None else None)
+        await self.fetch_hinted(request)
+        return timer
 
     async def _tracked(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """The engine's outputs, with arrival and first token noted for ``ttft_s``."""
@@ -194,7 +197,8 @@ class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
         """Load figures for Serve's request router (no engine-thread access)."""
         stats = self._front.stats
         group = ray_node_ip() if self._cores is not None else ""  # replicas splitting this machine's cores
-        return {**asdict(stats), "replica_id": self.replica_id, "core_group": group}
+        return {**asdict(stats), "replica_id": self.replica_id, "core_group": group,
+                "kv_bytes_per_token": self.kv_bytes_per_token}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (``cluster/shared/autoscaling.py`` reads them):

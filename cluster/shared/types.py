@@ -288,6 +288,9 @@ class GenerationRequest:
     # Replicas a migrated stream left because they went silent (``router/migration.py``): the request
     # router sends it elsewhere while another replica is live.
     avoid_replica_ids: tuple[str, ...] = ()
+    # The request router's fetch hints (issue 33, docs/KV_TRANSFER.md): replica id -> the replica
+    # holding the prefix that it should fetch the KV from before it prefills; set per decision.
+    kv_fetch_from: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -52,10 +52,9 @@ Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
     fetch_bytes_per_s = 0.0     Bytes per second of a fetch, end to end
                                 (the holder's gather, the object store, the
                                 receiver's scatter). 0 turns fetch pricing
-                                off: the default until the Serve router makes
-                                the chosen replica fetch (a ranking that
-                                counts on a fetch nobody makes sends the
-                                request to a cold prefill). 1.5e9 is what was
+                                off: the default until ``bench routing``
+                                shows it pays (the Serve path fetches:
+                                docs/KV_TRANSFER.md). 1.5e9 is what was
                                 measured on loopback: 23.6 MB imported in
                                 ~16 ms beyond the fixed cost (6.5 ms read,
                                 object store, 3.3-5.2 ms write).
@@ -68,8 +67,8 @@ Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
                                 0: not priced.
     kv_bytes_per_token = 46080  KV bytes per token when the replica does not
                                 report them (``ReplicaView.kv_bytes_per_token``,
-                                0: not reported; replicas do not report it
-                                yet, so this parameter decides today): the
+                                0: not reported; replicas report it in their
+                                routing stats): the
                                 default model in float32, 30 layers x K and V x
                                 3 heads x 64 x 4 bytes; ~12300 with
                                 ``kv_cache_dtype: int8`` (values and scales).
@@ -101,7 +100,7 @@ from typing import Optional
 
 from router.policies.base import ReplicaView, RoutingInput
 
-DEFAULT_FETCH_BYTES_PER_S = 0.0  # off until the serve path fetches (module doc)
+DEFAULT_FETCH_BYTES_PER_S = 0.0  # off until bench routing shows it pays (module doc)
 MEASURED_FETCH_BYTES_PER_S = 1.5e9  # loopback, docs/KV_TRANSFER.md
 DEFAULT_FETCH_OVERHEAD_S = 0.010
 DEFAULT_FETCH_HOLDER_BYTES_PER_S = 3.6e9
