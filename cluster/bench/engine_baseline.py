@@ -7,9 +7,11 @@ light and the engine's threads and memory are gone before the cluster runs:
 - ``step_ms``: the median decode step at batch 1 (``engine.step()``:
   scheduling, forward, sampling, detokenization), over the first request's
   output tokens;
-- ``prefill_ms``: that request's first step, its whole prompt (the first
-  of the dataset's prompts, prefilled in one step when it fits the token
-  budget, as a replica does);
+- ``prefill_ms``: the median first step (the whole prompt, prefilled in one
+  step when it fits the token budget, as a replica does) of the first
+  ``PREFILL_SAMPLES`` prompts, each run alone: the cluster's TTFT is a
+  median over its requests, so one sample would set a median against a
+  single draw of a machine whose speed drifts;
 - ``output_throughput``: every request run through one engine with
   ``max_num_seqs`` = the benchmark's ``--max-concurrency`` (as many in flight
   as the cluster gets), output tokens over the wall time.
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
+
+PREFILL_SAMPLES = 5
 
 
 def measure(engine_args: dict[str, Any], prompts: Sequence[Sequence[int]], output_lens: Sequence[int],
@@ -60,20 +64,25 @@ def run(engine_args: dict[str, Any], prompts: Sequence[Sequence[int]], output_le
         args.update(max_num_seqs=max_concurrency, max_num_batched_tokens=max(budget, max_concurrency))
     engine = build_engine(EngineConfig.from_kwargs(**args)).engine
 
-    def request(i: int, salt: str) -> GenerationRequest:
-        params = SamplingParams(max_tokens=int(output_lens[i]), ignore_eos=True, temperature=0.0)
+    def request(i: int, salt: str, max_tokens: Optional[int] = None) -> GenerationRequest:
+        params = SamplingParams(max_tokens=max_tokens or int(output_lens[i]), ignore_eos=True, temperature=0.0)
         return GenerationRequest(f"{salt}-{i}", list(prompts[i]), params, cache_salt=salt)
 
     engine.add_request(request(0, "warm-up"))  # first-call costs (allocations, kernel builds)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request(request(0, "single"))
-    steps = []
-    while engine.has_unfinished_requests():
-        began = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - began)
-    prefill, decode = steps[0], steps[1:]
+    prefills, decode = [], []
+    for i in range(min(PREFILL_SAMPLES, len(prompts))):
+        # The first request decodes its whole output (the batch-1 step); the others
+        # only prefill, each its own prompt, so the prefill is a median as the TTFT is.
+        engine.add_request(request(i, f"single-{i}", max_tokens=1 if i else None))
+        steps = []
+        while engine.has_unfinished_requests():
+            began = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - began)
+        prefills.append(steps[0])
+        decode.extend(steps[1:])
     began = time.perf_counter()
     for i in range(len(prompts)):
         engine.add_request(request(i, "all"))
@@ -82,7 +91,8 @@ def run(engine_args: dict[str, Any], prompts: Sequence[Sequence[int]], output_le
     wall = time.perf_counter() - began
     return {
         "step_ms": 1000 * statistics.median(decode) if decode else float("nan"),
-        "prefill_ms": 1000 * prefill,
+        "prefill_ms": 1000 * statistics.median(prefills),
+        "prefill_samples": len(prefills),
         "prompt_tokens": len(prompts[0]),
         "output_throughput": sum(int(n) for n in output_lens) / wall,
         "max_num_seqs": engine.scheduler.max_num_seqs,
