@@ -4,15 +4,16 @@ interleaved run on the default model.
 Adapters: ``--num-adapters`` random PEFT LoRA adapters (rank ``--rank``,
 every linear layer: q, k, v, o, gate, up, down; A and B drawn at random,
 since PEFT starts B at zero) written with ``peft`` into a temporary folder,
-and the first one merged into the base weights (``merge_and_unload``) and
-saved as a plain model.
+stored in each of ``--adapter-dtypes`` (a fine-tune trained in bfloat16 saves
+bfloat16; the engine keeps 16-bit adapters in 16 bits), and the first one
+merged into the base weights (``merge_and_unload``) and saved as a plain model.
 
 Engines, each its own :class:`~workers.llm.LLM` (so their batches live side
 by side):
 
     base         the base model as users run it: no ``enable_lora``
-    lora         ``enable_lora``, batch B: B requests on B different adapters
-                 (batch 1: one adapter)
+    lora-<dtype> ``enable_lora``, batch B: B requests on B different adapters
+                 stored in that dtype (batch 1: one adapter)
     lora-idle    ``enable_lora``, the same batch with no adapter (what turning
                  LoRA on costs the base path alone)
     merged       batch 1 only: the first adapter merged into the weights
@@ -24,7 +25,7 @@ A step is one ``engine.step()``. Throughput relative to the base model is
 ``base step / lora step`` (issue 51's targets: >= 0.8 at batch 8 on 8
 adapters, >= 0.9 at batch 1). The load time is one adapter's
 ``LoRAManager.load`` (read, check, install in every layer), the median of
-``--num-loads`` fresh loads.
+``--num-loads`` fresh loads (in the first of ``--adapter-dtypes``).
 
 Prints a table, writes JSON (``--json``).
 """
@@ -45,6 +46,7 @@ from cluster.client.table import format_table
 logger = logging.getLogger(__name__)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "fp16"}  # --adapter-dtypes: engine name suffix
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +58,8 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interleave-steps", type=int, default=4,
                         help="decode steps of one engine before the next one's turn")
     parser.add_argument("--num-loads", type=int, default=5, help="adapter loads timed (median)")
+    parser.add_argument("--adapter-dtypes", nargs="+", choices=list(DTYPES), default=["bfloat16", "float32"],
+                        help="the adapters' stored dtype; one LoRA engine each, interleaved with the others")
     parser.add_argument("--json", default="bench-results/lora.json", help="where to write the results")
 
 
@@ -80,6 +84,21 @@ def save_random_adapter(base_dir: Path, out: Path, rank: int, seed: int, merged_
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (base_dir / name).is_file():
                 (merged_out / name).write_bytes((base_dir / name).read_bytes())
+    return out
+
+
+def stored_as(src: Path, out: Path, dtype: str) -> Path:
+    """``src``'s adapter with its tensors stored in ``dtype`` (``src`` itself for float32)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if dtype == "float32":
+        return src
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
     return out
 
 
@@ -119,21 +138,23 @@ def run_lora(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     num_adapters, args.rank, root)
         paths = [save_random_adapter(base_dir, root / f"a{i}", args.rank, seed=i,
                                      merged_out=root / "merged" if i == 0 else None) for i in range(num_adapters)]
-        requests = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        requests = {f"lora-{DTYPES[d]}": [LoRARequest(f"a{i}", i + 1, str(stored_as(p, root / d / f"a{i}", d)))
+                                          for i, p in enumerate(paths)] for d in args.adapter_dtypes}
         common = {"max_num_seqs": num_adapters, **engine_args}
         lora_args = {**common, "enable_lora": True, "max_loras": num_adapters, "max_lora_rank": args.rank,
                      "max_cpu_loras": num_adapters + 1}
         # Identical engines step slower the earlier they were built (three base engines, interleaved, on this
         # machine: 14.2, 13.4, 12.8 ms at batch 1): the base is built last, so the ratios to it are not flattered.
-        logger.info("loading the engines: lora, lora-idle, merged, base")
-        engines = {"lora": LLM(**lora_args), "lora-idle": LLM(**lora_args),
+        logger.info("loading the engines: %s, lora-idle, merged, base", ", ".join(requests))
+        engines = {**{name: LLM(**lora_args) for name in requests}, "lora-idle": LLM(**lora_args),
                    "merged": LLM(**{**common, "model": str(root / "merged")}), "base": LLM(**common)}
         report: dict[str, Any] = {"model": base_dir.name, "rank": args.rank, "engine_args": engine_args,
-                                  "batches": {}}
+                                  "adapter_dtypes": args.adapter_dtypes, "batches": {}}
         rng = random.Random(0)
         for batch in args.batch_sizes:
             prompts = make_prompts(batch, args.input_len, engines["base"].engine.vocab_size, {0, 1, 2}, rng)
-            runs = {"base": [None] * batch, "lora": requests[:batch], "lora-idle": [None] * batch}
+            runs = {"base": [None] * batch, **{name: reqs[:batch] for name, reqs in requests.items()},
+                    "lora-idle": [None] * batch}
             if batch == 1:
                 runs["merged"] = [None]
             logger.info("batch %d: %s, %d decode steps each, %d at a time", batch, ", ".join(runs),
@@ -142,7 +163,8 @@ def run_lora(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                                 for name, loras in runs.items()}, args.interleave_steps)
             report["batches"][batch] = {f"{name}_step_ms": round(statistics.median(t) * 1e3, 2)
                                         for name, t in times.items()}
-        report["load_ms"] = _load_ms(engines["lora"], root, base_dir, args)
+        first = args.adapter_dtypes[0]
+        report["load_ms"] = _load_ms(engines[f"lora-{DTYPES[first]}"], root, base_dir, args, first)
     _print_report(report)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -151,11 +173,11 @@ def run_lora(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0
 
 
-def _load_ms(llm: Any, root: Path, base_dir: Path, args: argparse.Namespace) -> float:
-    """Median ms of ``--num-loads`` fresh loads of one adapter (new names and folders)."""
+def _load_ms(llm: Any, root: Path, base_dir: Path, args: argparse.Namespace, dtype: str) -> float:
+    """Median ms of ``--num-loads`` fresh loads of one adapter stored in ``dtype`` (new names and folders)."""
     from cluster.shared.types import LoRARequest
 
-    path = save_random_adapter(base_dir, root / "load", args.rank, seed=100)
+    path = stored_as(save_random_adapter(base_dir, root / "load", args.rank, seed=100), root / "load16", dtype)
     seconds = []
     for i in range(args.num_loads):
         copy = root / f"load{i}"
@@ -179,5 +201,6 @@ def _print_report(report: dict[str, Any]) -> None:
                 figures[f"{name}_vs_base"] = round(base / ms, 3)
     for line in format_table(rows):
         print(line)
-    print(f"{report['model']}, rank {report['rank']} adapters on every linear layer; "
-          f"one adapter loads in {report['load_ms']:.0f} ms (median)")
+    print(f"{report['model']}, rank {report['rank']} adapters on every linear layer, stored as "
+          f"{' / '.join(report['adapter_dtypes'])}; one {report['adapter_dtypes'][0]} adapter loads in "
+          f"{report['load_ms']:.0f} ms (median)")

@@ -203,3 +203,46 @@ def test_each_instruction_set_matches_torch_and_is_batch_invariant(arch):
             alone = out[row : row + 1].clone()
             layer.add_to(batch.rows, x[row : row + 1], alone)
             assert torch.equal(alone[0], got[row]), (arch, row)
+
+
+@pytest.mark.parametrize("arch", ["native", "haswell"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_side_paths_are_the_widened_values_exactly(arch, dtype):
+    """An adapter saved in bf16 / fp16 stays 16-bit in the kernel's panels (half the bytes) and computes the
+    same bits as its float32 widening, on each instruction set, through the grouped kernel and the per-adapter
+    path alike; the scaling multiplies the expand's chain."""
+    from workers.model import gemm, native
+
+    lib = kernels.load(native.FLAGS if arch == "native" else (*native.FLAGS, "-march=haswell"))
+    if lib is None:
+        pytest.skip(f"the {arch} build failed here")
+    half = {slot: (a.to(dtype), b.to(dtype)) for slot, (a, b) in ADAPTERS.items()}
+    layers = {}
+    for name, fmt, exact_lib in (("half", dtype, lib), ("widened", torch.float32, lib), ("pair", dtype, None)):
+        batch = LoRABatch()
+        layer = LoRALayer(batch, native=True)
+        layer._lib = exact_lib
+        for slot, (a, b) in half.items():
+            layer.set_slot(slot, a.to(fmt), b.to(fmt), scale=0.75)
+        layers[name] = (batch, layer)
+    half_layer = layers["half"][1]
+    assert half_layer.grouped is not None and {p[0].dtype for p in half_layer.grouped.slots.values()} == {dtype}
+    weights = {name: sum(t.numel() * t.element_size() for p in layer.grouped.slots.values() for t in p[:2])
+               for name, (_, layer) in layers.items() if name != "pair"}
+    assert weights["half"] * 2 == weights["widened"]
+    gen = torch.Generator().manual_seed(5)
+    for slots in (SLOTS, SMALL_GROUPS):
+        x, out = torch.randn(len(slots), K, generator=gen), torch.randn(len(slots), N, generator=gen)
+        got = run(half_layer, layers["half"][0], x, out, slots)
+        expected = out.double().clone()
+        for row, slot in enumerate(slots):
+            if slot in half:
+                a, b = half[slot]
+                expected[row] += (x[row].double() @ a.double().T @ b.double().T) * 0.75
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+        assert torch.equal(run(layers["widened"][1], layers["widened"][0], x, out, slots), got)
+        if gemm.load() is not None and arch == "native":
+            assert torch.equal(run(layers["pair"][1], layers["pair"][0], x, out, slots), got)
+        for row, slot in enumerate(slots):
+            assert torch.equal(run(half_layer, layers["half"][0], x[row : row + 1], out[row : row + 1], [slot])[0],
+                               got[row]), (row, slot)

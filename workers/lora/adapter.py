@@ -9,9 +9,15 @@ with ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
 
 Our layers are fused (``qkv_proj`` holds q, k and v; ``gate_up_proj`` gate
 and up), so an adapter's parts of one fused layer become one side path:
-their A matrices stacked ``[sum r, in]`` and their B matrices, times their
-scaling, placed block-diagonally in ``[out, sum r]`` at the rows of their
-part. A fused target (Phi-3's ``qkv_proj``) takes the whole layer.
+their A matrices stacked ``[sum r, in]`` and their B matrices placed
+block-diagonally in ``[out, sum r]`` at the rows of their part, the scaling
+applied to the side path's output as PEFT applies it. A fused target
+(Phi-3's ``qkv_proj``) takes the whole layer.
+
+Weights keep the format they were saved in when it is bfloat16 or float16
+(every tensor of a layer alike): the kernels widen them to float32 exactly,
+as PEFT's float32 forward does, so a 16-bit adapter costs half the memory
+and half the bytes a step reads. Anything else is read as float32.
 
 The adapter's identity for the prefix cache is :attr:`LoRAAdapter.content_hash`,
 a hash of every tensor and the scaling, never its name.
@@ -42,12 +48,16 @@ _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules
             "rank_pattern": {}, "alpha_pattern": {}}
 
 
+_HALF = (torch.bfloat16, torch.float16)  # formats kept as saved
+
+
 @dataclass
 class LayerDelta:
-    """One layer's side path: ``x @ a.T @ b.T`` (the scaling folded into ``b``)."""
+    """One layer's side path: ``(x @ a.T @ b.T) * scale``."""
 
-    a: torch.Tensor  # [R, in]
+    a: torch.Tensor  # [R, in]; float32, or bfloat16 / float16 as saved (b alike)
     b: torch.Tensor  # [out, R]
+    scale: float = 1.0
 
 
 @dataclass
@@ -65,7 +75,11 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(d.a.numel() * 4 + d.b.numel() * 4 for d in self.deltas.values())
+        return sum(self.delta_bytes(d) for d in self.deltas.values())
+
+    @staticmethod
+    def delta_bytes(delta: LayerDelta) -> int:
+        return delta.a.numel() * delta.a.element_size() + delta.b.numel() * delta.b.element_size()
 
 
 def load_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int) -> LoRAAdapter:
@@ -156,7 +170,8 @@ def _group_parts(tensors: dict[str, torch.Tensor], rank: int, where: str
             raise ValueError(f"{where}: target {module!r} is not supported; adapters may target the attention "
                              "projections (q/k/v/o, qkv_proj) and a dense MLP's gate/up/down (not MoE experts, "
                              "the embeddings or the LM head)")
-        parts.setdefault(ours, {}).setdefault(shard, {})[which] = tensor.to(torch.float32)
+        kept = tensor if tensor.dtype in _HALF else tensor.to(torch.float32)
+        parts.setdefault(ours, {}).setdefault(shard, {})[which] = kept
     for ours, shards in parts.items():
         for shard, pair in shards.items():
             if set(pair) != {"A", "B"}:
@@ -173,7 +188,9 @@ def _fuse(ours: str, pieces: dict[str, dict[str, torch.Tensor]], modules: dict[s
     if not isinstance(layer, Linear):
         raise ValueError(f"{where}: the model has no linear layer {ours!r} (is the adapter for another model?)")
     parent = modules[ours.rsplit(".", 1)[0]]
-    a_rows, b = [], torch.zeros(layer.out_features, sum(p["A"].shape[0] for p in pieces.values()))
+    formats = {t.dtype for pair in pieces.values() for t in pair.values()}
+    dtype = formats.pop() if len(formats) == 1 else torch.float32  # mixed formats: all widened
+    a_rows, b = [], torch.zeros(layer.out_features, sum(p["A"].shape[0] for p in pieces.values()), dtype=dtype)
     col = 0
     for shard, pair in sorted(pieces.items()):
         start, size = (0, layer.out_features) if not shard else (
@@ -182,7 +199,7 @@ def _fuse(ours: str, pieces: dict[str, dict[str, torch.Tensor]], modules: dict[s
         if a.shape[1] != layer.in_features or b_part.shape[0] != size:
             raise ValueError(f"{where}: {ours} {shard}: lora_A {tuple(a.shape)} / lora_B {tuple(b_part.shape)} do "
                              f"not fit the layer ({layer.in_features} inputs, {size} outputs)")
-        a_rows.append(a)
-        b[start : start + size, col : col + a.shape[0]] = b_part * scaling
+        a_rows.append(a.to(dtype))
+        b[start : start + size, col : col + a.shape[0]] = b_part  # widened exactly if the formats were mixed
         col += a.shape[0]
-    return LayerDelta(torch.cat(a_rows).contiguous(), b.contiguous())
+    return LayerDelta(torch.cat(a_rows).contiguous(), b.contiguous(), scaling)

@@ -15,8 +15,11 @@ than the kernel takes, one shrink and one expand per adapter (the native GEMM
 or ``F.linear``) with a gather and a scatter-add.
 
 Exactness: either way each element is an FMA chain over its own row only
-(our batch-invariant GEMM's order), so a request's result never depends on
-its batch-mates, as on the dense path.
+(our batch-invariant GEMM's order), times the adapter's scaling, so a
+request's result never depends on its batch-mates, as on the dense path. A
+16-bit adapter stays 16-bit in the grouped kernel's panels (widened in
+registers); the per-adapter path widens it to float32 at load: the same
+values, so the same bits either way.
 """
 
 from __future__ import annotations
@@ -74,17 +77,22 @@ class LoRALayer:
         self.grouped: Optional[kernels.NativeLayer] = None  # built with the first side path
         self._lib = kernels.load() if native else None
 
-    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Installs ``x @ a.T @ b.T`` as ``slot``'s side path."""
-        self.install(slot, self.prepare(a, b))
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> None:
+        """Installs ``(x @ a.T @ b.T) * scale`` as ``slot``'s side path."""
+        self.install(slot, self.prepare(a, b, scale))
 
-    def prepare(self, a: torch.Tensor, b: torch.Tensor) -> tuple[str, object]:
-        """``x @ a.T @ b.T`` packed for this layer's kernels, installed by ``install``.
-        Changes nothing here, so any thread may call it."""
+    def prepare(self, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> tuple[str, object]:
+        """``(x @ a.T @ b.T) * scale`` packed for this layer's kernels, installed by
+        ``install``; ``a`` and ``b`` float32, bfloat16 or float16 (kept so in the grouped
+        kernel). Changes nothing here, so any thread may call it."""
         if self._lib is not None and kernels.NativeLayer.fits(a):
             layout = self.grouped or kernels.NativeLayer(self._lib, a.shape[1], b.shape[0])
-            return "grouped", (a.shape[1], b.shape[0], layout.pack(a.contiguous(), b.contiguous()))
-        return "pair", (_kernel(a, self.native), _kernel(b, self.native), (a.numel() + b.numel()) * a.element_size())
+            return "grouped", (a.shape[1], b.shape[0], layout.pack(a.contiguous(), b.contiguous(), scale))
+        a, b = a.float(), b.float()
+        expand = _kernel(b, self.native)
+        if scale != 1.0:
+            expand = _scaled(expand, scale)
+        return "pair", (_kernel(a, self.native), expand, (a.numel() + b.numel()) * a.element_size())
 
     def install(self, slot: int, prepared: tuple[str, object]) -> None:
         """Makes ``prepare``'s result ``slot``'s side path (the engine thread)."""
@@ -128,6 +136,10 @@ class LoRALayer:
             else:
                 out.index_add_(0, rows, expand(shrink(x.index_select(0, rows))))
         return out
+
+
+def _scaled(kernel: Kernel, scale: float) -> Kernel:
+    return lambda x: kernel(x).mul_(scale)
 
 
 def _kernel(weight: torch.Tensor, native: bool) -> Kernel:

@@ -98,9 +98,9 @@ class AdapterSlots:
         adapter = load_adapter(name, path, self.reference, self.max_lora_rank)
         deltas = adapter.deltas if self.tp is None else {m: self._shard(m, d) for m, d in adapter.deltas.items()}
         logger.info("LoRA adapter %s read from %s: rank %d, %d layers, %.1f MiB%s", name, path, adapter.rank,
-                    len(deltas), sum(d.a.numel() + d.b.numel() for d in deltas.values()) * 4 / 2**20,
+                    len(deltas), sum(LoRAAdapter.delta_bytes(d) for d in deltas.values()) / 2**20,
                     f" on rank {self.tp.rank}" if self.tp is not None else "")
-        prepared = {m: self.layers[m].prepare(d.a, d.b) for m, d in deltas.items()}  # packed here, not at commit
+        prepared = {m: self.layers[m].prepare(d.a, d.b, d.scale) for m, d in deltas.items()}  # packed here, not at commit
         return dataclasses.replace(adapter, deltas=deltas, prepared=prepared)
 
     def stage_read(self, adapter: LoRAAdapter) -> LoRAAdapter:
@@ -143,7 +143,7 @@ class AdapterSlots:
             a = shard_checkpoint_tensor(self.tp.shard, head_dim, f"{module}.weight", "", delta.a)
             b = delta.b
         assert a.shape[1] == layer.in_features and b.shape[0] == layer.out_features, (module, a.shape, b.shape)
-        return LayerDelta(a.contiguous(), b.contiguous())
+        return LayerDelta(a.contiguous(), b.contiguous(), delta.scale)
 
 
 class RankAdapterSlots:

@@ -9,6 +9,12 @@ Layout, per layer and adapter slot (built once, at load)::
                    for the ranks [lo, hi) whose B entries are not all zero
                    there (ranges), at offsets offs
 
+A slot's A and B keep the adapter's saved format: float32, or bfloat16 /
+float16, widened to float32 in the kernel's registers (exact), so a 16-bit
+adapter is read at half the bytes with the float32 path's arithmetic. B is
+stored without the scaling; the kernel multiplies the expand's chain by it
+(PEFT's ``lora_B(lora_A(x)) * scaling``).
+
 A fused layer's B is block-diagonal (q/k/v, gate/up: ``adapter.py``), so an
 output panel holds only its part's ranks and a step reads no zero block; the
 products skipped are exact zeros (adding them leaves an FMA chain's value as
@@ -34,6 +40,8 @@ from workers.model import native
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _SIGNATURES = {"lora_add_f32": [_P, _P, _P, _L, _P, _L]}
 MAX_RPAD = 1024  # ranks of one layer's side path (fused parts summed); larger ones run on torch
+# The weight formats the kernel reads (csrc/lora_f32.c FMT_*).
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def load(flags: Sequence[str] = native.FLAGS) -> Optional[ctypes.CDLL]:
@@ -47,7 +55,7 @@ def load(flags: Sequence[str] = native.FLAGS) -> Optional[ctypes.CDLL]:
 
 class _LayerC(ctypes.Structure):
     _fields_ = [("k", _L), ("n", _L), ("npad", _L), ("max_rpad", _L), ("num_slots", _L), ("at", _P), ("bt", _P),
-                ("rpad", _P), ("ranges", _P), ("offs", _P)]
+                ("rpad", _P), ("ranges", _P), ("offs", _P), ("fmt", _P), ("scale", _P)]
 
 
 class _BatchC(ctypes.Structure):
@@ -85,26 +93,30 @@ class NativeLayer:
         self.vl, self.bw = lib.lora_vector_width(), lib.lora_block_width()
         self.k, self.n = in_features, out_features
         self.npad = -(-out_features // self.bw) * self.bw
-        self.c = _LayerC(in_features, out_features, self.npad, 0, 0, None, None, None, None, None)
-        self.slots: dict[int, tuple[torch.Tensor, ...]] = {}  # slot -> (at, bt, ranges, offs, rpad)
+        self.c = _LayerC(in_features, out_features, self.npad, 0, 0, None, None, None, None, None, None, None)
+        self.slots: dict[int, tuple] = {}  # slot -> (at, bt, ranges, offs, rpad, fmt, scale)
         self._arrays: tuple = ()
 
     @staticmethod
     def fits(a: torch.Tensor) -> bool:
         return a.shape[0] <= MAX_RPAD
 
-    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.install(slot, self.pack(a, b))
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> None:
+        self.install(slot, self.pack(a, b, scale))
 
-    def pack(self, a: torch.Tensor, b: torch.Tensor) -> tuple:
-        """``a`` and ``b`` in the kernel's layout; reads nothing that changes, so any
-        thread may call it (the replica packs a new adapter off the engine thread)."""
-        rank, k, bw = a.shape[0], self.k, self.bw
+    def pack(self, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> tuple:
+        """``a`` and ``b`` (both float32, bfloat16 or float16: ``FORMATS``) in the kernel's
+        layout, kept in their format; the side path is ``(x @ a.T @ b.T) * scale``. Reads
+        nothing that changes, so any thread may call it (the replica packs a new adapter
+        off the engine thread)."""
+        if a.dtype not in FORMATS or b.dtype != a.dtype:
+            raise ValueError(f"LoRA A {a.dtype} and B {b.dtype}: both float32, bfloat16 or float16")
+        rank, k, bw, dtype = a.shape[0], self.k, self.bw, a.dtype
         rpad = -(-rank // self.vl) * self.vl
-        padded = torch.zeros(rpad, k)
+        padded = torch.zeros(rpad, k, dtype=dtype)
         padded[:rank] = a
         at = torch.cat([padded[c0 : c0 + bw].t().reshape(-1) for c0 in range(0, rpad, bw)])
-        bp = torch.zeros(self.npad, rank)
+        bp = torch.zeros(self.npad, rank, dtype=dtype)
         bp[: self.n] = b
         panels = bp.view(-1, bw, rank)  # [blocks, BW, rank]
         nonzero = (panels != 0).any(dim=1).to(torch.int8)  # [blocks, rank]
@@ -121,8 +133,8 @@ class NativeLayer:
                 r0, r1 = bounds[start]
                 pieces.append(panels[start:i, :, r0:r1].transpose(1, 2).reshape(-1))
                 start = i
-        bt = torch.cat(pieces + [torch.zeros(1)])  # one float past the end: a layer whose B is all zero
-        return at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad
+        bt = torch.cat(pieces + [torch.zeros(1, dtype=dtype)])  # one past the end: a layer whose B is all zero
+        return at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad, FORMATS[dtype], float(scale)
 
     def install(self, slot: int, packed: tuple) -> None:
         """Makes ``packed`` (``pack``'s) ``slot``'s side path."""
@@ -138,16 +150,18 @@ class NativeLayer:
         num = max(self.slots, default=-1) + 1
         at, bt, ranges, offs = ((_P * max(num, 1))() for _ in range(4))
         rpad = (_L * max(num, 1))()
-        for slot, (a, b, r, o, rp) in self.slots.items():
+        fmt, scale = (ctypes.c_int * max(num, 1))(), (ctypes.c_float * max(num, 1))()
+        for slot, (a, b, r, o, rp, f, sc) in self.slots.items():
             at[slot], bt[slot], ranges[slot], offs[slot] = a.data_ptr(), b.data_ptr(), r.data_ptr(), o.data_ptr()
-            rpad[slot] = rp
-        self._arrays = (at, bt, rpad, ranges, offs)
+            rpad[slot], fmt[slot], scale[slot] = rp, f, sc
+        self._arrays = (at, bt, rpad, ranges, offs, fmt, scale)
         self.c.num_slots = num
         self.c.max_rpad = max((v[4] for v in self.slots.values()), default=0)
         self.c.at, self.c.bt = ctypes.addressof(at), ctypes.addressof(bt)
         self.c.rpad, self.c.ranges, self.c.offs = ctypes.addressof(rpad), ctypes.addressof(ranges), ctypes.addressof(offs)
+        self.c.fmt, self.c.scale = ctypes.addressof(fmt), ctypes.addressof(scale)
 
     def add_to(self, rows: StepRows, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[r] += B_s A_s x[r]`` for each row of each slot in ``rows`` (in place)."""
+        """``out[r] += (B_s A_s x[r]) * scale_s`` for each row of each slot in ``rows`` (in place)."""
         self.lib.lora_add_f32(ctypes.byref(self.c), ctypes.byref(rows.c), x.data_ptr(), x.stride(0),
                               out.data_ptr(), out.stride(0))

@@ -1,9 +1,14 @@
 /* LoRA side paths of one linear layer for every adapter of a step, in one call
    (workers/model/lora_kernels.py has the layout and the contract).
 
-   y[r, :] += B_s (A_s x[r, :]) for each row r of each group (slot s): the shrink
-   t = A_s x[r] [R] and the expand B_s t [n], both float32 FMA chains in ascending
-   order from zero, and the expand's chain added to y once. The chains of a row
+   y[r, :] += (B_s (A_s x[r, :])) * scale_s for each row r of each group (slot s): the
+   shrink t = A_s x[r] [R] and the expand B_s t [n], both float32 FMA chains in
+   ascending order from zero, the expand's chain times the slot's scaling (PEFT's
+   lora_B(lora_A(x)) * scaling) added to y once. A slot's A and B are float32, or
+   bfloat16 / float16 as the adapter was saved: 16-bit weights are widened to
+   float32 in registers (exact: every bf16 and fp16 value is a float32 value), so
+   the arithmetic is the float32 path's on the same values and a step reads half
+   the bytes. The chains of a row
    never read another row, and the row, column and thread blocking only decides
    which chains run together, so a row's result is the same whatever its
    batch-mates (batch invariance). Threads: with many small groups (a decode step
@@ -24,7 +29,11 @@ typedef __m512 vec;
 #define VSET1(x) _mm512_set1_ps(x)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
-#elif defined(__AVX2__) && defined(__FMA__)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+/* VL 16-bit values widened to float32: bf16 is the float's top half, fp16 the F16C conversion */
+#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
+#define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VL 8
 typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -33,9 +42,16 @@ typedef __m256 vec;
 #define VSET1(x) _mm256_set1_ps(x)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+#define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
 #else
-#error "the native LoRA kernel needs AVX2 and FMA"
+#error "the native LoRA kernel needs AVX2, FMA and F16C"
 #endif
+/* A slot's weight format (lora_kernels.py FORMATS) */
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_F16 2
 #define RB 4  /* rows of one adapter sharing each weight load */
 #define CB 2  /* vectors of columns (rank in the shrink, outputs in the expand) per block */
 #define BW (CB * VL)
@@ -45,20 +61,24 @@ typedef __m256 vec;
 #define EB 4  /* output panels per expand work item (a few KB of B: worth a thread's turn) */
 
 int lora_vector_width(void) { return VL; }
+static inline long fmt_bytes(int fmt) { return fmt == FMT_F32 ? 4 : 2; }
 int lora_block_width(void) { return BW; }
 
 /* One layer: per slot (NULL: the adapter does not target it) A in rank panels
    (panel c of width w = min(BW, rpad - c BW) is [k][w], at offset k c BW) and B in
    output panels (panel b holds the ranks [lo, hi) whose B entries are not all zero
    on outputs b BW .. b BW + BW - 1, as [hi - lo][BW], at offset offs[b]; fused
-   layers are block-diagonal, and the skipped products are exact zeros). */
+   layers are block-diagonal, and the skipped products are exact zeros). Offsets
+   count elements of the slot's format. */
 typedef struct {
     long k, n, npad, max_rpad, num_slots;
-    const float* const* at;
-    const float* const* bt;
+    const void* const* at;
+    const void* const* bt;
     const long* rpad;
     const int* const* ranges;  /* per slot: 2 * (npad / BW) ints: lo, hi */
     const long* const* offs;   /* per slot: npad / BW offsets into bt */
+    const int* fmt;            /* per slot: FMT_F32, FMT_BF16 or FMT_F16 (A and B alike) */
+    const float* scale;        /* per slot: the expand's chain is multiplied by it */
 } lora_layer_t;
 
 /* One step: group g runs slot group_slot[g] on rows[group_start[g] .. group_start[g + 1]). */
@@ -73,16 +93,23 @@ typedef struct {
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* VL weights from element i of p in format fmt, as float32 (fmt constant at each call site) */
+INLINE vec load_w(const void* p, long i, const int fmt) {
+    if (fmt == FMT_BF16) return VLOAD_BF16((const unsigned short*)p + i);
+    if (fmt == FMT_F16) return VLOAD_F16((const unsigned short*)p + i);
+    return VLOAD((const float*)p + i);
+}
+
 /* t[r, c0 : c0 + cb * VL] = A_s[c0 : ..] . x[rows[r]] for rb rows (rb, cb constant
    at each call site, so the accumulators stay in registers). */
-INLINE void shrink_rows(const float* at, long k, const float* x, long ldx, const long* rows, const int rb,
-                        const int cb, float* t, long ldt) {
+INLINE void shrink_rows(const void* at, long k, const float* x, long ldx, const long* rows, const int rb,
+                        const int cb, const int fmt, float* t, long ldt) {
     vec acc[RB][CB];
     for (int r = 0; r < rb; ++r)
         for (int v = 0; v < cb; ++v) acc[r][v] = VZERO();
     for (long kk = 0; kk < k; ++kk) {
         vec w[CB];
-        for (int v = 0; v < cb; ++v) w[v] = VLOAD(at + kk * cb * VL + v * VL);
+        for (int v = 0; v < cb; ++v) w[v] = load_w(at, kk * cb * VL + v * VL, fmt);
         for (int r = 0; r < rb; ++r) {
             const vec xv = VSET1(x[rows[r] * ldx + kk]);
             for (int v = 0; v < cb; ++v) acc[r][v] = VFMA(w[v], xv, acc[r][v]);
@@ -92,11 +119,11 @@ INLINE void shrink_rows(const float* at, long k, const float* x, long ldx, const
         for (int v = 0; v < cb; ++v) VSTORE(t + r * ldt + v * VL, acc[r][v]);
 }
 
-#define SHRINK(RBC, CBC) shrink_rows(at, L->k, x, ldx, rows, RBC, CBC, t + c0, ldt)
+#define SHRINK(RBC, CBC) shrink_rows(at, L->k, x, ldx, rows, RBC, CBC, fmt, t + c0, ldt)
 
-static void shrink_block(const lora_layer_t* L, long s, const float* x, long ldx, const long* rows, int rb,
-                         long c0, float* t, long ldt) {
-    const float* at = L->at[s] + L->k * c0;
+INLINE void shrink_block_as(const lora_layer_t* L, long s, const float* x, long ldx, const long* rows, int rb,
+                            long c0, float* t, long ldt, const int fmt) {
+    const void* at = (const char*)L->at[s] + fmt_bytes(fmt) * L->k * c0;
     const long rp = L->rpad[s];
     if (rp - c0 >= BW) {
         switch (rb) {
@@ -115,20 +142,32 @@ static void shrink_block(const lora_layer_t* L, long s, const float* x, long ldx
     }
 }
 
-/* y[rows[r], c0 : c0 + BW] += B_s[c0 : ..] . t[r] over the ranks [lo, hi). */
-INLINE void expand_rows(const float* bt, int lo, int hi, const float* t, long ldt, const int rb,
-                        float* y, long ldy, const long* rows, long width) {
+static void shrink_block(const lora_layer_t* L, long s, const float* x, long ldx, const long* rows, int rb,
+                         long c0, float* t, long ldt) {
+    switch (L->fmt[s]) {
+        case FMT_BF16: shrink_block_as(L, s, x, ldx, rows, rb, c0, t, ldt, FMT_BF16); break;
+        case FMT_F16: shrink_block_as(L, s, x, ldx, rows, rb, c0, t, ldt, FMT_F16); break;
+        default: shrink_block_as(L, s, x, ldx, rows, rb, c0, t, ldt, FMT_F32); break;
+    }
+}
+
+/* y[rows[r], c0 : c0 + BW] += (B_s[c0 : ..] . t[r] over the ranks [lo, hi)) * scale. */
+INLINE void expand_rows(const void* bt, int lo, int hi, const float* t, long ldt, const int rb, const int fmt,
+                        float scale, float* y, long ldy, const long* rows, long width) {
     vec acc[RB][CB];
     for (int r = 0; r < rb; ++r)
         for (int v = 0; v < CB; ++v) acc[r][v] = VZERO();
     for (int j = lo; j < hi; ++j) {
         vec w[CB];
-        for (int v = 0; v < CB; ++v) w[v] = VLOAD(bt + (j - lo) * BW + v * VL);
+        for (int v = 0; v < CB; ++v) w[v] = load_w(bt, (j - lo) * BW + v * VL, fmt);
         for (int r = 0; r < rb; ++r) {
             const vec tv = VSET1(t[r * ldt + j]);
             for (int v = 0; v < CB; ++v) acc[r][v] = VFMA(w[v], tv, acc[r][v]);
         }
     }
+    const vec sv = VSET1(scale);
+    for (int r = 0; r < rb; ++r)
+        for (int v = 0; v < CB; ++v) acc[r][v] = VMUL(acc[r][v], sv);
     for (int r = 0; r < rb; ++r) {
         float* yr = y + rows[r] * ldy;
         if (width == BW) {
@@ -141,11 +180,11 @@ INLINE void expand_rows(const float* bt, int lo, int hi, const float* t, long ld
     }
 }
 
-#define EXPAND(RBC) expand_rows(bt, lo, hi, t, ldt, RBC, y + c0, ldy, rows, width)
+#define EXPAND(RBC) expand_rows(bt, lo, hi, t, ldt, RBC, fmt, L->scale[s], y + c0, ldy, rows, width)
 
-static void expand_block(const lora_layer_t* L, long s, const float* t, long ldt, int rb, long blk,
-                         float* y, long ldy, const long* rows) {
-    const float* bt = L->bt[s] + L->offs[s][blk];
+INLINE void expand_block_as(const lora_layer_t* L, long s, const float* t, long ldt, int rb, long blk,
+                            float* y, long ldy, const long* rows, const int fmt) {
+    const void* bt = (const char*)L->bt[s] + fmt_bytes(fmt) * L->offs[s][blk];
     const int lo = L->ranges[s][2 * blk], hi = L->ranges[s][2 * blk + 1];
     const long c0 = blk * BW;
     const long width = L->n - c0 < BW ? L->n - c0 : BW;
@@ -155,6 +194,15 @@ static void expand_block(const lora_layer_t* L, long s, const float* t, long ldt
         case 2: EXPAND(2); break;
         case 3: EXPAND(3); break;
         default: EXPAND(RB); break;
+    }
+}
+
+static void expand_block(const lora_layer_t* L, long s, const float* t, long ldt, int rb, long blk,
+                         float* y, long ldy, const long* rows) {
+    switch (L->fmt[s]) {
+        case FMT_BF16: expand_block_as(L, s, t, ldt, rb, blk, y, ldy, rows, FMT_BF16); break;
+        case FMT_F16: expand_block_as(L, s, t, ldt, rb, blk, y, ldy, rows, FMT_F16); break;
+        default: expand_block_as(L, s, t, ldt, rb, blk, y, ldy, rows, FMT_F32); break;
     }
 }
 
@@ -191,7 +239,8 @@ void lora_add_f32(const lora_layer_t* L, const lora_batch_t* B, const float* x, 
     if (!shrink_items) return;
     long bytes = 0;  /* of weights this call reads */
     for (long g = 0; g < G; ++g)
-        if (targets(L, B->group_slot[g])) bytes += 4 * L->rpad[B->group_slot[g]] * (L->k + L->npad);
+        if (targets(L, B->group_slot[g]))
+            bytes += fmt_bytes(L->fmt[B->group_slot[g]]) * L->rpad[B->group_slot[g]] * (L->k + L->npad);
     const int parallel = bytes > PAR_BYTES;
     if (active >= 2 * omp_get_max_threads() && max_rows <= RB) {  /* many small groups: a thread per group */
         #pragma omp parallel for schedule(dynamic, 1) if (parallel)
