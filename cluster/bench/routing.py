@@ -21,6 +21,11 @@ prompt tokens, from each request's Usage), the hit rate over the system
 prompts alone, TTFT and end-to-end latency P50/P95/P99, throughput and
 requests per replica; and the ratios of cache_aware to round_robin. Prints a
 table, writes JSON and a PNG (latency CDFs, tokens/s over time).
+
+KV transfers (``cluster/bench/routing_transfers.py``): ``--transfers off,on``
+runs each policy without and with fetch pricing (``<policy>+fetch``) and
+reports the replicas' transfer figures and the TTFT ratios; ``--tenant-zipf``
+skews the tenants' shares (a few hot system prompts).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import logging
 import uuid
 from typing import Any
 
+from cluster.bench.routing_transfers import (add_transfer_args, read_transfer_figures, skewed_dataset,
+                                             transfer_ratios, transfer_settings, with_fetches)
 from cluster.client.table import format_table
 from cluster.shared.sizes import cdiv
 
@@ -63,6 +70,7 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-num-cpus", type=float, default=0.5)
     parser.add_argument("--json", default="bench-results/routing.json")
     parser.add_argument("--plot", default="bench-results/routing.png", help="PNG of latency CDFs ('' to skip)")
+    add_transfer_args(parser)
 
 
 def default_num_kv_blocks(args: argparse.Namespace, block_size: int) -> int:
@@ -88,23 +96,33 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     block_size = EngineConfig.from_kwargs(**engine_args).cache.block_size
     engine = EngineConfig.from_kwargs(**{"num_kv_blocks": default_num_kv_blocks(args, block_size), **engine_args})
     vocab_size, _ = model_vocab(engine.model)
-    conversations = shared_prefix_dataset(args.tenants, args.questions_per_tenant, args.prefix_len,
-                                          args.question_len, args.output_len, vocab_size, args.workload_seed)
+    if getattr(args, "tenant_zipf", 0.0) > 0:
+        conversations = skewed_dataset(args.tenants, args.tenants * args.questions_per_tenant, args.prefix_len,
+                                       args.question_len, args.output_len, vocab_size, args.workload_seed,
+                                       args.tenant_zipf)
+    else:
+        conversations = shared_prefix_dataset(args.tenants, args.questions_per_tenant, args.prefix_len,
+                                              args.question_len, args.output_len, vocab_size, args.workload_seed)
+    settings = transfer_settings(args)
     runs = []
     with RedisServer() as redis_server:
         init_local_ray(num_cpus=max(2.0, args.replicas * args.replica_num_cpus))
         try:
             for policy in policies:
-                runs.append((policy, *_run_policy(args, engine, policy, redis_server.url, conversations)))
+                for fetch in settings:
+                    label = f"{policy}+fetch" if fetch else policy
+                    runs.append((label, *_run_policy(with_fetches(args) if fetch else args, engine, policy,
+                                                     redis_server.url, conversations, label)))
         finally:
             ray.shutdown()
     report = {"workload": {k: getattr(args, k) for k in (
         "replicas", "tenants", "questions_per_tenant", "prefix_len", "question_len", "output_len",
-        "request_rate", "max_concurrency", "workload_seed", "prefixes_per_replica")}, "runs": [{"policy": p, **s} for p, s, _ in runs]}
+        "request_rate", "max_concurrency", "workload_seed", "prefixes_per_replica", "transfers", "tenant_zipf",
+        "fetch_bytes_per_s")}, "runs": [{"policy": p, **s} for p, s, _ in runs]}
     report["workload"]["request_rate"] = str(args.request_rate)
     report["workload"]["num_kv_blocks"] = engine.cache.num_kv_blocks
     report["oracle"] = oracle_hit_rates(conversations, block_size)
-    report["ratios"] = _ratios(report["runs"], report["oracle"])
+    report["ratios"] = {**_ratios(report["runs"], report["oracle"]), **transfer_ratios(report["runs"])}
     _print_table(report)
     write_outputs(args.json, report, args.plot or None, [(p, records) for p, _, records in runs],
                   f"prefixserve bench routing: {args.tenants} tenants x {args.questions_per_tenant} questions, "
@@ -113,19 +131,22 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
 
 def _run_policy(args: argparse.Namespace, engine: Any, policy: str, redis_url: str,
-                conversations: list) -> tuple[dict[str, Any], list]:
+                conversations: list, label: str = "") -> tuple[dict[str, Any], list]:
     """One policy on a fresh cluster: (summary, records)."""
     from cluster.bench.metrics import summarize
     from cluster.bench.serve_setup import start_local_cluster
 
+    label = label or policy
+    namespace = f"bench-{policy}-{uuid.uuid4().hex[:8]}"
     cluster = start_local_cluster(args, engine, http=False, routing_policy=policy, redis_url=redis_url,
-                                  namespace=f"bench-{policy}-{uuid.uuid4().hex[:8]}")
+                                  namespace=namespace)
     try:
-        logger.info("policy %s: %d replicas up, sending %d requests", policy, args.replicas, len(conversations))
-        records, duration = asyncio.run(_replay(cluster.grpc_address, conversations, args, policy))
+        logger.info("%s: %d replicas up, sending %d requests", label, args.replicas, len(conversations))
+        records, duration = asyncio.run(_replay(cluster.grpc_address, conversations, args, label))
+        transfers = read_transfer_figures(redis_url, namespace)
     finally:
         cluster.stop()
-    summary = summarize(records, duration)
+    summary = {**summarize(records, duration), "kv_transfers": transfers}
     if summary["failed"]:
         logger.warning("policy %s: %d requests failed: %s", policy, summary["failed"], summary.get("errors"))
     return summary, records
@@ -183,17 +204,19 @@ def _ratios(runs: list[dict[str, Any]], oracle: dict[str, float]) -> dict[str, A
 
 def _print_table(report: dict[str, Any]) -> None:
     rows = [("policy", "hit rate", "sys-prompt hit", "TTFT p50 ms", "p95", "p99", "e2e p50 ms", "p99", "req/s",
-             "failed", "per replica")]
+             "failed", "per replica", "fetches", "MB in", "fetch ms", "fallbacks")]
     for r in report["runs"]:
-        ttft, e2e = r["ttft_ms"], r["e2el_ms"]
+        ttft, e2e, kv = r["ttft_ms"], r["e2el_ms"], r.get("kv_transfers") or {}
         rows.append((r["policy"], f"{r['prefix_hit_rate']:.1%}", f"{r.get('shared_prefix_hit_rate', 0.0):.1%}",
                      f"{ttft['p50']:.0f}", f"{ttft['p95']:.0f}", f"{ttft['p99']:.0f}", f"{e2e['p50']:.0f}",
                      f"{e2e['p99']:.0f}", f"{r['request_throughput']:.2f}", str(r["failed"]),
-                     " ".join(str(v) for v in r["requests_per_replica"].values())))
+                     " ".join(str(v) for v in r["requests_per_replica"].values()),
+                     str(kv.get("fetches", 0)), f"{kv.get('mb_in', 0.0):.1f}", f"{kv.get('fetch_ms_mean', 0.0):.0f}",
+                     " ".join(f"{k}={v}" for k, v in (kv.get("fallbacks") or {}).items()) or "0"))
     oracle = report.get("oracle")
     if oracle:
         rows.append(("oracle", f"{oracle['prefix_hit_rate']:.1%}", f"{oracle['shared_prefix_hit_rate']:.1%}",
-                     *[""] * 8))
+                     *[""] * 12))
     lines = format_table(rows)
     for key, value in report.get("ratios", {}).items():
         lines.append(f"{key}: {value:.2f}x")

@@ -1,0 +1,138 @@
+"""KV transfers in ``prefixserve bench routing`` (issue 33): each policy run
+without and with fetch pricing on the same workload, a skewed one on demand,
+and the replicas' transfer figures in the table.
+
+``--transfers off,on`` runs every policy once per setting, in that order, on
+a fresh cluster each time (``on``: ``routing_policy_params`` gains
+``fetch_bytes_per_s`` = ``--fetch-bytes-per-s``, so ``prefix_cost`` prices a
+fetch from the holder and the chosen replica makes it; docs/KV_TRANSFER.md).
+The run is labelled ``<policy>+fetch``. ``--tenant-zipf S`` draws each
+request's tenant from a Zipf law of exponent S over the tenants (0: every
+tenant gets ``--questions-per-tenant`` requests), so a few hot system prompts
+take most requests and their holders most of the load.
+
+The replicas' ``kv_transfer_*`` series are read from the directory (each
+replica publishes its metrics text with its heartbeats) after the run:
+fetches that imported, blocks and bytes in, prefix tokens served by
+transfer, fallbacks by reason, exports refused, the mean fetch time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from typing import Any
+
+from cluster.bench.datasets import Conversation, Turn, _token_sampler
+from cluster.shared.metrics_format import METRIC_PREFIX
+
+DEFAULT_FETCH_BYTES_PER_S = 1.5e9  # measured on loopback (docs/KV_TRANSFER.md)
+METRICS_SETTLE_S = 3.0  # the replicas' heartbeats carry their metrics about every second
+
+
+def add_transfer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transfers", default="off",
+                        help="comma-separated off,on: each policy without and/or with KV fetches priced "
+                             "(fetch_bytes_per_s), on a fresh cluster each")
+    parser.add_argument("--fetch-bytes-per-s", type=float, default=DEFAULT_FETCH_BYTES_PER_S,
+                        help="the fetch bandwidth prefix_cost prices with transfers on (default 1.5e9)")
+    parser.add_argument("--tenant-zipf", type=float, default=0.0,
+                        help="draw each request's tenant from Zipf(S) over the tenants (0: uniform counts)")
+
+
+def transfer_settings(args: argparse.Namespace) -> list[bool]:
+    """``--transfers`` as a list of booleans, in run order."""
+    out = []
+    for word in (w.strip() for w in str(getattr(args, "transfers", "off")).split(",")):
+        if word not in ("off", "on"):
+            raise ValueError(f"--transfers takes off, on or off,on; got {word!r}")
+        out.append(word == "on")
+    return out
+
+
+def with_fetches(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` whose routing parameters price fetches at ``--fetch-bytes-per-s``."""
+    params = list(getattr(args, "routing_param", None) or ())
+    params.append(f"fetch_bytes_per_s={args.fetch_bytes_per_s}")
+    return argparse.Namespace(**{**vars(args), "routing_param": params})
+
+
+def skewed_dataset(num_tenants: int, num_requests: int, system_prompt_len: int, question_len: int,
+                   output_len: int, vocab_size: int, seed: int, zipf: float) -> list[Conversation]:
+    """``num_requests`` single-turn requests whose tenant is drawn from Zipf(``zipf``)."""
+    if zipf <= 0:
+        raise ValueError(f"--tenant-zipf must be > 0 for a skewed workload, got {zipf}")
+    rng = random.Random(seed)
+    tokens = _token_sampler(rng, vocab_size)
+    system_prompts = [tokens(system_prompt_len) for _ in range(num_tenants)]
+    weights = [1.0 / (rank + 1) ** zipf for rank in range(num_tenants)]
+    groups = rng.choices(range(num_tenants), weights=weights, k=num_requests)
+    return [Conversation((Turn(system_prompts[g] + tokens(question_len), output_len),), group=g,
+                         shared_prefix_len=system_prompt_len) for g in groups]
+
+
+def read_transfer_figures(redis_url: str, namespace: str) -> dict[str, Any]:
+    """The replicas' ``kv_transfer_*`` series summed over them (module doc)."""
+    from cluster.shared.directory import Directory
+
+    async def read() -> dict[str, bytes]:
+        directory = Directory.from_url(redis_url, namespace)
+        try:
+            return await directory.replica_metrics()
+        finally:
+            await directory.aclose()
+
+    time.sleep(METRICS_SETTLE_S)
+    return transfer_figures([text.decode() if isinstance(text, bytes) else text
+                             for text in asyncio.run(read()).values()])
+
+
+def transfer_figures(texts: list[str]) -> dict[str, Any]:
+    """Sums the ``kv_transfer_*`` samples of the replicas' exposition texts."""
+    sums: dict[str, float] = {}
+    fallbacks: dict[str, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line.startswith(METRIC_PREFIX + "kv_transfer_"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name, _, labels = name_labels.partition("{")
+            name = name[len(METRIC_PREFIX):]
+            key = name + ("/" + _label(labels, "direction") if "direction=" in labels else "")
+            if name == "kv_transfer_fallbacks_total":
+                reason = _label(labels, "reason")
+                fallbacks[reason] = fallbacks.get(reason, 0.0) + float(value)
+            sums[key] = sums.get(key, 0.0) + float(value)
+    fetches = sums.get("kv_transfer_seconds_count", 0.0)
+    return {
+        "fetches": int(fetches),
+        "blocks_in": int(sums.get("kv_transfer_blocks_total/in", 0.0)),
+        "mb_in": round(sums.get("kv_transfer_bytes_total/in", 0.0) / 1e6, 1),
+        "prefix_tokens_fetched": int(sums.get("kv_transfer_prefix_tokens_total", 0.0)),
+        "fetch_ms_mean": round(1000 * sums.get("kv_transfer_seconds_sum", 0.0) / fetches, 1) if fetches else 0.0,
+        "fallbacks": {reason: int(n) for reason, n in sorted(fallbacks.items()) if n},
+        "exports_refused": int(sums.get("kv_transfer_refused_total", 0.0)),
+    }
+
+
+def _label(labels: str, name: str) -> str:
+    for part in labels.rstrip("}").split(","):
+        key, _, value = part.partition("=")
+        if key.strip() == name:
+            return value.strip().strip('"')
+    return ""
+
+
+def transfer_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """For each policy run both ways: TTFT P50 and P99 without fetches over with."""
+    by = {r["policy"]: r for r in runs}
+    out: dict[str, float] = {}
+    for label, run in by.items():
+        if label.endswith("+fetch") and label[: -len("+fetch")] in by:
+            base = by[label[: -len("+fetch")]]
+            for q in ("p50", "p99"):
+                out[f"ttft_{q}_{base['policy']}_without_over_with_fetch"] = round(
+                    base["ttft_ms"][q] / max(run["ttft_ms"][q], 1e-9), 2)
+    return out
