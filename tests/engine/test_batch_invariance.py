@@ -74,6 +74,18 @@ def test_default_engine_is_invariant_to_batch_mates(model_dir):
             assert run_with_mates(llm, mates(count, seed), staggered) == alone, (count, staggered)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_head_norm_and_gemma_families_are_invariant_to_batch_mates(family, tmp_path):
+    # Their q/k norms, Gemma's four norms, GeGLU and two RoPE tables in the native step driver.
+    llm = LLM(str(make_tiny_model_dir(family, tmp_path)), block_size=4, max_num_batched_tokens=2048,
+              max_num_seqs=16)
+    assert llm.engine.runner.model.native_decoder is not None
+    alone = fingerprint(llm.generate([PROMPT], params())[0])
+    for seed, count in enumerate([3, 15]):
+        for staggered in (False, True):
+            assert run_with_mates(llm, mates(count, seed), staggered) == alone, (count, staggered)
+
+
 def test_batch_invariant_mode_covers_chunked_prefill_and_recompute(model_dir):
     reference = LLM(str(model_dir), block_size=4, batch_invariant=True)
     alone = fingerprint(reference.generate([PROMPT], params())[0])

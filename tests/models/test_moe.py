@@ -68,6 +68,17 @@ def test_the_native_layer_gives_the_torch_loops_bits(family, quantization, tmp_p
         expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
     assert torch.equal(ids, expected_ids)
     assert torch.allclose(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    shared_inter = moe.native.struct.shared_inter
+    assert (shared_inter > 0) == (moe.shared_expert is not None)  # Qwen2-MoE's shared expert in the same call
+    if shared_inter:
+        gate = torch.sigmoid(moe.shared_expert_gate(x))  # torch's sigmoid: C's 1 / (1 + expf(-g)) to an ulp
+        with_shared = moe.native.forward(x)
+        expected = moe.routed_loop(x, weights, ids) + gate * moe.shared_expert(x)
+        assert torch.allclose(with_shared, expected, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(with_shared, moe.routed_loop(x, weights, ids), rtol=1e-3, atol=1e-4)
+        for i in (0, 5):
+            assert torch.equal(moe.native.forward(x[i : i + 1])[0], with_shared[i])  # alone or with 8 others
+        moe.native.struct.shared_inter = 0  # the routed part alone: below
     routed = moe.native.forward(x)
     assert torch.equal(routed, moe.routed_loop(x, weights, ids))  # one C call: the loop's kernels, order, bits
     assert (moe.native.struct.panel_width > 0) == (quantization is not None)  # quantized: qgemm's panel ranges
@@ -79,6 +90,7 @@ def test_the_native_layer_gives_the_torch_loops_bits(family, quantization, tmp_p
     moe.native.struct.dense = 1  # bench moe's baseline: every expert on every token, weight 0 where not chosen
     assert torch.equal(moe.native.forward(x), routed)
     moe.native.struct.dense = 0
+    moe.native.struct.shared_inter = shared_inter
 
 
 def test_int4_quantizes_the_experts_and_keeps_the_router_float(mixtral_dir):

@@ -22,9 +22,12 @@ CASES = {
     "llama_w8a8": ("llama", {}, "w8a8"),  # int8 x int8: the step driver's i8gemm calls
     "mixtral": ("mixtral", {}, None),  # MoE layers: the step driver's moe_forward_f32 calls
     "mixtral_int4": ("mixtral", {}, "int4"),  # quantized experts
-    "qwen2_moe": ("qwen2_moe", {}, None),  # a shared expert and a dense layer: the per-layer loop runs it
+    "qwen2_moe": ("qwen2_moe", {}, None),  # a shared expert (in moe_forward_f32) and a dense layer
+    "qwen3": ("qwen3", {}, None),  # per-head q/k norms, in place before the rotation
+    "gemma3": ("gemma3", {}, None),  # four norms, GeGLU, q/k norms, two RoPE tables
+    "gemma3_int4": ("gemma3", {}, "int4"),
 }
-NO_DRIVER = {"qwen2_moe"}  # the shared expert stays in torch: no one-call step
+NO_DRIVER: set[str] = set()  # every case gets the one-call decode step
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -60,12 +63,19 @@ def test_native_decoder_matches_the_module_path_bitwise(name, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_head_norms_keep_the_module_path(tmp_path, family):
-    # The C step driver has no per-head q/k norm (nor Gemma's layer layout): such models must not get it.
+def test_head_norms_and_gemmas_layout_get_the_step_driver(tmp_path, family):
+    # Qwen3's and Gemma 3's per-head q/k norms and Gemma's four norms, GeGLU and local RoPE table run in
+    # the one-call decode step (csrc/decoder_step.c); the bitwise test above checks its numbers.
     folder = save_hf_model(make_hf_model(make_hf_config(family)), tmp_path)
     model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
-    assert model.model.layers[0].self_attn.q_norm is not None
-    assert model.native_decoder is None
+    if model.native_decoder is None:
+        pytest.skip("a native kernel did not build here")
+    layer = model.native_decoder.layers[0]
+    assert model.model.layers[0].self_attn.q_norm is not None and layer.q_norm and layer.k_norm
+    assert model.native_decoder._driver is not None
+    assert (layer.gelu, bool(layer.norm3), bool(layer.norm4)) == ((True,) * 3 if family == "gemma3" else (False,) * 3)
+    if family == "gemma3":  # the local layers rotate with their own table
+        assert {lay.local for lay in model.native_decoder.layers} == {True, False}
 
 
 def test_soft_capped_attention_keeps_the_module_path(tmp_path):

@@ -4,6 +4,8 @@
     rms_norm(x, weight)                 out = rms_norm(x) * weight
     rotary(qk, cos, sin)                in place, HF's rotate-half convention
     silu_and_mul(gate_up)               silu(gate) * up
+    gelu_tanh_and_mul(gate_up)          gelu_tanh(gate) * up (Gemma's GeGLU)
+    head_rms_norm(qk, weight)           in place, an RMSNorm over each head (Qwen3, Gemma 3)
 
 Eager torch spends ~8 op dispatches on an RMSNorm, ~8 on the rotary
 embedding and 3 on SiLU-and-mul, each a pass over memory; these are one call
@@ -39,6 +41,8 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _L, _L, _F],
     "rotary_f32": [_P, _L, _L, _L, _L, _P, _P],
     "silu_and_mul_f32": [_P, _P, _L, _L],
+    "gelu_tanh_and_mul_f32": [_P, _P, _L, _L],
+    "head_rms_norm_f32": [_P, _L, _L, _L, _L, _P, _F],
     "argmax_rows_f32": [_P, _L, _L, _L, _P],
     "mask_rows_f32": [_P, _L, _L, _P, _L, _P, _L],
 }
@@ -82,6 +86,23 @@ def silu_and_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]`` for contiguous ``[T, 2I]``; tanh
+    within a few ulp of torch's (Cephes' polynomial), not bitwise."""
+    tokens, width = gate_up.shape
+    out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
+    lib.gelu_tanh_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2)
+    return out
+
+
+def head_rms_norm(lib: ctypes.CDLL, qk: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: each head of ``qk`` ``[T, heads, D]`` (rows may be strided, heads and D
+    contiguous) becomes ``rms_norm(head) * weight``; the bits of :func:`add_rms_norm` on those rows."""
+    tokens, heads, dim = qk.shape
+    assert qk.stride(2) == 1 and qk.stride(1) == dim
+    lib.head_rms_norm_f32(qk.data_ptr(), tokens, heads, dim, qk.stride(0), weight.data_ptr(), eps)
+
+
 def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (int64) of float32 ``[N, V]`` rows with a unit column
     stride, torch's answer for ties (the first) and NaNs (the first NaN)."""
@@ -103,4 +124,5 @@ def mask_rows(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor, masks: torc
                       masks.shape[1])
 
 
-__all__ = ["add_rms_norm", "argmax_rows", "mask_rows", "load", "rotary", "silu_and_mul", "_ok"]
+__all__ = ["add_rms_norm", "argmax_rows", "gelu_tanh_and_mul", "head_rms_norm", "mask_rows", "load", "rotary",
+           "silu_and_mul", "_ok"]

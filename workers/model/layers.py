@@ -54,9 +54,19 @@ class RMSNorm(nn.Module):
 
 
 class GeluAndMul(nn.Module):
-    """``gelu_tanh(x[..., :d]) * x[..., d:]`` for the fused gate/up output ``[.., 2d]`` (Gemma's GeGLU)."""
+    """``gelu_tanh(x[..., :d]) * x[..., d:]`` for the fused gate/up output ``[.., 2d]`` (Gemma's GeGLU).
+
+    With ``native`` (``cpu_ops``) one C pass whose tanh is Cephes' polynomial (a
+    few ulp from torch's): the native decoder calls the same kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native: Any = None  # cpu_ops library, set by the model's finalize
+        self.fused: Any = None  # unused: GPUs keep torch's gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2 and x.is_contiguous():
+            return cpu_ops.gelu_tanh_and_mul(self.native, x)
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 

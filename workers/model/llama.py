@@ -36,7 +36,7 @@ from workers.model import cpu_ops
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelArchConfig
 from workers.model.gemma import GemmaModel
-from workers.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from workers.model.layers import GeluAndMul, RMSNorm, RotaryEmbedding, SiluAndMul
 from workers.model.linear import Linear, finalize_linears
 from workers.model.mlp import GatedMLP
 from workers.model.moe import SparseMoE
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
             fused = triton_ops.load(weight.device)
             logger.info("fused norm, rotary and SiLU kernels: %s", "triton" if fused is not None else "off (torch)")
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
+            if isinstance(module, (RMSNorm, SiluAndMul, GeluAndMul, LlamaAttention)):
                 module.native = native
                 module.fused = fused
         if compile:

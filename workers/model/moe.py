@@ -14,7 +14,7 @@ One layer's forward over a flat token batch ``x [T, hidden]``::
     + sigmoid(shared_gate(x)) * shared_expert(x)  (Qwen2-MoE)
 
 Where every piece is native (CPU, float32, the layer's linears on the packed
-or quantized kernels), the routed part runs as one C call (``moe_native.py``:
+or quantized kernels), the layer (its shared expert too) runs as one C call (``moe_native.py``:
 the same kernels, the same order, the same bits as this loop given its
 routing, which then comes from there too); the model installs it at load
 (``install_native``).
@@ -92,12 +92,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu":
-            out = self.native.forward(x)
+            out = self.native.forward(x)  # the shared expert too
         else:
             out = self.routed_loop(x, *self.route(x))
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            if self.shared_expert is not None:
+                assert self.shared_expert_gate is not None
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

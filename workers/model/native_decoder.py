@@ -17,11 +17,17 @@ scratch buffer, so a step costs no Python per layer at all (about 2 ms of a
 30 ms batch-1 step otherwise). ``bench latency --profile`` keeps the
 per-kernel Python loop, whose timers it needs.
 
-Mixture-of-experts layers (Mixtral) run their routed experts in one more C
-call (``moe_forward_f32``, ``moe_native.py``), which the module runs too and
-the one-call step reaches through a pointer; a layer with a shared expert
-(Qwen2-MoE) or experts off the native kernels keeps its module, in the
-per-layer loop.
+Mixture-of-experts layers (Mixtral, Qwen2-MoE's with its shared expert) run
+in one more C call (``moe_forward_f32``, ``moe_native.py``), which the module
+runs too and the one-call step reaches through a pointer; a layer with
+experts off the native kernels keeps its module, in the per-layer loop.
+
+Qwen3 and Gemma 3 run here too: the per-head q/k norms in place in the q/k/v
+rows before the rotation (``head_rms_norm_f32``), and for Gemma the embedding
+scale, four norms per layer (the attention's and the MLP's outputs normed
+before they join the stream), GeGLU (``gelu_tanh_and_mul_f32``, which the
+module path calls too) and the sliding-window layers' own RoPE table. Gemma 2
+does not: its soft-capped attention scores are torch's (``attention/softcap.py``).
 
 Steps with prefill chunks take the module path's attention for those layers'
 attention (views of the q/k/v rows into the backend); everything else stays
@@ -45,6 +51,7 @@ import torch
 from workers.model import lora_kernels
 from workers.model import cpu_ops, gemm, i8gemm, native, qgemm
 from workers.model.attention import cpu_decode
+from workers.model.layers import GeluAndMul
 from workers.model.moe import SparseMoE
 from workers.model.moe_native import load as load_moe
 from workers.model.native_structs import F, L, Fns, Lin, P, address, lin_struct, set_qgemm, weight_of
@@ -53,15 +60,24 @@ from workers.model.native_structs import F, L, Fns, Lin, P, address, lin_struct,
 class _Layer:
     """One decoder layer's pointers and sizes."""
 
-    __slots__ = ("norm1", "norm2", "eps", "qkv", "o", "gate_up", "down", "num_heads", "num_kv_heads", "head_dim",
-                 "scale", "window", "attn", "linears", "moe")
+    __slots__ = ("norm1", "norm2", "norm3", "norm4", "eps", "qkv", "o", "gate_up", "down", "num_heads",
+                 "num_kv_heads", "head_dim", "scale", "window", "attn", "linears", "moe", "q_norm", "k_norm",
+                 "qk_eps", "gelu", "local")
 
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.norm1 = layer.input_layernorm.weight.data_ptr()
-        self.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's layout (gemma.py)
+        if sandwich:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        self.norm1, self.norm2, self.norm3, self.norm4 = [n.weight.data_ptr() for n in norms] + [0] * (4 - len(norms))
         self.eps = float(layer.input_layernorm.eps)
-        assert layer.post_attention_layernorm.eps == layer.input_layernorm.eps
+        assert all(n.eps == layer.input_layernorm.eps for n in norms)
+        self.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else 0
+        self.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else 0
+        self.qk_eps = float(attn.q_norm.eps) if attn.q_norm is not None else 0.0
+        self.gelu = isinstance(getattr(mlp, "act_fn", None), GeluAndMul)
+        self.local = bool(getattr(layer, "local", False))  # Gemma 3's second RoPE table
         self.qkv, self.o = weight_of(attn.qkv_proj), weight_of(attn.o_proj)
         self.moe = mlp if isinstance(mlp, SparseMoE) else None  # its module runs it (one C call where native)
         dense = (mlp.gate_up_proj, mlp.down_proj) if self.moe is None else (None, None)
@@ -79,11 +95,13 @@ _P, _L, _F = P, L, F
 
 class _LayerC(ctypes.Structure):
     _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", Lin), ("o", Lin), ("gate_up", Lin), ("down", Lin),
-                ("k_cache", _P), ("v_cache", _P), ("window", _L), ("eps", _F), ("scale", _F), ("moe", _P)]
+                ("k_cache", _P), ("v_cache", _P), ("window", _L), ("eps", _F), ("scale", _F), ("moe", _P),
+                ("q_norm", _P), ("k_norm", _P), ("norm3", _P), ("norm4", _P), ("gelu", _L), ("local", _L),
+                ("qk_eps", _F)]
 
 
-_DRIVER_SIGNATURES = {"decoder_decode": [_P, _P, _L, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P, _P, _P, _L, _P, _L,
-                                         _L, _P, _P, _P, _L]}
+_DRIVER_SIGNATURES = {"decoder_decode": [_P, _P, _L, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _L,
+                                         _P, _L, _L, _P, _P, _P, _L]}
 
 
 class NativeDecoder:
@@ -102,11 +120,14 @@ class NativeDecoder:
         self._norm = ops.add_rms_norm_f32
         self._rotary = ops.rotary_f32
         self._silu = ops.silu_and_mul_f32
+        self._gelu = ops.gelu_tanh_and_mul_f32
+        self._head_norm = ops.head_rms_norm_f32
         self._decode = attn_lib.paged_decode_f32
         self._decode_int8: Any = None  # built on the first step over an int8 cache
         self.layers = [_Layer(layer) for layer in model.model.layers]
         self.final_norm = model.model.norm.weight.data_ptr()
         self.final_eps = float(model.model.norm.eps)
+        self.embed_scale = getattr(model.model, "embed_scale", None)  # Gemma: sqrt(hidden)
         self.hidden_size = model.arch.hidden_size
         self._backend = model.model.layers[0].self_attn.attn_backend
         self.timers: Optional[dict[str, float]] = None  # set by bench latency --profile
@@ -123,8 +144,8 @@ class NativeDecoder:
                 for layer in self.layers]
         moes = [layer.moe.native if layer.moe is not None else None for layer in self.layers]
         moe_lib = load_moe() if any(layer.moe is not None for layer in self.layers) else None
-        if lib is None or any(lin is None for row in lins for lin in row) or any(  # a shared expert: torch's
-                layer.moe is not None and (moe is None or layer.moe.shared_expert is not None or moe_lib is None)
+        if lib is None or any(lin is None for row in lins for lin in row) or any(
+                layer.moe is not None and (moe is None or moe_lib is None)
                 for layer, moe in zip(self.layers, moes, strict=True)):
             return None
         dims = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, row[0].n)  # same shapes everywhere
@@ -140,11 +161,14 @@ class NativeDecoder:
         self._fns.lora = address(lora_lib.lora_add_f32) if lora_lib is not None else None
         self._fns.moe = address(moe_lib.moe_forward_f32) if moe_lib is not None else None
         self._fns.gemm_panels = address(self._gemm_lib.gemm_panels_f32)
+        self._fns.gelu, self._fns.head_norm = address(self._gelu), address(self._head_norm)
         if self._qgemm is not None:
             set_qgemm(self._fns, qgemm.load())
         self._layers_c = (_LayerC * len(self.layers))(*[
             _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale,
-                    ctypes.addressof(moe.struct) if moe is not None else None)
+                    ctypes.addressof(moe.struct) if moe is not None else None, layer.q_norm or None,
+                    layer.k_norm or None, layer.norm3 or None, layer.norm4 or None, layer.gelu, layer.local,
+                    layer.qk_eps)
             for layer, row, moe in zip(self.layers, lins, moes, strict=True)])
         inter = max([row[3].k for row, moe in zip(lins, moes, strict=True) if moe is None], default=0)
         self._scratch_per_token = 3 * self.hidden_size + lins[0][0].n \
@@ -170,12 +194,8 @@ class NativeDecoder:
         if len(backends) != 1 or not isinstance(backend, TorchAttentionBackend) or backend.batch_invariant:
             return None
         attn = model.model.layers[0].self_attn
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms: the torch layers run it
-            return None
         if any(not isinstance(layer.mlp, SparseMoE) and not hasattr(layer.mlp, "gate_up_proj")
                for layer in model.model.layers):  # an MLP it does not know
-            return None
-        if getattr(model.arch, "sandwich_norms", False):  # Gemma's layer layout: the torch layers run it
             return None
         if getattr(model.arch, "attn_logit_softcapping", None) is not None:  # the C attention cannot cap scores
             return None
@@ -220,8 +240,11 @@ class NativeDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any) -> torch.Tensor:
         model = self.model.model
-        x = model.embed_tokens(input_ids).contiguous()
+        x = model.embed_tokens(input_ids)
+        x = (x * self.embed_scale if self.embed_scale is not None else x).contiguous()  # as GemmaModel
         cos, sin = model.rotary_emb.lookup(positions)
+        local = getattr(model, "rotary_emb_local", None)
+        cos_l, sin_l = local.lookup(positions) if local is not None else (cos, sin)
         tokens = x.shape[0]
         decode_only = (meta.num_decodes == meta.num_requests and self._backend._native_decode
                        and kv_caches[0].shape[2] <= cpu_decode.MAX_BLOCK)
@@ -238,9 +261,9 @@ class NativeDecoder:
             step = (meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
                     meta.seq_lens.data_ptr(), meta.num_requests,
                     *((tails[0].data_ptr(), tails[1].data_ptr(), tails[1].shape[1]) if tails else (None, None, 0)))
-        cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
+        ropes = (cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr())
         if decode_only and self._driver is not None and self.timers is None and self._lora_in_driver():
-            return self._decode_step(x, kv_caches, decode_fn, cos_p, sin_p, step)
+            return self._decode_step(x, kv_caches, decode_fn, ropes, step)
         residual = x
         hidden = self._add_norm(None, residual, self.layers[0].norm1, self.layers[0].eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -249,7 +272,10 @@ class NativeDecoder:
             qkv = self._linear(hidden, layer.qkv, layer.linears[0].lora)
             hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
             ld = qkv.stride(0)
-            self._rotary(qkv.data_ptr(), tokens, hq + hkv, d, ld, cos_p, sin_p)
+            if layer.q_norm:  # per head, in place, before the rotation
+                self._head_norm(qkv.data_ptr(), tokens, hq, d, ld, layer.q_norm, layer.qk_eps)
+                self._head_norm(qkv.data_ptr() + hq * d * 4, tokens, hkv, d, ld, layer.k_norm, layer.qk_eps)
+            self._rotary(qkv.data_ptr(), tokens, hq + hkv, d, ld, *ropes[2 * layer.local : 2 * layer.local + 2])
             if self.timers is not None:
                 begin = time.perf_counter()
             if decode_only:
@@ -271,14 +297,18 @@ class NativeDecoder:
             if self.timers is not None:
                 self.timers["attention"] += time.perf_counter() - begin
             out = self._linear(attn, layer.o, layer.linears[1].lora)
-            hidden = self._add_norm(out, residual, layer.norm2, layer.eps)
+            if layer.norm3:  # Gemma: residual += norm2(out), then the MLP's input norm
+                out = self._add_norm(None, out, layer.norm2, layer.eps)
+            hidden = self._add_norm(out, residual, layer.norm3 or layer.norm2, layer.eps)
             if layer.moe is not None:  # the module: one C call for the routed experts where native
                 hidden = layer.moe(hidden)
                 continue
             gate_up = self._linear(hidden, layer.gate_up, layer.linears[2].lora)
             act = torch.empty(tokens, gate_up.shape[1] // 2)
-            self._silu(gate_up.data_ptr(), act.data_ptr(), tokens, gate_up.shape[1] // 2)
+            (self._gelu if layer.gelu else self._silu)(gate_up.data_ptr(), act.data_ptr(), tokens, act.shape[1])
             hidden = self._linear(act, layer.down, layer.linears[3].lora)
+            if layer.norm4:  # Gemma: the MLP's output normed before it joins the stream
+                hidden = self._add_norm(None, hidden, layer.norm4, layer.eps)
         return self._add_norm(hidden, residual, self.final_norm, self.final_eps)
 
     def _lora_in_driver(self) -> bool:
@@ -301,7 +331,7 @@ class NativeDecoder:
         self._fns.lora_rows = ctypes.addressof(batch.rows.c)
         return True
 
-    def _decode_step(self, x: torch.Tensor, kv_caches: list[torch.Tensor], decode_fn: Any, cos_p: int, sin_p: int,
+    def _decode_step(self, x: torch.Tensor, kv_caches: list[torch.Tensor], decode_fn: Any, ropes: tuple,
                      step: tuple) -> torch.Tensor:
         """A decode-only step in one C call (module doc); same kernels, same order, same bits."""
         caches = (address(decode_fn), tuple(c.data_ptr() for c in kv_caches))
@@ -318,6 +348,6 @@ class NativeDecoder:
         slots, tables, width, lens, num_reqs, tail_lo, tail_slots, tail_width = step
         self._driver(ctypes.byref(self._fns), self._layers_c, len(self.layers), tokens, self.hidden_size,
                      layer.num_heads, layer.num_kv_heads, layer.head_dim, x.data_ptr(), out.data_ptr(),
-                     self.final_norm, self.final_eps, cos_p, sin_p, slots, tables, width, lens, num_reqs,
+                     self.final_norm, self.final_eps, *ropes, slots, tables, width, lens, num_reqs,
                      kv_caches[0].shape[2], scratch.data_ptr(), tail_lo, tail_slots, tail_width)
         return out

@@ -6,7 +6,8 @@ holds the C side; a field added there is added here, in the same place).
     Fns    the kernels, as function pointers: gemm, qgemm, norm, rotary, silu,
            decode attention, i8gemm, LoRA's grouped side paths (and this step's
            adapter rows), the MoE layer, and qgemm's panel range and group
-           sums (the MoE layer threads its experts' GEMMs itself)
+           sums (the MoE layer threads its experts' GEMMs itself), GeGLU, and
+           the per-head q/k norm
     Lin    one linear layer: kind 0 packed float panels, 1 group-quantized
            (``qgemm.py``), 2 int8 x int8 (``i8gemm.py``)
 """
@@ -24,7 +25,7 @@ P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 class Fns(ctypes.Structure):
     _fields_ = [("gemm", P), ("qgemm", P), ("norm", P), ("rotary", P), ("silu", P), ("decode", P),
                 ("i8gemm", P), ("lora", P), ("lora_rows", P), ("moe", P), ("qgemm_panels", P), ("qgemm_sums", P),
-                ("gemm_panels", P)]
+                ("gemm_panels", P), ("gelu", P), ("head_norm", P)]
 
 
 class Lin(ctypes.Structure):

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from workers.model import cpu_ops
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.layers import RMSNorm, RotaryEmbedding
 from workers.model.linear import Linear
@@ -86,7 +87,10 @@ class LlamaAttention(nn.Module):
         # q and k are rotated together (one call for both), then split as views:
         # q [T, Hq, D] and k, v [T, Hkv, D] may be non-contiguous, with stride 1 on D.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, before the rotation (Qwen3); a new tensor, rotated in place
+        if self.q_norm is not None and self.native is not None:  # per head, in place in qkv (cpu_ops)
+            cpu_ops.head_rms_norm(self.native, qk[:, : self.num_heads], self.q_norm.weight, self.q_norm.eps)
+            cpu_ops.head_rms_norm(self.native, qk[:, self.num_heads :], self.k_norm.weight, self.k_norm.eps)
+        elif self.q_norm is not None:  # per head, before the rotation (Qwen3); a new tensor, rotated in place
             q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
             k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
             qk = torch.cat([q.view(num_tokens, self.num_heads, -1), k.view(num_tokens, self.num_kv_heads, -1)], 1)

@@ -103,6 +103,77 @@ void silu_and_mul_f32(const float* gu, float* out, long tokens, long inter) {
     }
 }
 
+/* tanh(u) as Cephes' tanhf: an odd polynomial below |u| 0.625, else
+   1 - 2 / (exp(2|u|) + 1) with exp_poly, the sign put back. */
+static inline float tanh_poly(float u) {
+    const float a = fabsf(u);
+    const float z = u * u;
+    float p = fmaf(-5.70498872745e-3f, z, 2.06390887954e-2f);
+    p = fmaf(p, z, -5.37397155531e-2f);
+    p = fmaf(p, z, 1.33314422036e-1f);
+    p = fmaf(p, z, -3.33332819422e-1f);
+    const float small = fmaf(p * z, u, u);
+    const float big = 1.0f - 2.0f / (exp_poly(a + a) + 1.0f);
+    return a < 0.625f ? small : (u < 0.0f ? -big : big);
+}
+
+/* out[t, i] = gelu_tanh(gu[t, i]) * gu[t, inter + i] (Gemma's GeGLU), gelu_tanh
+   in torch's order: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)));
+   the AVX2 lanes run tanh_poly's operations, so every element gets the same bits
+   whichever loop computes it */
+void gelu_tanh_and_mul_f32(const float* gu, float* out, long tokens, long inter) {
+    const float beta = (float)0.79788456080286535588, kappa = 0.044715f;  /* sqrt(2 / pi) */
+    #pragma omp parallel for schedule(static) if (tokens * inter > 8192)
+    for (long t = 0; t < tokens; ++t) {
+        const float* g = gu + t * 2 * inter;
+        const float* up = g + inter;
+        float* o = out + t * inter;
+        long i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+        const __m256 vb = _mm256_set1_ps(beta), vk = _mm256_set1_ps(kappa), cut = _mm256_set1_ps(0.625f);
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            const __m256 u = _mm256_mul_ps(vb, _mm256_add_ps(x, _mm256_mul_ps(vk, cube)));
+            const __m256 a = _mm256_andnot_ps(sign, u), z = _mm256_mul_ps(u, u);
+            __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(-5.70498872745e-3f), z, _mm256_set1_ps(2.06390887954e-2f));
+            p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+            p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+            p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+            const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), u, u);
+            __m256 big = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_add_ps(a, a)), one)));
+            big = _mm256_or_ps(big, _mm256_and_ps(sign, u));
+            const __m256 th = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, cut, _CMP_LT_OQ));
+            const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < inter; ++i) {
+            const float x = g[i];
+            const float cube = x * x * x;
+            const float u = beta * (x + kappa * cube);
+            o[i] = 0.5f * x * (1.0f + tanh_poly(u)) * up[i];
+        }
+    }
+}
+
+/* In place over each of `heads` rows of `dim` floats in each token's row of x
+   (row stride ld): x = rms_norm(x) * weight, row_inv_rms's order, the same bits
+   as add_rms_norm_f32 on those rows (Qwen3's and Gemma 3's per-head q/k norms). */
+void head_rms_norm_f32(float* x, long tokens, long heads, long dim, long ld, const float* weight, float eps) {
+    #pragma omp parallel for schedule(static) if (tokens * heads >= 256)
+    for (long t = 0; t < tokens; ++t) {
+        for (long h = 0; h < heads; ++h) {
+            float* r = x + t * ld + h * dim;
+            const float inv = row_inv_rms(r, dim, eps);
+            #pragma omp simd
+            for (long i = 0; i < dim; ++i) r[i] = weight[i] * (r[i] * inv);
+        }
+    }
+}
+
 /* out[r] = the index of the first maximum of row r, or of its first NaN if it
    has one (torch.argmax's rule): the greedy sampler's argmax in one pass over
    the logits, eight lanes at a time, rows split over the threads. */

@@ -8,7 +8,8 @@ typedef void (*qgemm_fn)(const float*, long, long, long, const unsigned char*, c
                          long, long, const float*, float*, long);
 typedef void (*norm_fn)(const float*, float*, const float*, float*, long, long, float);
 typedef void (*rotary_fn)(float*, long, long, long, long, const float*, const float*);
-typedef void (*silu_fn)(const float*, float*, long, long);
+typedef void (*silu_fn)(const float*, float*, long, long);  /* and gelu_tanh_and_mul_f32 (GeGLU) */
+typedef void (*head_norm_fn)(float*, long, long, long, long, const float*, float);
 typedef void (*decode_fn)(const float*, long, const float*, long, const float*, long, const long*, void*, void*,
                           const int*, int, const int*, int, int, int, int, int, float, int, float*, long,
                           const int*, const long*, int);
@@ -32,16 +33,20 @@ typedef struct fns { gemm_fn gemm; qgemm_fn qgemm; norm_fn norm; rotary_fn rotar
                      i8gemm_fn i8gemm; lora_fn lora; const void* lora_rows; /* NULL: no adapter rows this step */
                      moe_fn moe; qpanels_fn qgemm_panels; qsums_fn qgemm_sums; gpanels_fn gemm_panels;
                      /* the last three NULL: an MoE layer runs one GEMM call per expert */
+                     silu_fn gelu; head_norm_fn head_norm;  /* Gemma's GeGLU; Qwen3's / Gemma 3's q/k norms */
                    } fns_t;
 /* kind 0: packed float panels in w (bias may be NULL); kind 1: quantized (qgemm.py; mins may be NULL);
    kind 2: w8a8 int8 panels (i8gemm.py; scales, and the column sums in mins) */
 typedef struct { long kind; const void* w; const float* scales; const float* mins; const float* bias;
                  long bits; long group; long n; long k; const void* lora; /* NULL: no side paths */ } lin_t;
 /* A mixture-of-experts layer (moe.py): the router, each expert's gate/up and down, and how tokens pick
-   experts; dense != 0 runs every expert on every token (bench moe's baseline: weight 0 where not chosen). */
+   experts; dense != 0 runs every expert on every token (bench moe's baseline: weight 0 where not chosen).
+   shared_inter > 0: Qwen2-MoE's shared expert (gate/up, down) over every token, times the sigmoid of its
+   gate (a linear to one output), added after the routed experts. */
 typedef struct moe { lin_t router; const lin_t* gate_up; const lin_t* down; long num_experts; long top_k;
                      long norm_topk; long inter; long dense;
-                     long panel_width; long gemm_panel_width; /* qgemm's, gemm's (0: no grouped path) */ } moe_t;
+                     long panel_width; long gemm_panel_width; /* qgemm's, gemm's (0: no grouped path) */
+                     lin_t shared_gate_up; lin_t shared_down; lin_t shared_gate; long shared_inter; } moe_t;
 
 static inline void linear(const fns_t* f, const lin_t* w, const float* x, long T, float* y) {
     if (w->kind == 0) f->gemm(x, T, w->k, w->k, (const float*)w->w, w->n, w->bias, y, w->n);

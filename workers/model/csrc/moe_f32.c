@@ -7,9 +7,10 @@
 /* A mixture-of-experts layer on the native kernels (workers/model/moe_native.py): the router's
    GEMM, each token's top-k experts, then every chosen expert once over the tokens that chose it
    (a gather of their rows, gate/up, SiLU, down: one GEMM pair per expert, grouped), and each
-   token's outputs added in ascending expert order, as transformers adds them:
+   token's outputs added in ascending expert order, as transformers adds them, then the shared
+   expert's (Qwen2-MoE) times the sigmoid of its gate:
 
-       out[t] = ((0 + y_e1[t] * w_e1) + y_e2[t] * w_e2) ...    e1 < e2 < ...
+       out[t] = ((0 + y_e1[t] * w_e1) + y_e2[t] * w_e2) ... + s[t] * sigmoid(g[t])    e1 < e2 < ...
 
    Built with -ffp-contract=off: y * w is rounded before it is added, as torch's two ops
    round it, so moe.py's torch loop (on the weights moe_route_f32 gives) has the same bits.
@@ -109,6 +110,27 @@ static void grouped_experts(const fns_t* f, const moe_t* m, const lin_t* const* 
     }
 }
 
+/* out += sigmoid(shared_gate(x)) * shared_expert(x), row by row (moe.py's order: the product rounded,
+   then added); the sigmoid is 1 / (1 + expf(-g)). */
+static void shared_expert(const fns_t* f, const moe_t* m, const float* x, long T, long hidden, float* out) {
+    const long I = m->shared_inter;
+    float* gu = (float*)malloc(sizeof(float) * (size_t)(T * 2 * I));
+    float* act = (float*)malloc(sizeof(float) * (size_t)(T * I));
+    float* y = (float*)malloc(sizeof(float) * (size_t)(T * hidden));
+    float* g = (float*)malloc(sizeof(float) * (size_t)T);
+    linear(f, &m->shared_gate_up, x, T, gu);
+    f->silu(gu, act, T, I);
+    linear(f, &m->shared_down, act, T, y);
+    linear(f, &m->shared_gate, x, T, g);
+    for (long t = 0; t < T; ++t) {
+        const float s = 1.0f / (1.0f + expf(-g[t]));
+        float* o = out + t * hidden;
+        const float* yt = y + t * hidden;
+        for (long c = 0; c < hidden; ++c) o[c] = o[c] + yt[c] * s;
+    }
+    free(gu); free(act); free(y); free(g);
+}
+
 /* out[T, hidden] = the MoE layer of x[T, hidden] (both contiguous); f supplies gemm / qgemm
    (the experts' and the router's linears) and silu. */
 void moe_forward_f32(const fns_t* f, const moe_t* m, const float* x, long T, long hidden, float* out) {
@@ -168,4 +190,5 @@ void moe_forward_f32(const fns_t* f, const moe_t* m, const float* x, long T, lon
     }
     free(logits); free(w); free(ids); free(active); free(xoff); free(rows); free(rw);
     free(xg); free(gu); free(act); free(y); free(gl); free(dl);
+    if (m->shared_inter > 0) shared_expert(f, m, x, T, hidden, out);
 }
