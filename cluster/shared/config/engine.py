@@ -20,7 +20,7 @@ from cluster.shared.config.structured import StructuredOutputsConfig
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
-QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq")
+QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq", "gguf-a8")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
@@ -258,7 +258,10 @@ class EngineConfig:
             ``native``, ``onednn`` or ``torch``.
         quantization: Weight-only quantization of the linear layers
             (``workers/model/quant/``): ``gguf`` (a .gguf model's own
-            quantized tensors), ``int8`` (per channel), ``int4`` (per group),
+            quantized tensors), ``gguf-a8`` (the same tensors against
+            activations quantized to int8 per 32 inputs at run time, as
+            llama.cpp computes them: faster, not exact to the float run),
+            ``int8`` (per channel), ``int4`` (per group),
             ``w8a8`` (SmoothQuant, calibrated at load on text shipped with
             Python), ``gptq`` / ``awq`` (a 4-bit checkpoint's packed layers;
             found in its config.json when None); None keeps float weights.

@@ -1,5 +1,6 @@
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,6 +14,7 @@ typedef __m512 vec;
 #define VSET1(x) _mm512_set1_ps(x)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
 /* 32 bytes of k-pairs -> q of input 2kk (lo) and 2kk+1 (hi) for columns 0..15 (0) and 16..31 (1) */
 #define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
     const __m256i b_ = _mm256_loadu_si256((const __m256i*)(p));                          \
@@ -58,6 +60,7 @@ typedef __m256 vec;
 #define VSET1(x) _mm256_set1_ps(x)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
 #define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
     const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
     const __m128i m_ = _mm_set1_epi8(0x0F);                                              \
@@ -95,6 +98,8 @@ static inline __m128i fifth_bit(__m128i hb, int bit) {
 #define NR (2 * VL)
 
 int qgemm_panel_width(void) { return NR; }
+
+#include "qdot.h"
 #ifndef DECODE_ROWS
 #define DECODE_ROWS 16
 #endif
@@ -300,6 +305,10 @@ static void fukr(int R, const float* x, long ldx, const float* xs, long G, const
    floats (mins NULL: none); bias: NULL or ceil(N / NR) * NR floats. */
 void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
                const float* mins, int bits, long gs, long N, const float* bias, float* y, long ldy) {
+    if (bits & QDOT_FLAG) {  /* int8 activations, the dot-product layouts (qdot.h) */
+        qdot_gemm(x, M, K, ldx, q, scales, mins, bits & ~QDOT_FLAG, N, bias, y, ldy);
+        return;
+    }
     const long P = (N + NR - 1) / NR;
     const long G = (K + gs - 1) / gs;
     const long qbytes = K * bits / 8 * NR;

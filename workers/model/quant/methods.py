@@ -34,7 +34,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from workers.model import qgemm
+from workers.model import qdot, qgemm
 from workers.model.quant.gguf_blocks import DecodedWeight, decode
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class QuantSummary:
     @property
     def label(self) -> str:
         """What metrics and logs call it: ``int8``, ``int4-g32``, ``gguf:q4_1+q8_0``."""
-        if self.method == "gguf":
-            return "gguf:" + "+".join(sorted(self.formats))
+        if self.method in ("gguf", "gguf-a8"):
+            return self.method + ":" + "+".join(sorted(self.formats))
         return max(self.formats, key=self.formats.get) if self.formats else self.method  # the layers' format
 
 
@@ -88,28 +88,39 @@ def quantize_linears(model: Any, method: str, group_size: Optional[int], gguf_pa
         return _w8a8(model, lib, calibration_ids, checkpoint_layers)
     if method in ("gptq", "awq"):
         return _install_plan(method, _checkpoint_plan(model, checkpoint_layers or {}), lib)
-    if method == "gguf":
+    if method in ("gguf", "gguf-a8"):
         if gguf_path is None:
-            raise ValueError("quantization='gguf' runs a .gguf file's own tensors: pass model=<file.gguf> "
+            raise ValueError(f"quantization={method!r} runs a .gguf file's own tensors: pass model=<file.gguf> "
                              "(or the default model)")
+        if method == "gguf-a8" and (arch.num_experts or not qdot.available(lib)):
+            raise ValueError("quantization='gguf-a8' " + ("runs dense models only; use 'gguf' for mixture-of-experts"
+                             if arch.num_experts else "needs AVX2 or AVX-512BW integer instructions; use 'gguf'"))
         plan = _gguf_plan(model, gguf_path)
     else:
         plan = _float_plan(model, method, group_size)
-    return _install_plan(method, [(linear, decoded, None) for linear, decoded in plan], lib)
+    return _install_plan(method, [(linear, decoded, None) for linear, decoded in plan], lib,
+                         int8_activations=method == "gguf-a8")
 
 
-def _install_plan(method: str, plan: list[tuple[Any, DecodedWeight, Optional[np.ndarray]]], lib: Any) -> QuantSummary:
-    """Packs every planned weight, then installs them all (nothing half-installed on an error)."""
+def _install_plan(method: str, plan: list[tuple[Any, DecodedWeight, Optional[np.ndarray]]], lib: Any,
+                  int8_activations: bool = False) -> QuantSummary:
+    """Packs every planned weight, then installs them all (nothing half-installed on an error).
+    ``int8_activations``: each weight the integer path takes (``qdot.py``) runs there, the rest exactly."""
     weights: list[Any] = []
     for linear, decoded, perm in plan:
-        weight: Any = qgemm.QuantWeight(decoded.q, decoded.scales, decoded.mins, decoded.bits, decoded.group_size,
-                                        linear.bias, lib, name=decoded.format)
+        weight: Any = None
+        if int8_activations:
+            weight = qdot.try_dot_weight(decoded.q, decoded.scales, decoded.mins, decoded.bits, decoded.group_size,
+                                         linear.bias, lib, name=decoded.format + "-a8")
+        if weight is None:
+            weight = qgemm.QuantWeight(decoded.q, decoded.scales, decoded.mins, decoded.bits, decoded.group_size,
+                                       linear.bias, lib, name=decoded.format)
         weights.append(PermutedInputs(weight, perm) if perm is not None else weight)
     formats: dict[str, int] = {}
     total = 0
     for (linear, decoded, _), weight in zip(plan, weights):
         install_quantized(linear, weight)
-        formats[decoded.format] = formats.get(decoded.format, 0) + 1
+        formats[weight.name] = formats.get(weight.name, 0) + 1
         total += weight.nbytes
     logger.info("quantization %s: %s, %.1f MiB of quantized weights", method,
                 ", ".join(f"{n} x {f}" for f, n in sorted(formats.items())), total / 2**20)
