@@ -23,6 +23,8 @@ CASES = {
     "mixtral": ("mixtral", {}, None),  # MoE layers: the step driver's moe_forward_f32 calls
     "mixtral_int4": ("mixtral", {}, "int4"),  # quantized experts
     "qwen2_moe": ("qwen2_moe", {}, None),  # a shared expert (in moe_forward_f32) and a dense layer
+    "phi3": ("phi3", {}, None),  # fused qkv / gate_up checkpoint, split on load
+    "qwen3_moe": ("qwen3_moe", {}, None),  # q/k norms and routed experts
     "qwen3": ("qwen3", {}, None),  # per-head q/k norms, in place before the rotation
     "gemma3": ("gemma3", {}, None),  # four norms, GeGLU, q/k norms, two RoPE tables
     "gemma3_int4": ("gemma3", {}, "int4"),
