@@ -57,17 +57,15 @@ LoRA adapters
 Replicas that split one machine's cores
     Replicas packed on one machine with a fraction of a CPU each split its
     cores by how many are busy (``workers/core_share.py``; the same
-    ``core_group``). There, waking an idle replica halves a busy sibling's
-    threads, and both then read the whole model every decode step: two
-    batches of 2 read twice the weights one batch of 4 does (measured on 2
-    cores: 2 replicas at 4 concurrent requests gave 0.66x the throughput of
-    one engine batching all four). So while a sibling is busy with fewer than
-    ``pack_max_seqs`` sequences (and has KV headroom), an idle replica of its
-    group costs ``pack_idle_tokens`` more: in a steady stream of requests
-    they pack onto the running batch until it is that large (or its
-    per-sequence cost passes the penalty), then spread. Replicas with cores of their
-    own (whole CPUs, GPUs, one per machine) are never packed. Turn it on with
-    ``routing_policy_params: {pack_max_seqs: 8}``.
+    ``core_group``). Such a group is priced as one engine
+    (``router/policies/core_groups.py``): each member is charged the group's
+    whole queue, an idle or full member costs ``pack_idle_tokens`` more
+    while another is open (busy below ``pack_max_seqs`` sequences, with KV
+    headroom), and among open members the fullest goes first. So requests
+    pack onto one running batch, which reads the weights once a step for all
+    of them, instead of two batches reading them twice; a long confirmed
+    prefix on an idle sibling still wins. Replicas with cores of their own
+    (whole CPUs, GPUs, one per machine) are never packed.
 
 Fetching the prefix from its holder (issue 33)
     With ``fetch_bytes_per_s`` > 0 a third option is priced: a replica that
@@ -116,24 +114,17 @@ Parameters and defaults
     hot_prefix_rps = 8.0        Requests/s of one prefix that one replica
                                 serves; above it the prefix is replicated.
                                 0 turns replication off.
-    pack_max_seqs = 0           Sequences a busy replica takes before an idle
-                                sibling on the same cores is woken; 0 (the
-                                default) turns packing off. 8 suits the
-                                default model on CPU (a decode step reads the
-                                weights once for up to ~8 rows at nearly the
-                                cost of one). Off by default: under a burst
-                                of requests for cached prefixes it let one of
-                                eight miss its holder in the routing test
-                                (tests/integration/test_prefix_routing.py),
-                                not yet understood.
-    pack_idle_tokens = 128.0    What waking an idle sibling costs, in prefill
-                                tokens: a tie-breaker, not a wall. It beats
-                                the per-sequence terms of a small running
-                                batch (~5 sequences of 300 tokens: 16 + 6
-                                each) but not prefill already queued there
-                                (a burst still spreads) nor a confirmed
-                                prefix match of more than 4 blocks (64
-                                tokens, weighted 2.0), which still wins.
+    pack_max_seqs = 32          Sequences a replica of a core group takes
+                                before an idle sibling is woken (0 turns
+                                packing off). On CPU a decode step reads the
+                                weights once for the whole batch, so one
+                                replica batching 16 out-runs two batching 8
+                                on the same cores (docs/BENCHMARKS.md).
+    pack_idle_tokens = 128.0    What waking an idle sibling of a core group
+                                (or queueing on a full one) costs, in prefill
+                                tokens: less than a confirmed prefix match of
+                                more than 4 blocks (64 tokens, weighted 2.0),
+                                which still wins.
 """
 
 from __future__ import annotations
@@ -142,6 +133,7 @@ import hashlib
 import math
 
 from router.policies.base import Ranking, ReplicaView, RoutingInput
+from router.policies.core_groups import Packing, num_seqs, plan_packing
 from router.policies.kv_fetch import (
     DEFAULT_FETCH_BYTES_PER_S,
     DEFAULT_FETCH_HOLDER_BYTES_PER_S,
@@ -169,7 +161,7 @@ DEFAULT_DECODE_TOKEN_WEIGHT = 0.02
 DEFAULT_SEQUENCE_TOKENS = 16.0
 DEFAULT_KV_HIGH_WATER = 0.95
 DEFAULT_HOT_PREFIX_RPS = 8.0
-DEFAULT_PACK_MAX_SEQS = 0  # off: a knob for replicas packed on one machine (module doc)
+DEFAULT_PACK_MAX_SEQS = 32
 DEFAULT_PACK_IDLE_TOKENS = 128.0
 
 
@@ -241,38 +233,41 @@ class PrefixCostPolicy:
         idempotent for a repeated input)."""
         matched = self.credited_matches(inp)
         homes = self.adapter_home_ids(inp)
-        idle = self.packed_idle_ids(inp)
+        packing = self.packing(inp)
         plans = self.fetch_plans(inp, matched)
         keys = {}
         for r in inp.replicas:
             plan = plans.get(r.replica_id)
-            keys[r.replica_id] = (self.sort_key(inp, r, plan[1], homes, idle, plan[2]) if plan
-                                  else self.sort_key(inp, r, matched[r.replica_id], homes, idle))
+            keys[r.replica_id] = (self.sort_key(inp, r, plan[1], homes, packing, plan[2]) if plan
+                                  else self.sort_key(inp, r, matched[r.replica_id], homes, packing))
         ranked = sorted(keys, key=keys.__getitem__)
         return Ranking(ranked, {rid: plan[0] for rid, plan in plans.items()})
 
     def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int,
-                 adapter_homes: frozenset = frozenset(), packed_idle: frozenset = frozenset(),
-                 fetched_blocks: int = 0) -> tuple[int, float, bytes]:
-        """``(tier, cost, rendezvous)`` of one replica (module doc); ``adapter_homes``:
-        the ids of the request's adapter's homes among ``inp.replicas``; ``packed_idle``:
-        idle replicas whose core group has a busy sibling with room (``packed_idle_ids``);
+                 adapter_homes: frozenset = frozenset(), packing: Packing = Packing(),
+                 fetched_blocks: int = 0) -> tuple[int, float, int, bytes]:
+        """``(tier, cost, pack order, rendezvous)`` of one replica (module doc);
+        ``adapter_homes``: the ids of the request's adapter's homes among ``inp.replicas``;
+        ``packing``: the core groups' terms (``router/policies/core_groups.py``);
         ``fetched_blocks``: blocks of ``matched_blocks`` it would fetch (priced by
         ``kv_fetch``; they need room as its new blocks do)."""
         block = inp.tokens_per_block
         new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
-        cost = (view.num_prefill_tokens + self.new_prefill_weight * new_prefill
-                + self.decode_token_weight * view.num_decode_tokens
-                + self.sequence_tokens * (view.num_running + view.num_waiting + view.num_swapped))
+        rid = view.replica_id
+        cost = (packing.queue[rid] if rid in packing.queue else self.queue_cost(view)) \
+            + self.new_prefill_weight * new_prefill + packing.penalty.get(rid, 0.0)
         if fetched_blocks:
             cost += self.fetch.transfer_tokens(view, block * fetched_blocks)
         if inp.adapter:
             cost += adapter_cost(view, view.replica_id in adapter_homes, self.adapter_load_tokens,
                                  self.adapter_eviction_tokens)
-        if view.replica_id in packed_idle:
-            cost += self.pack_idle_tokens
         return (0 if self.has_headroom(view, new_prefill + block * fetched_blocks, block) else 1, cost,
-                rendezvous(inp.prefix_key, view.replica_id))
+                packing.order.get(rid, 0), rendezvous(inp.prefix_key, rid))
+
+    def queue_cost(self, view: ReplicaView) -> float:
+        """The work queued on a replica, in prefill tokens (module doc)."""
+        return (view.num_prefill_tokens + self.decode_token_weight * view.num_decode_tokens
+                + self.sequence_tokens * num_seqs(view))
 
     def fetch_plans(self, inp: RoutingInput, credited: dict[str, int]) -> dict[str, tuple[str, int, int]]:
         """``{replica: (holder, blocks matched after the fetch, blocks fetched)}`` for the
@@ -296,14 +291,10 @@ class PrefixCostPolicy:
                 plans[view.replica_id] = (holder_id, holder_blocks, fetched)
         return plans
 
-    def packed_idle_ids(self, inp: RoutingInput) -> frozenset:
-        """Idle replicas that share their cores with a sibling busy with fewer than
-        ``pack_max_seqs`` sequences and KV headroom (module doc): waking them costs more."""
-        if not self.pack_max_seqs:
-            return frozenset()
-        busy_groups = {v.core_group for v in inp.replicas if v.core_group
-                       and 0 < _num_seqs(v) < self.pack_max_seqs and v.kv_cache_usage < self.kv_high_water}
-        return frozenset(v.replica_id for v in inp.replicas if v.core_group in busy_groups and _num_seqs(v) == 0)
+    def packing(self, inp: RoutingInput) -> Packing:
+        """The terms of replicas that split one machine's cores (``core_groups``)."""
+        return plan_packing(inp.replicas, self.queue_cost, self.pack_max_seqs, self.pack_idle_tokens,
+                            self.kv_high_water)
 
     def has_headroom(self, view: ReplicaView, new_prefill: int, block: int) -> bool:
         """Whether the replica can take the request's new blocks without evicting or preempting."""
@@ -350,6 +341,3 @@ class PrefixCostPolicy:
         key = adapter_key(inp.adapter)
         return frozenset(sorted((r.replica_id for r in inp.replicas), key=lambda rid: rendezvous(key, rid))[:k])
 
-
-def _num_seqs(view: ReplicaView) -> int:
-    return view.num_running + view.num_waiting + view.num_swapped

@@ -220,10 +220,11 @@ def busy(replica_id, seqs, group="10.0.0.1", **kw):
                        core_group=group, **kw)
 
 
-@pytest.mark.parametrize("seqs, expected", [(1, "busy"), (3, "busy"), (5, "busy"), (6, "idle"), (8, "idle")])
+@pytest.mark.parametrize("seqs, expected", [(1, "busy"), (3, "busy"), (6, "busy"), (7, "busy"), (8, "idle"),
+                                            (12, "idle")])
 def test_requests_pack_onto_a_busy_sibling_until_its_batch_is_full(seqs, expected):
-    # Same cores: an idle sibling costs pack_idle_tokens (128) more while the busy one runs
-    # < pack_max_seqs; a batch of 6 costs 6 * (16 + 0.02 * 300) = 132 > 128 itself: spread.
+    # Same cores, one queue: an idle sibling costs pack_idle_tokens (128) more while the busy
+    # one runs fewer than pack_max_seqs (8); at 8 the busy one is full and costs that instead.
     policy = PrefixCostPolicy(pack_max_seqs=8)
     views = (busy("busy", seqs), busy("idle", 0))
     assert policy.choose(inp(*views, prompt=256))[0] == expected
@@ -234,7 +235,11 @@ def test_replicas_with_cores_of_their_own_are_never_packed():
     for views in ((busy("busy", 2, group=""), busy("idle", 0, group="")),
                   (busy("busy", 2, group="10.0.0.1"), busy("idle", 0, group="10.0.0.2"))):  # other machines
         assert policy.choose(inp(*views, prompt=256))[0] == "idle"
-    assert PrefixCostPolicy().choose(inp(busy("busy", 2), busy("idle", 0), prompt=256))[0] == "idle"  # off by default
+    assert PrefixCostPolicy(pack_max_seqs=0).choose(inp(busy("busy", 2), busy("idle", 0), prompt=256))[0] == "idle"
+
+
+def test_packing_is_on_by_default_for_core_groups():
+    assert PrefixCostPolicy().choose(inp(busy("busy", 2), busy("idle", 0), prompt=256))[0] == "busy"
 
 
 def test_a_busy_sibling_without_kv_headroom_is_not_packed_onto():
@@ -248,9 +253,29 @@ def test_a_long_confirmed_prefix_on_the_idle_sibling_still_wins_over_packing():
     assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "holder"
 
 
-def test_prefill_queued_on_the_busy_sibling_spreads_a_burst():
+def test_prefill_queued_on_a_sibling_is_charged_to_the_whole_group():
+    # The queue runs on the same cores whichever member holds it: a burst still packs,
+    # while the same queue on a replica with cores of its own spreads it.
     views = (busy("busy", 1, num_prefill_tokens=256), busy("idle", 0))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "busy"
+    alone = (busy("busy", 1, group="", num_prefill_tokens=256), busy("idle", 0, group=""))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*alone, prompt=256))[0] == "idle"
+    # Against a replica on another machine the group's whole queue counts.
+    other = (busy("a", 1, num_prefill_tokens=200), busy("b", 1, num_prefill_tokens=200),
+             busy("c", 1, group="10.0.0.9", num_prefill_tokens=300))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*other, prompt=256))[0] == "c"
+
+
+def test_split_batches_of_a_group_merge_onto_the_fullest():
+    views = (busy("small", 1), busy("large", 3), busy("idle", 0))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256)) == ["large", "small", "idle"]
+
+
+def test_a_full_member_wakes_an_idle_sibling_rather_than_queue():
+    views = (busy("full", 8), busy("idle", 0))
     assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "idle"
+    views = (busy("full", 8), busy("open", 2), busy("idle", 0))
+    assert PrefixCostPolicy(pack_max_seqs=8).choose(inp(*views, prompt=256))[0] == "open"
 
 
 def test_pack_parameters_are_validated():
