@@ -197,6 +197,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
             proposer = build_draft_proposer(config, model_dir, arch.vocab_size, num_blocks)
         elif config.speculative.method == "medusa":
             proposer = attach_medusa_heads(runner, config.speculative.model, arch)
+        elif config.speculative.method == "eagle":
+            from workers.spec_eagle import attach_eagle
+
+            proposer = attach_eagle(runner, config.speculative.model, arch)
         speculator = Speculator(config.speculative, proposer=proposer)
     structured = make_backend(_tokenizer_file(model_dir, config.tokenizer), arch.vocab_size, eos,
                               config.structured_outputs)

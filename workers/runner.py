@@ -102,7 +102,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.lora: Any = None  # workers.lora.manager.LoRAManager with enable_lora
         self.medusa = None  # MedusaHeads (workers/model/medusa.py) when speculating with them
-        self._sample_hidden: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0), {})
+        self._sample_hidden: tuple = (torch.empty(0), {}, [], [])  # hidden, sample rows, order, batch
         self.graphs: Optional[DecodeGraphs] = None
         if cuda_graph_sizes:
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size=block_size, pad_block=num_kv_blocks,
@@ -196,10 +196,12 @@ class ModelRunner:
         sampled: list[list[int]] = []
         logprobs: list[Optional[list]] = []
         last_rows: list[int] = []
+        paths: list[list[int]] = []  # per request, the rows of its kept tokens (EAGLE reads them all)
         for i in range(len(reqs)):
-            node, kept, lps = 0, [], None
+            node, kept, lps, path = 0, [], None, []
             while True:
                 row = row_of[i][node]
+                path.append(row)
                 tokens = out.sampled_token_ids[row]
                 if not tokens:  # a prompt chunk that samples nothing
                     break
@@ -213,6 +215,7 @@ class ModelRunner:
             sampled.append(kept)
             logprobs.append(lps)
             last_rows.append(row_of[i][node] if kept else -1)
+            paths.append(path)
         prompt_logprobs = None
         if out.prompt_logprobs is not None:  # rows of prompt chunks are never expanded
             prompt_logprobs = [None] * len(reqs)
@@ -223,7 +226,7 @@ class ModelRunner:
         if out.fork_samples is not None:  # forks sample where a prompt ends: never an expanded row
             result.fork_samples = [out.fork_samples[row_of[i][0]] for i in range(len(reqs))]
         # Heads read the row that sampled each request's last kept token.
-        result.spec_proposals = self._head_proposals(reqs, last_rows, sampled)
+        result.spec_proposals = self._head_proposals(reqs, last_rows, sampled, paths)
         return result
 
     def _execute(self, reqs: list[ScheduledRequest], with_proposals: bool = True,
@@ -272,23 +275,26 @@ class ModelRunner:
                 fork_samples = [None] * len(reqs)
                 for (owner, _), tok, lp in zip(forks, token_ids[num_main:], sampled_logprobs[num_main:]):
                     fork_samples[owner] = (fork_samples[owner] or []) + [(tok, lp)]
-            if self.medusa is not None:  # the heads read these rows after sampling
-                self._sample_hidden = (hidden, dict(zip(owners, sample_rows[:num_main])))
+        if self.medusa is not None:  # the heads read these rows after sampling (EAGLE: every row)
+            self._sample_hidden = (hidden, dict(zip(owners, sample_rows[:num_main])), order, batch)
         out = ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           fork_samples=fork_samples)
-        if with_proposals and sample_rows:
+        if with_proposals and self.medusa is not None:
             out.spec_proposals = self._head_proposals(reqs, list(range(len(reqs))), sampled)
         return out
 
-    def _head_proposals(self, reqs: list[ScheduledRequest], rows: list[int], sampled: list[list[int]]
-                        ) -> Optional[list[Optional[list[int]]]]:
+    def _head_proposals(self, reqs: list[ScheduledRequest], rows: list[int], sampled: list[list[int]],
+                        paths: Optional[list[list[int]]] = None) -> Optional[list[Optional[list[int]]]]:
         """Medusa heads' guesses for the next step of each request asking for
         them (``num_proposals``), from the hidden state of ``rows[i]``, the row
         (of the last ``_execute``) that sampled request i's last token,
-        ``sampled[i][-1]`` (token-conditioned heads read it too)."""
+        ``sampled[i][-1]`` (token-conditioned heads read it too). EAGLE
+        (``workers/spec_eagle.py``) reads every row of ``paths[i]``."""
         if self.medusa is None:
             return None
-        hidden, row_of = self._sample_hidden
+        if hasattr(self.medusa, "step_proposals"):
+            return self.medusa.step_proposals(self._sample_hidden, reqs, paths or [[r] for r in rows], sampled)
+        hidden, row_of = self._sample_hidden[:2]
         wanted = [i for i, req in enumerate(reqs) if req.num_proposals > 0 and rows[i] in row_of]
         if not wanted:
             return None

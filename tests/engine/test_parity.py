@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.shared.chat_template import ChatTemplate
 from cluster.shared.types import SamplingParams
@@ -21,6 +22,7 @@ from tests.unit.engine_fakes import assert_all_blocks_free_or_cached
 from workers.engine.spec_decode import Speculator
 from workers.llm import LLM
 from workers.model.loader import read_arch, resolve_model
+from workers.model.eagle import EagleDraft
 from workers.model.medusa import MedusaHeads
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
@@ -124,7 +126,7 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
                "adaptive": False}
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft", "oracle", "tree"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "oracle", "tree", "eagle"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, monkeypatch):
     """Speculation changes how many tokens a step computes and which slots
@@ -135,8 +137,20 @@ def test_greedy_matches_hf_with_speculation(case, scenario, proposer, tmp_path, 
     ``oracle`` proposes the expected continuation with every third proposal
     wrong, so every scenario verifies accepted and rejected drafts; ``tree``
     verifies three candidates at once as a tree, the expected one second, so
-    accepted tokens are moved from their tree slots to their positions."""
+    accepted tokens are moved from their tree slots to their positions;
+    ``eagle`` a random EAGLE-1 draft layer (Llama-family targets: not Gemma)."""
     config = SPECULATIVE
+    if proposer == "eagle":
+        arch = read_arch(case.model_dir)
+        if arch.embed_scale != 1.0:
+            pytest.skip("EAGLE drafts for Llama-family targets; Gemma scales its embeddings")
+        torch.manual_seed(0)
+        draft = EagleDraft(arch)
+        for p in draft.parameters():
+            p.data.normal_(0, 0.05)
+        draft.save(tmp_path / "eagle")
+        config = {"method": "eagle", "model": str(tmp_path / "eagle"), "num_speculative_tokens": 3,
+                  "adaptive": False}
     if proposer == "medusa":
         arch = read_arch(case.model_dir)
         MedusaHeads(arch.hidden_size, arch.vocab_size, num_heads=3).save(tmp_path / "heads")

@@ -174,7 +174,10 @@ def test_tree_stats_count_depths_and_learn_from_the_positions_reached():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle", "model": "x"}, "not supported yet"),
+    ({"method": "eagle3", "model": "x"}, "not supported yet"),
+    ({"method": "eagle"}, "needs model: the EAGLE draft's folder"),
+    ({"method": "eagle", "model": "e", "__tp": 2}, "'eagle' runs with tensor_parallel_size 1"),
+    ({"method": "eagle", "model": "e", "num_candidates": 2}, "'eagle' proposes one chain"),
     ({"method": "medusa"}, "needs model: the heads' folder"),
     ({"method": "medusa", "model": "h", "__tp": 2}, "runs with tensor_parallel_size 1"),
     ({"method": "draft_model"}, "needs model .* or draft_num_layers"),
@@ -184,7 +187,7 @@ def test_tree_stats_count_depths_and_learn_from_the_positions_reached():
     ({"method": "ngram", "num_speculative_token": 3}, "did you mean 'num_speculative_tokens'"),
     ({"num_speculative_tokens": 0}, "1..16"),
     ({"num_candidates": 0}, "num_candidates must be in 1..8"),
-    ({"method": "draft_model", "draft_num_layers": 2, "num_candidates": 2}, "the draft model proposes one chain"),
+    ({"method": "draft_model", "draft_num_layers": 2, "num_candidates": 2}, "'draft_model' proposes one chain"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a mapping"),
@@ -253,8 +256,8 @@ def test_cluster_config_carries_speculative_config():
 
     config = build_strict(ClusterConfig, {"engine": {"speculative_config": {"num_speculative_tokens": 2}}})
     assert config.engine.speculative == SpeculativeConfig(num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="engine: speculative_config method 'eagle' is not supported yet"):
-        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "eagle"}}})
+    with pytest.raises(ValueError, match="engine: speculative_config method 'eagle3' is not supported yet"):
+        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "eagle3"}}})
 
 
 def test_drafts_never_take_a_later_decode_s_token():
