@@ -102,6 +102,8 @@ COMMANDS = (
             "cluster.bench.evaluate", "add_perplexity_args", "run_perplexity"),
     Command(("bench", "routing"), "the same multi-tenant workload once per routing policy",
             "cluster.bench.routing", "add_routing_args", "run_routing"),
+    Command(("bench", "routing-lora"), "LoRA adapter placement on real replicas, once per routing policy",
+            "cluster.bench.routing_lora", "add_routing_lora_args", "run_routing_lora"),
     Command(("simulate",), "trace replay of 10-1,000 simulated replicas and 1-100 routers with the real policies",
             "cluster.bench.simulate", "add_simulate_args", "run_simulate", engine_flags=False),
     Command(("bench", "router"), "the router's own cost: decision time, routed req/s",
