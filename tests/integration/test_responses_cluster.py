@@ -94,6 +94,39 @@ def test_langchain_chat_openai_with_the_responses_api_answers(client):
     assert reply.text == whole.output_text and reply.text
 
 
+def test_json_schema_delete_background_cancel_and_refusals(client):
+    """The rest of the openai client's surface through the cluster: text.format json_schema gives
+    valid JSON, delete forgets, a background response completes when polled and a long one cancels,
+    a built-in tool and an unknown id are refused by name."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+              "required": ["city"], "additionalProperties": False}
+    held = client.responses.create(input="Which city is the capital of France? Answer in JSON.", temperature=0,
+                                   max_output_tokens=32, text={"format": {"type": "json_schema", "name": "city",
+                                                                          "schema": schema, "strict": True}})
+    assert held.status == "completed" and json.loads(held.output_text)["city"] in ("Paris", "Lyon", "Nice")
+    client.responses.delete(held.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(held.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_0123456789abcdef")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input="Search the web.", tools=[{"type": "web_search"}], max_output_tokens=4)
+    assert "web_search" in err.value.message, err.value.message
+    greedy = client.responses.create(input="Count to five.", temperature=0, max_output_tokens=8, store=False)
+    queued = client.responses.create(input="Count to five.", temperature=0, max_output_tokens=8, background=True)
+    assert queued.status in ("queued", "in_progress")
+    deadline = time.monotonic() + 120
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.2)
+    assert done.status in ("completed", "incomplete") and done.output_text == greedy.output_text
+    long = client.responses.create(input=STORY, temperature=0, max_output_tokens=400, background=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+
 def test_with_redis_killed_stored_requests_503_and_unstored_ones_answer(cluster):
     """Last in this module: it leaves the cluster without its Redis."""
     import os
