@@ -196,7 +196,8 @@ class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
     def record_routing_stats(self) -> dict[str, Any]:
         """Load figures for Serve's request router (no engine-thread access)."""
         stats = self._front.stats
-        group = ray_node_ip() if self._cores is not None else ""  # replicas splitting this machine's cores
+        # Replicas splitting one machine's cores: those on one core-share board (one per Ray node).
+        group = os.path.basename(self._cores.path) if self._cores is not None else ""
         return {**asdict(stats), "replica_id": self.replica_id, "core_group": group,
                 "kv_bytes_per_token": self.kv_bytes_per_token}
 

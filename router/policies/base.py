@@ -58,8 +58,8 @@ class ReplicaView:
         adapter_load_tokens: What loading an adapter costs it, in prefill
             tokens, as it measured (0: not measured; the policy's default).
         core_group: Non-empty for a replica that splits one machine's cores
-            with the others of the same group (``workers/core_share.py``; the
-            node's address): a second busy replica there halves the first's
+            with the others of the same group (``workers/core_share.py``; its
+            Ray node's core-share board): a second busy replica there halves the first's
             threads and reads the weights again each step. "" for a replica
             with cores of its own.
         kv_bytes_per_token: Bytes of its KV cache per token, all layers and
