@@ -27,7 +27,8 @@ rows before the rotation (``head_rms_norm_f32``), and for Gemma the embedding
 scale, four norms per layer (the attention's and the MLP's outputs normed
 before they join the stream), GeGLU (``gelu_tanh_and_mul_f32``, which the
 module path calls too) and the sliding-window layers' own RoPE table. Gemma 2
-does not: its soft-capped attention scores are torch's (``attention/softcap.py``).
+runs the per-layer loop only: its soft-capped attention scores are torch's
+(``attention/softcap.py``, the module path's), which no C kernel computes.
 
 Steps with prefill chunks take the module path's attention for those layers'
 attention (views of the q/k/v rows into the backend); everything else stays
@@ -142,6 +143,8 @@ class NativeDecoder:
         lib = native.build("decoder_step", _DRIVER_SOURCE, signatures=_DRIVER_SIGNATURES)
         lins = [[lin_struct(w) if w is not None else Lin() for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                 for layer in self.layers]
+        if any(layer.attn.softcap is not None for layer in self.layers):  # Gemma 2: the C attention cannot cap
+            return None
         moes = [layer.moe.native if layer.moe is not None else None for layer in self.layers]
         moe_lib = load_moe() if any(layer.moe is not None for layer in self.layers) else None
         if lib is None or any(lin is None for row in lins for lin in row) or any(
@@ -196,8 +199,6 @@ class NativeDecoder:
         attn = model.model.layers[0].self_attn
         if any(not isinstance(layer.mlp, SparseMoE) and not hasattr(layer.mlp, "gate_up_proj")
                for layer in model.model.layers):  # an MLP it does not know
-            return None
-        if getattr(model.arch, "attn_logit_softcapping", None) is not None:  # the C attention cannot cap scores
             return None
         if attn.num_heads % attn.num_kv_heads or attn.num_heads // attn.num_kv_heads > cpu_decode.MAX_GROUP \
                 or attn.head_dim > cpu_decode.MAX_DIM:
@@ -278,7 +279,7 @@ class NativeDecoder:
             self._rotary(qkv.data_ptr(), tokens, hq + hkv, d, ld, *ropes[2 * layer.local : 2 * layer.local + 2])
             if self.timers is not None:
                 begin = time.perf_counter()
-            if decode_only:
+            if decode_only and layer.attn.softcap is None:
                 attn = torch.empty(tokens, hq * d)
                 base = qkv.data_ptr()
                 k_base = base + hq * d * 4
@@ -292,8 +293,8 @@ class NativeDecoder:
                 q = qkv[:, : hq * d].view(tokens, hq, d)
                 k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
                 v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
-                attn = layer.attn.attn_backend.forward(q, k, v, kv_cache, meta, layer.scale,
-                                                       layer.window or None).reshape(tokens, hq * d)
+                attn = layer.attn.attn_backend.forward(q, k, v, kv_cache, meta, layer.scale, layer.window or None,
+                                                       **layer.attn.backend_kwargs).reshape(tokens, hq * d)
             if self.timers is not None:
                 self.timers["attention"] += time.perf_counter() - begin
             out = self._linear(attn, layer.o, layer.linears[1].lora)
