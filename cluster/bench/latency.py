@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from cluster.bench.roofline import measure_read_gbps, median_gbps, roofline, step_cell
+from cluster.bench.roofline import summary as roofline_summary
 from cluster.client.table import format_table
 
 logger = logging.getLogger(__name__)
@@ -66,8 +68,8 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
                              "(evens out a machine whose speed drifts)")
     parser.add_argument("--profile", action="store_true", help="per-step time breakdown of a decode step")
     parser.add_argument("--roofline-tbps", type=float, default=None,
-                        help="memory bandwidth in TB/s (e.g. 4.8 for an H200's HBM3e): print each decode step "
-                             "against the time it takes to read the weights once at that rate")
+                        help="memory bandwidth in TB/s (e.g. 4.8 for an H200's HBM3e) for the weight-read "
+                             "roofline printed next to each decode step (default on CPU: measured in each round)")
     parser.add_argument("--json", default="bench-results/latency.json", help="where to write the results")
 
 
@@ -164,9 +166,12 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     engine_decode_steps(llm, make_prompts(max_batch, 16, vocab, skip, rng), 8)  # kernels built, caches warm
     warmup_s = time.perf_counter() - warm_start
 
-    ours_rounds, peer_rounds = [], []
+    ours_rounds, peer_rounds, gbps_rounds = [], [], []
+    measure_bandwidth = not args.roofline_tbps and str(getattr(llm.runner, "device", "cpu")).startswith("cpu")
     for round_index in range(max(1, args.rounds)):
         logger.info("round %d of %d", round_index + 1, args.rounds)
+        if measure_bandwidth:  # in each round: the floor drifts with the machine
+            gbps_rounds.append(measure_read_gbps())
         # Fresh prompts each round: nothing comes from the prefix cache.
         workload = {b: make_prompts(b, args.input_len, vocab, skip, rng) for b in args.batch_sizes}
         prefill_prompts = make_prompts(args.num_iters, args.prefill_len, vocab, skip, rng) if args.prefill_len else []
@@ -186,11 +191,15 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "device": llm.runner.description, "weight_bytes": llm.runner.weight_bytes,
         "interleave_steps": args.interleave_steps if args.compare == "llama.cpp" else 0,
     }
-    if args.roofline_tbps:
-        report["roofline"] = roofline(report["prefixserve"]["decode"], llm.runner.weight_bytes, args.roofline_tbps)
     if peer_rounds:
         report["llama.cpp"] = {**median_of_rounds(peer_rounds), "weights": peer_rounds[0]["weights"],
                                "gguf": peer_rounds[0]["gguf"], "greedy_agreement": peer_rounds[0]["greedy_agreement"]}
+    if args.roofline_tbps or gbps_rounds:
+        peer = (report["llama.cpp"]["decode"], Path(report["llama.cpp"]["gguf"]).stat().st_size) if peer_rounds \
+            else None  # llama.cpp reads its whole file a step (the tied embedding is its LM head)
+        gbps = args.roofline_tbps * 1e3 if args.roofline_tbps else median_gbps(gbps_rounds)
+        report["roofline"] = roofline(report["prefixserve"]["decode"], llm.runner.weight_bytes, gbps,
+                                      measured=not args.roofline_tbps, peer=peer, gbps_rounds=gbps_rounds)
     if args.profile:
         from cluster.bench.step_profile import profile_decode_step
 
@@ -202,14 +211,6 @@ def run_latency(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logger.info("wrote %s", path)
     llm.shutdown()
     return 0
-
-
-def roofline(decode: dict[str, Any], weight_bytes: int, tbps: float) -> dict[str, Any]:
-    """Each decode step against one read of the weights at ``tbps`` TB/s (its
-    floor at small batches): the floor in ms and the fraction of it reached."""
-    floor_ms = weight_bytes / (tbps * 1e12) * 1e3
-    return {"tbps": tbps, "floor_ms": round(floor_ms, 4),
-            "fraction": {batch: round(floor_ms / fig["step_ms"], 3) for batch, fig in decode.items()}}
 
 
 def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -325,10 +326,13 @@ def peer_file(model: Any, kind: str) -> Path:
 def format_report(report: dict[str, Any]) -> list[str]:
     """The table: one row per figure, ours, llama.cpp's and the ratio when compared."""
     ours, peer = report["prefixserve"], report.get("llama.cpp")
-    header = ("figure", "prefixserve") + (("llama.cpp " + peer["weights"], "ratio") if peer else ())
+    line = report.get("roofline")
+    header = ("figure", "prefixserve") + (("llama.cpp " + peer["weights"], "ratio") if peer else ()) \
+        + (("weight-read roofline",) if line else ())
     rows = [header]
 
-    def add(name: str, mine: Optional[float], theirs: Optional[float], unit: str, higher_better: bool) -> None:
+    def add(name: str, mine: Optional[float], theirs: Optional[float], unit: str, higher_better: bool,
+            roof: str = "") -> None:
         cells = [name, f"{mine:.1f} {unit}" if mine is not None else "-"]
         if peer:
             cells.append(f"{theirs:.1f} {unit}" if theirs is not None else "-")
@@ -336,12 +340,12 @@ def format_report(report: dict[str, Any]) -> list[str]:
                 cells.append(f"{(mine / theirs if higher_better else theirs / mine):.2f}x")
             else:
                 cells.append("-")
-        rows.append(tuple(cells))
+        rows.append(tuple(cells) + ((roof,) if line else ()))
 
     for batch, fig in ours["decode"].items():
         other = peer["decode"].get(batch) if peer else None
         add(f"decode batch {batch}", fig["tokens_per_s"], other and other["tokens_per_s"], "tok/s", True)
-        add(f"  step batch {batch}", fig["step_ms"], other and other["step_ms"], "ms", False)
+        add(f"  step batch {batch}", fig["step_ms"], other and other["step_ms"], "ms", False, step_cell(line, batch))
     if "prefill" in ours:
         fig = ours["prefill"]
         other = peer.get("prefill") if peer else None
@@ -352,11 +356,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
                  + (f"; decode steps interleaved with llama.cpp's, {report['interleave_steps']} at a time"
                     if peer and report.get("interleave_steps") else "")
                  + (f"; greedy agreement with llama.cpp: {peer['greedy_agreement']}" if peer else ""))
-    line = report.get("roofline")
     if line:
-        lines.append(f"weight-read roofline at {line['tbps']} TB/s: {line['floor_ms']:.3f} ms a step ("
-                     f"{report['weight_bytes'] / 1e9:.2f} GB); reached " + ", ".join(
-                         f"{frac:.0%} at batch {batch}" for batch, frac in line["fraction"].items()))
+        lines.append(roofline_summary(line))
     for batch, parts in (report.get("profile") or {}).items():
         lines.append(f"decode step, batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
     return lines

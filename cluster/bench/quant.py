@@ -8,7 +8,7 @@ when ``llama_cpp`` is importable (``--peers``; not a dependency).
     prefixserve bench quant --methods none gguf int4-g32 --peers q4_1 --rounds 3
 
 Methods: ``none`` (float32), ``w8a8``, ``int8``, ``int4-g32`` / ``int4-g64`` /
-``int4-g128``, ``gguf``, ``gptq`` / ``awq`` (the default model written as a
+``int4-g128``, ``gguf``, ``gguf-a8`` (the file's tensors on int8 activations), ``gptq`` / ``awq`` (the default model written as a
 group-128 checkpoint as ``prefixserve quantize`` does, GPTQ and AWQ calibrated
 on 4096 tokens, once, into the cache; see ``workers/model/quant/``), and ``kv-int8``
 (float weights, ``kv_cache_dtype="int8"``; its perplexity is computed in
@@ -17,7 +17,10 @@ block bytes column shows what each block costs). Speed figures use the
 same steps as ``bench latency`` (fresh random prompts, nothing from the prefix
 cache); with ``--rounds`` N the speed part runs N times over all methods and
 peers in turn and reports medians, so drift of a shared machine hits every
-column alike. Ratios are against the float run of the same round.
+column alike. Ratios are against the float run of the same round. The
+roofline column sets the first batch size's step against one read of the
+row's weights (llama.cpp: its file) at the read bandwidth measured right
+before that row's steps (``roofline.py``).
 
 Prints a table and writes JSON (``--json``).
 """
@@ -33,18 +36,20 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from cluster.bench.roofline import measure_read_gbps
 from cluster.client.table import format_table
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf", "gptq", "awq", "kv-int8")
+METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf", "gguf-a8", "gptq", "awq", "kv-int8")
 CHECKPOINT_GROUP = 128  # gptq / awq checkpoints written for the table (their usual group size)
 KV_PPL_CHUNK = 64  # prefill chunk of kv-int8's perplexity: tokens attend to cached (quantized) keys
 PEERS = ("q8_0", "q4_1")
 
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=["none", "w8a8", "int8", "int4-g32", "int4-g128", "gguf"],
+    parser.add_argument("--methods", nargs="+",
+                        default=["none", "w8a8", "int8", "int4-g32", "int4-g128", "gguf", "gguf-a8"],
                         choices=METHODS, help="what to measure (none = float32)")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
                         help="llama.cpp GGUF types to measure too (skipped without llama_cpp)")
@@ -118,7 +123,7 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     reference = reference if reference is not None else (tokens if method == "none" else None)
                     row["_tokens"] = tokens
                 engine_decode_steps(llm, decode_sets[args.batch_sizes[0]][:1], 4)  # warm
-                speed: dict[str, Any] = {}
+                speed: dict[str, Any] = {"gbps": measure_read_gbps()}  # the roofline's rate, this minute
                 for batch, prompts in decode_sets.items():
                     speed[f"decode_b{batch}"] = batch / statistics.median(
                         engine_decode_steps(llm, prompts, args.output_len))
@@ -183,8 +188,10 @@ def _peer_speed(peer: str, decode_sets: dict[int, list[list[int]]], prefill_prom
     from cluster.shared.cache import cache_root
 
     gguf = peer_weights.peer_gguf(peer, cache_root())
+    gbps = measure_read_gbps()
     raw = llama_cpp_peer.measure(gguf, decode_sets, output_len, prefill_prompt, n_threads=torch.get_num_threads())
     speed = {f"decode_b{d['batch_size']}": d["decode_tokens_per_s"] for d in raw["decode"]}
+    speed.update(gbps=gbps, weight_bytes=gguf.stat().st_size)  # llama.cpp reads its whole file a step
     speed["prefill"] = raw["prefill"]["tokens_per_s"]
     return speed
 
@@ -194,7 +201,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
     results = report["results"]
     base = results.get("none", {})
     header = ["method", "perplexity", "greedy agreement", "weights MiB", "KV block KiB",
-              *[f"decode b{b} tok/s" for b in batches], "prefill tok/s"]
+              *[f"decode b{b} tok/s" for b in batches], f"b{batches[0]} roofline", "prefill tok/s"]
     rows = [tuple(header)]
 
     def with_ratio(row: dict[str, Any], key: str) -> str:
@@ -214,9 +221,21 @@ def format_report(report: dict[str, Any]) -> list[str]:
             f"{row['weight_bytes'] / 2**20:.0f}" if "weight_bytes" in row else "-",
             f"{row['kv_block_bytes'] / 2**10:.0f}" if "kv_block_bytes" in row else "-",
             *[with_ratio(row, f"decode_b{b}") for b in batches],
+            roofline_cell(row, batches[0]),
             with_ratio(row, "prefill"),
         ))
     lines = format_table(rows)
     lines.append(f"speed: median of {report['rounds']} round(s); (x) = against float32 in the same run; "
-                 "agreement = mean greedy tokens before the first divergence from float32 (prompts in full)")
+                 "agreement = mean greedy tokens before the first divergence from float32 (prompts in full); "
+                 "roofline = the weights' read time at the read bandwidth measured before that row's steps "
+                 "(GB/s in brackets) over the step")
     return lines
+
+
+def roofline_cell(row: dict[str, Any], batch: int) -> str:
+    """``4.4 ms: 63% (25.1 GB/s)``: the weight-read floor of a step and the fraction of it reached."""
+    gbps, rate, weight_bytes = row.get("gbps"), row.get(f"decode_b{batch}"), row.get("weight_bytes")
+    if not (gbps and rate and weight_bytes):
+        return "-"
+    floor_ms = weight_bytes / (gbps * 1e9) * 1e3
+    return f"{floor_ms:.1f} ms: {floor_ms * rate / batch / 1e3:.0%} ({gbps:.1f} GB/s)"

@@ -2,17 +2,35 @@
 
 
 def test_bench_latency_roofline_line():
-    from cluster.bench.latency import format_report, roofline
+    from cluster.bench.latency import format_report
+    from cluster.bench.roofline import roofline
 
     decode = {"1": {"step_ms": 0.5, "tokens_per_s": 2000.0}, "32": {"step_ms": 1.0, "tokens_per_s": 32000.0}}
-    line = roofline(decode, 540_000_000, 4.8)
+    line = roofline(decode, 540_000_000, 4800.0, measured=False)
     assert line["floor_ms"] == 0.1125  # 540 MB at 4.8 TB/s
     assert line["fraction"] == {"1": 0.225, "32": 0.113}
     report = {"prefixserve": {"decode": decode}, "load_seconds": 1, "warmup_seconds": 1, "threads": 2, "rounds": 1,
               "weight_bytes": 540_000_000, "roofline": line}
     text = "\n".join(format_report(report))
-    assert "weight-read roofline at 4.8 TB/s: 0.113 ms a step (0.54 GB); reached 22% at batch 1, 11% at batch 32" \
-        in text
+    assert "roofline: 540.0 MB of weights a step over 4800.0 GB/s (given)" in text
+    assert "floor 0.11 ms: 22%" in text and "floor 0.11 ms: 11%" in text  # next to each step
+
+
+def test_bench_latency_roofline_measured_with_llama_cpp_beside():
+    from cluster.bench.latency import format_report
+    from cluster.bench.roofline import measure_read_gbps, roofline
+
+    assert measure_read_gbps(buffer_mib=8, repeats=1) > 0
+    decode = {"1": {"step_ms": 8.0, "tokens_per_s": 125.0}}
+    peer = {"decode": {"1": {"step_ms": 10.0, "tokens_per_s": 100.0}}, "weights": "Q4_1", "greedy_agreement": "32/32"}
+    line = roofline(decode, 100_000_000, 25.0, measured=True, peer=(peer["decode"], 90_000_000),
+                    gbps_rounds=[24.0, 25.0, 26.0])
+    assert line["fraction"] == {"1": 0.5} and line["peer"]["fraction"] == {"1": 0.36}
+    report = {"prefixserve": {"decode": decode}, "llama.cpp": peer, "load_seconds": 1, "warmup_seconds": 1,
+              "threads": 2, "rounds": 3, "interleave_steps": 8, "weight_bytes": 100_000_000, "roofline": line}
+    text = "\n".join(format_report(report))
+    assert "floor 4.00 ms: 50% (llama.cpp 3.60 ms: 36%)" in text
+    assert "25.0 GB/s measured in this run (median of rounds: 24.0, 25.0, 26.0)" in text
 
 
 def test_interleaved_decode_alternates_in_chunks_to_the_end_of_both():

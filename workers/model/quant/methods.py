@@ -17,9 +17,11 @@
            token at run time, smoothed on calibration text (``smoothquant.py``)
 
 The LM head of ``int8`` / ``int4`` / ``w8a8`` (and a tied embedding, which
-reads its rows from it) is int8 per group of 32 inputs, weight-only, as
-llama.cpp keeps ``output.weight`` at 8 bits: at batch 1 a float head would be
-half of the weight bytes read per step. Every quantized layer runs on
+reads its rows from it) is int8 per group of 32 inputs, as llama.cpp keeps
+``output.weight`` at 8 bits: at batch 1 a float head would be half of the
+weight bytes read per step. ``w8a8`` runs it against int8 activations
+(``qdot.py``), ``int8`` / ``int4`` weight-only. ``gguf-a8`` is ``gguf`` with
+every 4- / 8-bit tensor in groups of 32 on ``qdot.py``. Every quantized layer runs on
 ``qgemm.py``.
 """
 
@@ -287,13 +289,18 @@ def _w8a8(model: Any, lib: Any, calibration_ids: Optional[list[int]],
     head = model.lm_head
     d = quantize_head(head.weight.detach().float().numpy())
     layers.append(head)
-    weights.append(qgemm.QuantWeight(d.q, d.scales, None, 8, d.group_size, head.bias, lib, name=d.format))
+    # The head's activations are quantized too (per 32 inputs, qdot.py), as everywhere else in w8a8.
+    head_weight: Any = qdot.try_dot_weight(d.q, d.scales, None, 8, d.group_size, head.bias, lib,
+                                           name=d.format + "-a8")
+    if head_weight is None:
+        head_weight = qgemm.QuantWeight(d.q, d.scales, None, 8, d.group_size, head.bias, lib, name=d.format)
+    weights.append(head_weight)
     for linear, weight in zip(layers, weights):
         install_quantized(linear, weight)
     total = sum(w.nbytes for w in weights)
-    logger.info("quantization w8a8: %d layers, LM head int8 weight-only, %.1f MiB of int8 weights",
-                len(layers) - 1, total / 2**20)
-    return QuantSummary("w8a8", {"w8a8": len(layers) - 1, d.format: 1}, total)
+    logger.info("quantization w8a8: %d layers, LM head %s, %.1f MiB of int8 weights",
+                len(layers) - 1, head_weight.name, total / 2**20)
+    return QuantSummary("w8a8", {"w8a8": len(layers) - 1, head_weight.name: 1}, total)
 
 
 # ------------------------------------------------------------------------ gguf
