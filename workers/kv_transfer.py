@@ -12,15 +12,20 @@ same node). Nothing here waits on the engine thread or blocks an event loop::
     hashes of the prompt's full blocks,
     minus those cached here (a racy read;
     commit re-checks)
-    export_kv.remote(missing) ----------> engine thread: pin_prefix(hashes)
+    export_kv.remote(missing) ----------> pool gate:      pin_prefix(hashes)
                                           worker thread:  read_blocks (a copy;
                                             pinned blocks are never written)
-                                          engine thread:  release (posted, not awaited)
+                                          pool gate:      release (posted, not awaited)
     await the KVExport (timeout_s) <----- KVExport(hashes sent, layout, bytes)
-    engine thread:  reserve               fresh blocks, no hash: no lookup reaches them
+    pool gate:      reserve               fresh blocks, no hash: no lookup reaches them
     worker thread:  write_blocks          the step loop runs on meanwhile
-    engine thread:  commit, events out    hashed and freed: cached prefix blocks
+    pool gate:      commit, events out    hashed and freed: cached prefix blocks
     generate(request)                     the admission hits them
+
+"pool gate": a worker thread holding the engine's ``PoolGate``
+(``workers/engine/pool_gate.py``), which the engine thread lends while its
+forward runs and while it idles: a pin does not wait for the step in flight
+(a busy holder's step of 2,048 prefill tokens takes seconds on CPU).
 
 The write runs off the engine thread: into blocks nobody reads, it is a
 memcpy of ~23 MB for the default model's 512 tokens, but the first write
@@ -141,7 +146,7 @@ class KVTransfer:
     async def _export(self, hashes: list[bytes]) -> KVExport:
         try:
             began = time.perf_counter()
-            held = await self.front.call(lambda engine: self.ledger.pin_prefix(hashes))
+            held = await self._pool_call(lambda engine: self.ledger.pin_prefix(hashes))
             if held is None:
                 return KVExport((), self.layout, None, "none of the blocks is cached here")
             pinned = time.perf_counter()
@@ -181,9 +186,19 @@ class KVTransfer:
         task.add_done_callback(lambda t: (self._posted.discard(t), t.cancelled() or t.exception()))
         return asyncio.shield(task)
 
+    async def _pool_call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` under the engine's pool gate (``workers/engine/pool_gate.py``): while
+        its forward runs or it idles, not after the step in flight (seconds of prefill on
+        CPU, which a fetch from a busy holder used to wait); on the engine thread when the
+        front has no gate (a test's)."""
+        gate = getattr(self.front, "pool_gate", None)
+        if gate is None:
+            return await self.front.call(fn)
+        return await asyncio.to_thread(gate.run, lambda: fn(self.engine))
+
     def _post(self, fn: Callable[[Any], object]) -> None:
-        """Runs ``fn`` on the engine thread without waiting for it."""
-        task = asyncio.ensure_future(self.front.call(fn))
+        """Runs ``fn`` under the pool gate without waiting for it."""
+        task = asyncio.ensure_future(self._pool_call(fn))
         self._posted.add(task)
         task.add_done_callback(self._posted.discard)
 
@@ -282,7 +297,7 @@ class KVTransfer:
         blocks are no sequence's and carry no hash, so no step reads them),
         commit (engine thread). Returns the blocks imported, or None when
         they do not fit."""
-        reserved = await self.front.call(lambda engine: self._reserve(export, hashes, start, root, prompt_token_ids))
+        reserved = await self._pool_call(lambda engine: self._reserve(export, hashes, start, root, prompt_token_ids))
         if reserved is None or reserved == 0:
             return reserved
         held, skip = reserved
@@ -293,12 +308,12 @@ class KVTransfer:
             else:
                 await asyncio.to_thread(write_blocks, self.runner, held.block_ids, export.data[:, :, skip:])  # type: ignore[index]
         except Exception:
-            await self.front.call(lambda engine: self.ledger.release(held.transfer_id))  # never hashed: nothing read it
+            await self._pool_call(lambda engine: self.ledger.release(held.transfer_id))  # never hashed: nothing read it
             raise
         except BaseException:  # cancelled: the release must not wait
             self._post(lambda engine: self.ledger.release(held.transfer_id))
             raise
-        return await self.front.call(lambda engine: self._commit(held))
+        return await self._pool_call(lambda engine: self._commit(held))
 
     def _reserve(self, export: KVExport, hashes: list[bytes], start: int, root: bytes,
                  prompt_token_ids: Sequence[int]) -> Any:

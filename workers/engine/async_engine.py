@@ -48,6 +48,7 @@ from cluster.shared.types import GenerationRequest, ReplicaOverloadedError, Repl
 from workers.engine.engine import LLMEngine
 from workers.engine.loop_stats import RETRY_HINT_WINDOW, LoopTiming, name_os_thread, retry_hint, settle_future
 from workers.engine.outputs import RequestOutput, chunk_due, merge_outputs
+from workers.engine.pool_gate import PoolGate
 from workers.engine.structured import timeout_message
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class AsyncEngine:
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._streams: dict[str, "_LoopQueue | DirectStream"] = {}
         self._lock = threading.Lock()  # guards _streams
+        self.pool_gate = PoolGate()  # the engine thread's, lent in a forward and while idle (pool_gate.py)
         self._finish_times: collections.deque[float] = collections.deque(maxlen=RETRY_HINT_WINDOW)
         self._thread: Optional[threading.Thread] = None
         self._stats = engine.stats()
@@ -293,6 +295,7 @@ class AsyncEngine:
     # ------------------------------------------------------ engine thread
     def _run(self) -> None:
         name_os_thread("engine-loop")
+        self.pool_gate.take(self.engine)
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
@@ -317,12 +320,14 @@ class AsyncEngine:
             self._fail_all(RuntimeError(f"engine loop failed: {exc!r}"))
         else:
             self._abort_all()
+        finally:
+            self.pool_gate.give_back(self.engine)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Applies queued adds and aborts; returns False on stop."""
         while True:
             try:
-                kind, payload = self._inbox.get(block=block, timeout=None)
+                kind, payload = self.pool_gate.get(self._inbox, block)
             except queue.Empty:
                 return True
             block = False

@@ -15,6 +15,7 @@ One step::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -222,6 +223,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # --------------------------------------------------------------- step
+    # The caller's hold on the block pool while it steps (``pool_gate.py``), lent during the forward:
+    # another thread may then pin or release cached blocks (KV transfers) without waiting for the step.
+    forward_gate: Any = None
+
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling + model step; returns the outputs of this step."""
         started = time.perf_counter()  # schedule() included: a draft model proposes there
@@ -233,7 +238,8 @@ class LLMEngine:
             # are reported through update_from_output like any other.
             model_out = ModelOutput(sampled_token_ids=[], logprobs=[])
         else:
-            model_out = self.runner.execute(sched)
+            with self.forward_gate.lent() if self.forward_gate is not None else contextlib.nullcontext():
+                model_out = self.runner.execute(sched)
             self.num_steps += 1
             speculator = self.scheduler.speculator
             if speculator is not None:  # what a step of this size (and its proposals) costs
