@@ -257,9 +257,10 @@ static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
    then scale, then min), so the same bits; the running sums wait in acc
    (L1) between groups, leaving the registers to FR rows of group sums. */
 #define FR (2 * MRQ)
-static void fukr(int R, const float* x, long ldx, const float* xs, long G, const float* wf,
-                 const float* sc, const float* mn, int bits, long K, long gs, float* y, long ldy,
-                 int nvalid, const float* bias) {
+static inline __attribute__((always_inline))
+void fukr(const int R, const float* x, long ldx, const float* xs, long G, const float* wf,
+          const float* sc, const float* mn, int bits, long K, long gs, float* y, long ldy,
+          int nvalid, const float* bias) {
     float acc[FR][NR] __attribute__((aligned(64)));
     for (long g = 0; g < G; ++g) {
         const long k0 = g * gs;
@@ -300,6 +301,17 @@ static void fukr(int R, const float* x, long ldx, const float* xs, long G, const
     }
 }
 
+/* fukr with R a constant: a full block of FR rows (every row of a prefill but the last few) runs
+   without a per-row test in its inner loop; a partial block takes the general one. Same operations. */
+static void fukr_full(const float* x, long ldx, const float* xs, long G, const float* wf, const float* sc,
+                      const float* mn, int bits, long K, long gs, float* y, long ldy, int nvalid, const float* bias) {
+    fukr(FR, x, ldx, xs, G, wf, sc, mn, bits, K, gs, y, ldy, nvalid, bias);
+}
+static void fukr_part(int R, const float* x, long ldx, const float* xs, long G, const float* wf, const float* sc,
+                      const float* mn, int bits, long K, long gs, float* y, long ldy, int nvalid, const float* bias) {
+    fukr(R, x, ldx, xs, G, wf, sc, mn, bits, K, gs, y, ldy, nvalid, bias);
+}
+
 /* y[M, ldy] = x[M, ldx] @ W.T (+ bias) for a quantized W (module doc).
    q: panels, each K * bits / 8 * NR bytes (5-bit: K / 2 * NR of nibbles, then K / 8 * NR of high bits); scales / mins: panels of ceil(K / gs) * NR
    floats (mins NULL: none); bias: NULL or ceil(N / NR) * NR floats. */
@@ -328,8 +340,12 @@ void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q,
                 decode_panel(q + p * qbytes, bits, K, wf);
                 for (long m = 0; m < M; m += FR) {
                     const int rows = (M - m) < FR ? (int)(M - m) : FR;
-                    fukr(rows, x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
-                         mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+                    if (rows == FR)
+                        fukr_full(x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
+                                  mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
+                    else
+                        fukr_part(rows, x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
+                                  mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
                 }
             }
             free(wf);
