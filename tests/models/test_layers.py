@@ -73,3 +73,43 @@ def test_rmsnorm_equals_hf() -> None:
 def test_silu_and_mul() -> None:
     x = torch.randn(3, 10)
     assert torch.equal(SiluAndMul()(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_native_geglu_is_torchs_to_a_few_ulp_and_the_same_in_every_lane() -> None:
+    from workers.model import cpu_ops
+    from workers.model.layers import GeluAndMul
+
+    lib = cpu_ops.load()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    x = torch.randn(7, 2 * 203, generator=torch.Generator().manual_seed(0)) * 4
+    layer = GeluAndMul()
+    expected = layer(x)  # torch's gelu(approximate="tanh")
+    layer.native = lib
+    got = layer(x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(layer(x[3:4].contiguous())[0], got[3])  # a row alone
+    # An element gets the same bits in a vector lane (column 0) and in the scalar tail (column 8 of 9).
+    values = x[:, :8].flatten()
+    for start in range(0, values.numel(), 8):
+        row = torch.ones(1, 18)
+        row[0, :8], row[0, 8] = values[start : start + 8], values[start]
+        out = cpu_ops.gelu_tanh_and_mul(lib, row)
+        assert out[0, 0] == out[0, 8], start
+
+
+def test_head_rms_norm_gives_the_norm_of_each_head_row_in_place() -> None:
+    from workers.model import cpu_ops
+
+    lib = cpu_ops.load()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    qkv = torch.randn(5, 3 * 16 + 16, generator=torch.Generator().manual_seed(1))
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm.native = lib
+    expected = norm(qkv[:, :48].reshape(-1, 16)).view(5, 48)  # add_rms_norm over the copied rows
+    heads = qkv[:, :48].view(5, 3, 16)
+    cpu_ops.head_rms_norm(lib, heads, norm.weight, norm.eps)  # strided rows of qkv, in place
+    assert torch.equal(qkv[:, :48], expected)
