@@ -67,6 +67,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain", action="store_true",
                         help="with num_candidates > 1 (a tree): also run the config as one chain")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every case; medians are kept")
+    parser.add_argument("--also", nargs="+", default=[], metavar="JSON",
+                        help="more speculative configs measured side by side in the same run (e.g. medusa and "
+                             "ngram beside an eagle --speculative-config), each mode named by its method")
     parser.add_argument("--json", default="bench-results/spec.json", help="where to write the results")
 
 
@@ -182,9 +185,18 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     proposer = llm.engine.scheduler.speculator.proposer
     tree = "-tree" if spec.num_candidates > 1 else ""
     main = ("adaptive" if spec.adaptive else "fixed") + tree
+    extras = [SpeculativeConfig.from_mapping(text) for text in getattr(args, "also", [])]
+    if extras:  # side by side: every mode named by its method
+        main = _mode_name(spec)
     modes: dict[str, Optional[SpeculativeConfig]] = {"off": None, main: spec}
+    # Per mode: its proposer and what the runner proposes with (Medusa heads, an EAGLE draft, or nothing).
+    proposers = {main: (proposer, llm.runner.medusa)}
+    for config in extras:
+        modes[_mode_name(config)] = config
+        proposers[_mode_name(config)] = _extra_proposer(llm, config)
     if args.fixed and spec.adaptive:
-        modes["fixed" + tree] = SpeculativeConfig(**{**spec.__dict__, "adaptive": False})
+        fixed = SpeculativeConfig(**{**spec.__dict__, "adaptive": False})
+        modes[_mode_name(fixed) if extras else "fixed" + tree] = fixed
     if getattr(args, "chain", False) and tree:
         for name, config in list(modes.items())[1:]:
             modes[name.replace("-tree", "-chain")] = SpeculativeConfig(**{**config.__dict__, "num_candidates": 1})
@@ -201,12 +213,15 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             # Odd rounds run the modes in reverse: a machine drifting during a case favours none.
             for mode, config in list(modes.items())[:: -1 if round_index % 2 else 1]:
                 logger.info("round %d: %s batch %d, speculation %s", round_index + 1, case[0], case[1], mode)
-                llm.engine.scheduler.speculator = Speculator(config, proposer) if config is not None else None
+                chosen, slot = proposers.get(mode, proposers[main])
+                llm.runner.medusa = slot if config is not None else None
+                llm.engine.scheduler.speculator = Speculator(config, chosen) if config is not None else None
                 llm.engine.scheduler.kv_manager.reset_prefix_cache()  # every mode prefills alike
                 runs.setdefault((*case, mode), []).append(
                     decode_run(llm, prompts[case], args.output_len, sampled=case[0] == "sampled", group_size=case[1]))
     llm.engine.scheduler.speculator = None
-    report = {"model": str(llm.model_dir), "speculative_config": spec.__dict__, "rounds": max(1, args.rounds),
+    report = {"model": str(llm.model_dir), "speculative_config": spec.__dict__,
+              "also": [config.__dict__ for config in extras], "rounds": max(1, args.rounds),
               "load_seconds": round(load_s, 2), "output_len": args.output_len, "cases": []}
     for workload, batch in cases:
         row: dict[str, Any] = {"workload": workload, "batch_size": batch,
@@ -233,6 +248,30 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logger.info("wrote %s", path)
     llm.shutdown()
     return 0
+
+
+def _mode_name(config: Any) -> str:
+    return config.method + ("" if config.adaptive else "-fixed") + ("-tree" if config.num_candidates > 1 else "")
+
+
+def _extra_proposer(llm: Any, config: Any) -> tuple[Any, Any]:
+    """The proposer of another speculative config on the same model, and what
+    the runner proposes with for it (loaded now; the runner's own is put back)."""
+    from workers.engine.proposers import NgramProposer
+
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
+    if config.method not in ("medusa", "eagle"):
+        raise ValueError(f"--also takes ngram, medusa and eagle configs, got {config.method!r}")
+    from workers.builder import attach_medusa_heads
+    from workers.model.loader import read_arch
+    from workers.spec_eagle import attach_eagle
+
+    runner, kept = llm.runner, llm.runner.medusa
+    attach = attach_eagle if config.method == "eagle" else attach_medusa_heads
+    proposer = attach(runner, config.model, read_arch(llm.model_dir))
+    slot, runner.medusa = runner.medusa, kept
+    return proposer, slot
 
 
 def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
@@ -262,7 +301,9 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
                      f"{costs}; off step {case['off']['step_ms']:.1f} ms")
     grouped = [f"{c['workload']} batch {c['batch_size']}: {c['groups']} groups"
                for c in report["cases"] if c.get("groups", 1) > 1]
-    lines.append(f"speculative_config {json.dumps(report['speculative_config'])}; {report['output_len']} tokens per "
+    also = "".join(f", {json.dumps(config)}" for config in report.get("also", []))
+    lines.append(f"speculative_config {json.dumps(report['speculative_config'])}{also}; "
+                 f"{report['output_len']} tokens per "
                  f"sequence; {'; '.join(grouped) + ' one after another; ' if grouped else ''}"
                  f"median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
                  "drafting step; other branch won: where a tree's first candidate was rejected at a node with "

@@ -62,7 +62,8 @@ def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> in
         return 0
     with LLM(**engine_args) as llm:
         summary = train_heads(llm, out, num_heads=args.num_heads, num_prompts=args.num_prompts,
-                              prompt_len=args.prompt_len, gen_len=args.gen_len, epochs=args.epochs or 2, lr=args.lr or 2e-3,
+                              prompt_len=args.prompt_len, gen_len=args.gen_len, epochs=args.epochs or 2,
+                              lr=args.lr or 2e-3,
                               seed=args.train_seed, shortlist=args.shortlist,
                               token_conditioned=args.token_conditioned)
     print(json.dumps(summary, indent=2))  # the command's output

@@ -208,3 +208,29 @@ def test_train_eagle_on_a_tiny_model_writes_the_layout_it_loads(tiny_dir, tmp_pa
     assert [o.token_ids for o in spec.generate(prompts, params)] == [
         o.token_ids for o in llm.generate(prompts, params)]
     assert spec.engine.scheduler.speculator.stats.num_accepted_tokens > 0  # the trained draft guesses some
+
+
+def test_bench_spec_measures_eagle_medusa_and_ngram_side_by_side(tiny_dir, tmp_path, capsys):
+    import argparse
+
+    from cluster.bench.spec import run_spec
+    from workers.model.medusa import MedusaHeads
+
+    MedusaHeads(H, V, num_heads=3, num_layers=1).save(tmp_path / "heads")
+    eagle = write_vllm_eagle(tmp_path / "eagle", seed=2)
+    args = argparse.Namespace(batch_sizes=[1, 2], workloads=["random"], input_len=12, output_len=6, fixed=False,
+                              chain=False, rounds=1, json=str(tmp_path / "spec.json"),
+                              also=[json.dumps({"method": "medusa", "model": str(tmp_path / "heads"),
+                                                "adaptive": False}),
+                                    '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'])
+    engine = {"model": str(tiny_dir), "block_size": 4,
+              "speculative_config": {"method": "eagle", "model": str(eagle), "adaptive": False}}
+    assert run_spec(args, engine) == 0
+    report = json.loads((tmp_path / "spec.json").read_text())
+    assert [c["method"] for c in report["also"]] == ["medusa", "ngram"]
+    for case in report["cases"]:
+        for mode in ("eagle-fixed", "medusa-fixed", "ngram-fixed"):
+            assert case[mode]["identical_to_off"], (mode, case)
+        assert case["eagle-fixed"]["draft_tokens"] > 0 and case["medusa-fixed"]["draft_tokens"] > 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "eagle-fixed tok/s" in header and "medusa-fixed tok/s" in header and "ngram-fixed tok/s" in header
