@@ -30,6 +30,7 @@ from cluster.shared.metrics_format import METRIC_PREFIX
 
 DEFAULT_FETCH_BYTES_PER_S = 1.5e9  # measured on loopback (docs/KV_TRANSFER.md)
 METRICS_SETTLE_S = 3.0  # the replicas' heartbeats carry their metrics about every second
+METRICS_WAIT_S = 20.0  # at most this long for the figures to settle
 
 
 def add_transfer_args(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +85,21 @@ def read_transfer_figures(redis_url: str, namespace: str) -> dict[str, Any]:
         finally:
             await directory.aclose()
 
+    def figures() -> dict[str, Any]:
+        return transfer_figures([text.decode() if isinstance(text, bytes) else text
+                                 for text in asyncio.run(read()).values()])
+
+    # Heartbeats carry the texts; a loaded machine delays them: read until two reads agree.
+    deadline = time.monotonic() + METRICS_WAIT_S
     time.sleep(METRICS_SETTLE_S)
-    return transfer_figures([text.decode() if isinstance(text, bytes) else text
-                             for text in asyncio.run(read()).values()])
+    last, now = figures(), None
+    while time.monotonic() < deadline:
+        time.sleep(METRICS_SETTLE_S)
+        now = figures()
+        if now == last:
+            break
+        last = now
+    return now or last
 
 
 def transfer_figures(texts: list[str]) -> dict[str, Any]:

@@ -61,11 +61,10 @@ Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
     fetch_overhead_s = 0.010    Fixed time of a fetch: the Ray call to the
                                 holder and its pin (14.6 ms asked, of which
                                 6.5 ms the read, measured on an idle holder).
-                                Not priced: a holder busy with prefill pins
-                                between two of its steps, so the fetch waits
-                                up to one step (seconds on CPU with 2,048-token
-                                steps; ``bench routing`` measured 0.05-10 s,
-                                docs/KV_TRANSFER.md).
+                                The pin runs beside a busy holder's forward
+                                (``workers/engine/pool_gate.py``); before, it
+                                waited for the holder's step and ``bench
+                                routing`` measured 0.05-10 s (docs/KV_TRANSFER.md).
     fetch_holder_bytes_per_s = 3.6e9  The holder's read of the blocks it
                                 sends (23.6 MB in 6.5 ms on a serving
                                 replica): CPU it takes from its own steps.
