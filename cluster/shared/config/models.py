@@ -30,6 +30,9 @@ from cluster.shared.config.engine import EngineConfig
 from cluster.shared.fingerprint import served_model_name
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "power_of_two", "prefix_cost", "round_robin")
+# The baselines benchmarks deploy to compare against (router/policies/registry.py BASELINE_POLICIES):
+# accepted in a config, not offered by `prefixserve up --routing-policy`.
+BASELINE_ROUTING_POLICIES = ("adapter_affinity", "random")
 DIRECTORY_LOOKUPS = ("index", "redis")
 # The per-model fields, shared by ModelConfig and ClusterConfig's top level.
 SERVING_FIELDS = ("replicas", "replica_num_cpus", "rank_num_cpus", "max_ongoing_requests", "routing_policy",
@@ -121,7 +124,7 @@ def check_serving_fields(config: Any) -> None:
     Raises:
         ValueError: Names the field and what to set.
     """
-    if config.routing_policy not in ROUTING_POLICIES:
+    if config.routing_policy not in ROUTING_POLICIES + BASELINE_ROUTING_POLICIES:
         close = difflib.get_close_matches(config.routing_policy, ROUTING_POLICIES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {config.routing_policy!r}{hint}")
