@@ -21,12 +21,16 @@ pytestmark = pytest.mark.skipif(not qdot.available(LIB), reason="no C compiler o
 CASES = [(4, 960, 576, True), (4, 37, 1536, False), (8, 100, 576, False), (8, 33, 64, True)]
 
 
-def random_weight(bits, n, k, mins, seed=0):
+def random_weight(bits, n, k, mins, seed=0, half=False):
+    """half: scales and mins that are half floats exactly (as GGUF's), which the weight then stores so."""
     rng = np.random.default_rng(seed + n + k)
     q = rng.integers(0, 16, (n, k)).astype(np.uint8) if bits == 4 else rng.integers(-127, 128, (n, k)).astype(np.int8)
     groups = k // 32
     scales = (rng.random((n, groups)) * 0.01 + 1e-4).astype(np.float32)
     lows = (rng.standard_normal((n, groups)) * 0.05).astype(np.float32) if mins else None
+    if half:
+        scales = scales.astype(np.float16).astype(np.float32)
+        lows = lows.astype(np.float16).astype(np.float32) if mins else None
     return q, scales, lows
 
 
@@ -46,11 +50,13 @@ def reference(x, q, scales, mins):
     return torch.from_numpy(y)
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "half-scales"])
 @pytest.mark.parametrize("bits,n,k,mins", CASES)
-def test_integer_path_matches_float64_on_the_quantized_activations(bits, n, k, mins):
-    q, scales, lows = random_weight(bits, n, k, mins)
+def test_integer_path_matches_float64_on_the_quantized_activations(bits, n, k, mins, half):
+    q, scales, lows = random_weight(bits, n, k, mins, half=half)
     bias = torch.randn(n)
     weight = qdot.DotQuantWeight(q, scales, lows, bits, 32, bias, LIB)
+    assert bool(weight.bits & qdot.HALF) == half and weight.scales.element_size() == (2 if half else 4)
     x = torch.randn(21, k)
     ref = reference(x, q, scales, lows)
     torch.testing.assert_close(weight.matmul_no_bias(x), ref.float(), atol=2e-5 * k**0.5, rtol=1e-5)
@@ -105,8 +111,8 @@ def test_integer_path_avx2_build_gives_the_same_bits():
         pytest.skip("no compiler for the AVX2 build")
     lib.qgemm_panel_width.restype = ctypes.c_int
     assert lib.qgemm_panel_width() == 16 and qdot.available(lib)
-    for bits, n, k, mins in CASES:
-        q, scales, lows = random_weight(bits, n, k, mins, seed=5)
+    for (bits, n, k, mins), half in [(case, half) for case in CASES for half in (False, True)]:
+        q, scales, lows = random_weight(bits, n, k, mins, seed=5, half=half)  # half: F16C or the C conversion
         weight = qdot.DotQuantWeight(q, scales, lows, bits, 32, None, lib)
         x = torch.randn(40, k)
         full = weight.matmul(x)

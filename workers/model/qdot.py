@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per activation block and weight group (QB in qdot.h)
 FLAG = 64  # QDOT_FLAG: qgemm_f32 reads the dot-product layouts
+HALF = 128  # QDOT_HALF: scales and mins stored as half floats
 
 
 def available(lib: Optional[ctypes.CDLL]) -> bool:
@@ -58,8 +59,10 @@ class DotQuantWeight(qgemm.QuantWeight):
     """A group-quantized weight ``[N, K]`` in the dot-product layouts (module doc).
 
     Same arguments as :class:`qgemm.QuantWeight` (``bits`` 4 or 8, ``group_size``
-    32). ``bits`` then reads as the kernel's format code (``weight_bits | FLAG``),
-    what the native decoder passes to ``qgemm_f32``; ``weight_bits`` holds 4 or 8.
+    32). ``bits`` then reads as the kernel's format code (``weight_bits | FLAG``,
+    ``| HALF`` where the scales and mins are half floats exactly, as GGUF's are, and
+    are stored so), what the native decoder passes to ``qgemm_f32``; ``weight_bits``
+    holds 4 or 8.
     """
 
     def __init__(self, q: np.ndarray, scales: np.ndarray, mins: Optional[np.ndarray], bits: int, group_size: int,
@@ -88,6 +91,12 @@ class DotQuantWeight(qgemm.QuantWeight):
         groups = k // group_size
         self.scales = self._panels(scales, num_panels, nr, groups)
         self.mins = self._panels(mins, num_panels, nr, groups) if mins is not None else None
+        # GGUF's scales and mins are half floats: stored as such they are the same values in fewer bytes
+        # (a Q4_1 weight reads 0.625 bytes instead of 0.75), widened exactly by the kernel.
+        if all(_exact_in_half(t) for t in (self.scales, self.mins) if t is not None):
+            self.scales = self.scales.half()
+            self.mins = self.mins.half() if self.mins is not None else None
+            self.bits |= HALF
         self.bias: Optional[torch.Tensor] = None
         if bias is not None:
             self.bias = torch.zeros(num_panels * nr, dtype=torch.float32)
@@ -107,12 +116,17 @@ class DotQuantWeight(qgemm.QuantWeight):
         nr, k, gs = self.lib.qgemm_panel_width(), self.in_features, self.group_size
         panel, col = ids // nr, ids % nr
         groups = k // gs
-        out = self.scales.view(-1, groups, nr)[panel, :, col].repeat_interleave(gs, dim=1) * self.integer_rows(ids).float()
+        scales = self.scales.float().view(-1, groups, nr)[panel, :, col]
+        out = scales.repeat_interleave(gs, dim=1) * self.integer_rows(ids).float()
         if self.mins is not None:
-            out = out + self.mins.view(-1, groups, nr)[panel, :, col].repeat_interleave(gs, dim=1)
+            out = out + self.mins.float().view(-1, groups, nr)[panel, :, col].repeat_interleave(gs, dim=1)
         return out
 
     rows = dequantized_rows
+
+
+def _exact_in_half(values: torch.Tensor) -> bool:
+    return bool(torch.isfinite(values).all()) and torch.equal(values.half().float(), values)
 
 
 def try_dot_weight(q: np.ndarray, scales: np.ndarray, mins: Optional[np.ndarray], bits: int, group_size: int,

@@ -17,6 +17,7 @@
    saturation: 15 * 127 * 2 and 127 * 127 * 2 < 2^15). 8-bit weights are signed, so the unsigned
    operand is |xq| and the weights take xq's sign. */
 #define QDOT_FLAG 64
+#define QDOT_HALF 128  /* with QDOT_FLAG: scales and mins are half floats (GGUF's own, exact in float32) */
 #define QB 32
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -60,11 +61,36 @@ int qdot_available(void) { return QDOT_OK; }
 #if QDOT_OK
 static inline int load4(const signed char* p) { int v; memcpy(&v, p, 4); return v; }
 
+#if defined(__AVX512F__)
+#define HLOAD(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#elif defined(__F16C__)
+#define HLOAD(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#else  /* AVX2 without F16C: the same exact conversion, in C */
+static inline float half_to_float(unsigned short h) {
+    const unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (e == 0) { const float f = ldexpf((float)man, -24); return sign ? -f : f; }
+    const unsigned bits = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline vec hload_soft(const unsigned short* p) {
+    float t[VL];
+    for (int i = 0; i < VL; ++i) t[i] = half_to_float(p[i]);
+    return VLOAD(t);
+}
+#define HLOAD(p) hload_soft(p)
+#endif
+/* VL scales (or mins) from i: float32, or half floats where half */
+static inline vec qd_load(const float* p, long i, int half) {
+    return half ? HLOAD((const unsigned short*)(const void*)p + i) : VLOAD(p + i);
+}
+
 /* R rows of quantized x (K bytes each; dx, xs [R][G]) against one panel: four integer sums per
    row and group (two column halves x two interleaved chains), added exactly, then the float part. */
 #define QDKR(R)                                                                                     \
 static void qdkr_##R(const signed char* xq, long K, const float* dx, const float* xs, long G,      \
-                     const unsigned char* q, const float* sc, const float* mn, int bits,           \
+                     const unsigned char* q, const float* sc, const float* mn, int bits, int half, \
                      float* y, long ldy, int nvalid, const float* bias) {                          \
     vec acc[R][2];                                                                                  \
     for (int r = 0; r < R; ++r) { acc[r][0] = VZERO(); acc[r][1] = VZERO(); }                       \
@@ -95,14 +121,14 @@ static void qdkr_##R(const signed char* xq, long K, const float* dx, const float
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        const vec s0 = VLOAD(sc + g * NR), s1 = VLOAD(sc + g * NR + VL);                            \
+        const vec s0 = qd_load(sc, g * NR, half), s1 = qd_load(sc, g * NR + VL, half);              \
         for (int r = 0; r < R; ++r) {                                                               \
             const vec d = VSET1(dx[r * G + g]);                                                     \
             const vec i0 = QI_TOF(QI_ADD(s[r][0], s[r][2])), i1 = QI_TOF(QI_ADD(s[r][1], s[r][3])); \
             acc[r][0] = VFMA(VMUL(s0, d), i0, acc[r][0]); acc[r][1] = VFMA(VMUL(s1, d), i1, acc[r][1]); \
         }                                                                                           \
         if (mn) {                                                                                   \
-            const vec m0 = VLOAD(mn + g * NR), m1 = VLOAD(mn + g * NR + VL);                        \
+            const vec m0 = qd_load(mn, g * NR, half), m1 = qd_load(mn, g * NR + VL, half);          \
             for (int r = 0; r < R; ++r) {                                                           \
                 const vec xsum = VSET1(xs[r * G + g]);                                              \
                 acc[r][0] = VFMA(m0, xsum, acc[r][0]); acc[r][1] = VFMA(m1, xsum, acc[r][1]);       \
@@ -128,7 +154,7 @@ QDKR(3) QDKR(4)
 #endif
 
 typedef void (*qdkr_fn)(const signed char*, long, const float*, const float*, long, const unsigned char*,
-                        const float*, const float*, int, float*, long, int, const float*);
+                        const float*, const float*, int, int, float*, long, int, const float*);
 static const qdkr_fn QDKRS[QMR + 1] = {
     0, qdkr_1, qdkr_2,
 #if QMR > 2
@@ -152,7 +178,7 @@ static void qdot_quantize_row(const float* x, long K, signed char* xq, float* dx
 
 /* qgemm_f32 with QDOT_FLAG: K % QB == 0, groups of QB; q in the layouts above. */
 static void qdot_gemm(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
-                      const float* mins, int bits, long N, const float* bias, float* y, long ldy) {
+                      const float* mins, int bits, int half, long N, const float* bias, float* y, long ldy) {
     const long P = (N + NR - 1) / NR, G = K / QB;
     const long qbytes = K * bits / 8 * NR;
     signed char* xq = (signed char*)malloc((size_t)(M * K + 64));
@@ -168,8 +194,10 @@ static void qdot_gemm(const float* x, long M, long K, long ldx, const unsigned c
             const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
             for (long m = 0; m < M; m += QMR) {
                 const int rows = (M - m) < QMR ? (int)(M - m) : QMR;
-                QDKRS[rows](xq + m * K, K, dx + m * G, xs + m * G, G, q + p * qbytes, scales + p * G * NR,
-                            mins ? mins + p * G * NR : 0, bits, y + m * ldy + p * NR, ldy, nvalid,
+                /* half: the same element offsets, counted in halves (qd_load) */
+                const long so = half ? p * G * NR / 2 : p * G * NR;
+                QDKRS[rows](xq + m * K, K, dx + m * G, xs + m * G, G, q + p * qbytes, scales + so,
+                            mins ? mins + so : 0, bits, half, y + m * ldy + p * NR, ldy, nvalid,
                             bias ? bias + p * NR : 0);
             }
         }
@@ -179,8 +207,9 @@ static void qdot_gemm(const float* x, long M, long K, long ldx, const unsigned c
 }
 #else
 static void qdot_gemm(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
-                      const float* mins, int bits, long N, const float* bias, float* y, long ldy) {
-    (void)x; (void)M; (void)K; (void)ldx; (void)q; (void)scales; (void)mins; (void)bits; (void)N; (void)bias;
+                      const float* mins, int bits, int half, long N, const float* bias, float* y, long ldy) {
+    (void)x; (void)M; (void)K; (void)ldx; (void)q; (void)scales; (void)mins; (void)bits; (void)half; (void)N;
+    (void)bias;
     (void)y; (void)ldy;  /* never called: qdot_available() is 0 and the weights refuse the layout */
 }
 #endif

@@ -318,7 +318,8 @@ static void fukr_part(int R, const float* x, long ldx, const float* xs, long G, 
 void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q, const float* scales,
                const float* mins, int bits, long gs, long N, const float* bias, float* y, long ldy) {
     if (bits & QDOT_FLAG) {  /* int8 activations, the dot-product layouts (qdot.h) */
-        qdot_gemm(x, M, K, ldx, q, scales, mins, bits & ~QDOT_FLAG, N, bias, y, ldy);
+        qdot_gemm(x, M, K, ldx, q, scales, mins, bits & ~(QDOT_FLAG | QDOT_HALF), (bits & QDOT_HALF) != 0, N, bias,
+                  y, ldy);
         return;
     }
     const long P = (N + NR - 1) / NR;
