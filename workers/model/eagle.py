@@ -98,11 +98,7 @@ class EagleDraft(torch.nn.Module):
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=2).transpose(1, 2)
         v = v.repeat_interleave(group, dim=2).transpose(1, 2)
-        # By hand: torch's CPU scaled_dot_product_attention took ~50 ms a call with a boolean mask on these
-        # shapes (one layer, a few rows) where this takes well under one.
-        scores = torch.matmul(q.transpose(1, 2), k.transpose(2, 3)) * self.head_dim ** -0.5
-        scores = scores.float().masked_fill(~mask.unsqueeze(1), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1))
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
     # ------------------------------------------------------------- checkpoint
