@@ -131,22 +131,24 @@ class KVTransfer:
         self.last_fetch: dict[str, float] = {}
 
     # ---------------------------------------------------------------- holder
-    async def export(self, block_hashes: Sequence[bytes]) -> KVExport:
+    async def export(self, block_hashes: Sequence[bytes], warm_blocks: int = 0) -> KVExport:
         """The leading blocks of ``block_hashes`` cached here, copied out
         while pinned (see the module doc). Never raises for a miss: an empty
-        export says why."""
+        export says why. ``warm_blocks`` > 0 (a warm start): up to that many
+        of them in any order, hottest first (``TransferLedger.pin_hottest``)."""
         if self.layout is None:
             return KVExport((), None, None, "this replica's runner exports no KV")
         if not self._try_enter("out"):
             self.metrics.refused.inc()
             return KVExport((), self.layout, None, "busy: the replica's concurrent-transfer limit is reached")
         # Run to the end even if the caller goes away (a Serve cancel): a pin must never be left behind.
-        return await self._to_the_end(self._export([bytes(h) for h in block_hashes]))
+        return await self._to_the_end(self._export([bytes(h) for h in block_hashes], warm_blocks))
 
-    async def _export(self, hashes: list[bytes]) -> KVExport:
+    async def _export(self, hashes: list[bytes], warm_blocks: int = 0) -> KVExport:
         try:
             began = time.perf_counter()
-            held = await self._pool_call(lambda engine: self.ledger.pin_prefix(hashes))
+            held = await self._pool_call(lambda engine: self.ledger.pin_hottest(hashes, warm_blocks) if warm_blocks
+                                         else self.ledger.pin_prefix(hashes))
             if held is None:
                 return KVExport((), self.layout, None, "none of the blocks is cached here")
             pinned = time.perf_counter()

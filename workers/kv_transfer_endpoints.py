@@ -21,10 +21,13 @@ the call's result through Ray's object store, as with an actor handle::
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from typing import Any, Callable, Optional
 
 from workers.kv_transfer import KVExport, KVTransfer
+from workers.kv_warm_start import WarmResult, WarmStartMetrics, warm_start
 from workers.kv_transfer_metrics import TransferMetrics
 
 logger = logging.getLogger(__name__)
@@ -45,7 +48,9 @@ class _NamedExport:
         self._handle = handle
         self._holder_id = holder_id
 
-    def remote(self, block_hashes: list[bytes]) -> Any:
+    def remote(self, block_hashes: list[bytes], warm_blocks: int = 0) -> Any:
+        if warm_blocks:
+            return self._handle.remote(block_hashes, holder_id=self._holder_id, warm_blocks=warm_blocks)
         return self._handle.remote(block_hashes, holder_id=self._holder_id)
 
 
@@ -86,6 +91,37 @@ class KVTransferEndpoints:
                                       timeout_s=cache.kv_transfer_timeout_s)
         if self.holder_of is None:
             self.holder_of = serve_holder_of()
+        self._kv_cache_config = cache
+        self.warm_metrics = WarmStartMetrics(metrics.registry, labels)
+        self.warm_result: Optional[WarmResult] = None
+
+    def _run_warm_start(self, redis_url: Optional[str], namespace: str, contract: str) -> WarmResult:
+        """Blocks until the warm start is over (``workers/kv_warm_start.py``): called by the
+        constructor after the replica registered, before Serve routes it a request. Runs on
+        a thread of its own with its own event loop (the constructor's loop stays free)."""
+        cache = self._kv_cache_config
+        if redis_url is None or cache.kv_warm_start_bytes <= 0:
+            result = WarmResult("off")
+        else:
+            box: list[WarmResult] = []
+
+            async def main() -> None:
+                from cluster.shared.directory import Directory
+
+                directory = Directory.from_url(redis_url, namespace)
+                try:
+                    box.append(await warm_start(self.kv_transfer, directory, self.holder_of, self.replica_id,
+                                                contract, cache.kv_warm_start_bytes, cache.kv_transfer_timeout_s))
+                finally:
+                    await directory.aclose()
+
+            thread = threading.Thread(target=lambda: asyncio.run(main()), name="kv-warm-start", daemon=True)
+            thread.start()
+            thread.join(cache.kv_transfer_timeout_s + 30)  # its own bound is kv_transfer_timeout_s
+            result = box[0] if box else WarmResult("timeout")
+        self.warm_metrics.record(result)
+        self.warm_result = result
+        return result
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -93,11 +129,12 @@ class KVTransferEndpoints:
         block_size = self.kv_transfer.ledger.pool.block_size
         return self.kv_transfer.block_bytes // block_size if block_size else 0
 
-    async def export_kv(self, block_hashes: list[bytes], holder_id: str = "") -> KVExport:
+    async def export_kv(self, block_hashes: list[bytes], holder_id: str = "", warm_blocks: int = 0) -> KVExport:
         """The leading blocks of ``block_hashes`` cached here (another replica fetches them).
         ``holder_id``: the replica the caller meant (the request router routes on it); a
-        call that reached another one (the holder left) is answered all the same."""
-        return await self.kv_transfer.export(block_hashes)
+        call that reached another one (the holder left) is answered all the same.
+        ``warm_blocks`` > 0: a joining replica's warm start (``workers/kv_warm_start.py``)."""
+        return await self.kv_transfer.export(block_hashes, warm_blocks)
 
     async def fetch_prefix(self, holder: Any, prompt_token_ids: list[int], cache_salt: str = "") -> int:
         """Imports the prompt's cached prefix blocks this replica lacks from

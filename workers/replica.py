@@ -139,6 +139,7 @@ class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
         self._namespace = namespace
         if redis_url is not None:
             self._start_publisher()
+        self._run_warm_start(redis_url, namespace, self._contract)  # before Serve routes it a request
         logger.info("replica %s ready (pid %d)", self.replica_id, os.getpid())
 
     def _build(self, config: EngineConfig, threads: Optional[int], freeze_heap: bool) -> LLMEngine:

@@ -118,6 +118,30 @@ class TransferLedger:
         self._held[held.transfer_id] = held
         return held
 
+    def pin_hottest(self, block_hashes: Seq[bytes], max_blocks: int) -> Optional[HeldBlocks]:
+        """Pins up to ``max_blocks`` of ``block_hashes`` cached here, in any
+        order, hottest first (a warm start, ``workers/kv_warm_start.py``):
+        blocks in use by a running sequence, then free cached blocks from the
+        most recently used (a chain's blocks are freed tail first, so a
+        parent comes before its children). Mutates: ref count + 1 each.
+
+        Returns:
+            The pinned blocks, or None when none is cached here.
+        """
+        if not self.pool.enable_caching or max_blocks < 1:
+            return None
+        asked = {h for h in block_hashes if self.pool.get_cached_block(h) is not None}
+        if not asked:
+            return None
+        by_block = {self.pool.get_cached_block(h): h for h in asked}
+        in_use = [b for b in by_block if self.pool.ref_count(b) > 0]  # type: ignore[arg-type]
+        free = [b for b in reversed(self.pool.free_block_ids()) if b in by_block]
+        block_ids = (in_use + free)[:max_blocks]
+        self.pool.touch(block_ids)  # type: ignore[arg-type]
+        held = HeldBlocks(next(self._ids), block_ids, tuple(by_block[b] for b in block_ids), is_import=False)  # type: ignore[arg-type]
+        self._held[held.transfer_id] = held
+        return held
+
     # -------------------------------------------------------------- receiver
     def reserve(self, block_hashes: Seq[bytes], parent_block_hash: bytes,
                 token_ids: Optional[Seq[int]] = None) -> Optional[HeldBlocks]:

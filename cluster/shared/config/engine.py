@@ -132,7 +132,8 @@ class CacheConfig:
             exports to them, a replica runs at once; one more is refused at
             once (its request prefills), never queued (docs/KV_TRANSFER.md).
         kv_transfer_timeout_s: Seconds a KV fetch waits for the holder
-            before its request prefills instead.
+            before its request prefills instead, and a warm start's time bound.
+        kv_warm_start_bytes: KV a joining replica pulls of the hottest prefixes before it serves; 0: off.
     """
 
     block_size: int = 16
@@ -144,6 +145,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_transfer_max_concurrent: int = 2
     kv_transfer_timeout_s: float = 10.0
+    kv_warm_start_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -159,9 +161,10 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.kv_transfer_max_concurrent < 1 or self.kv_transfer_timeout_s <= 0:
-            raise ValueError("kv_transfer_max_concurrent must be >= 1 and kv_transfer_timeout_s > 0, got "
-                             f"{self.kv_transfer_max_concurrent} and {self.kv_transfer_timeout_s}")
+        if self.kv_transfer_max_concurrent < 1 or self.kv_transfer_timeout_s <= 0 or self.kv_warm_start_bytes < 0:
+            raise ValueError("kv_transfer_max_concurrent must be >= 1, kv_transfer_timeout_s > 0 and kv_warm_start_"
+                             f"bytes >= 0, got {self.kv_transfer_max_concurrent}, {self.kv_transfer_timeout_s} and "
+                             f"{self.kv_warm_start_bytes}")
 
 
 @dataclass(frozen=True)
