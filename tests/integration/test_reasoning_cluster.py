@@ -83,3 +83,49 @@ def test_a_grammar_leaves_the_think_block_free(cluster):
     assert "".join(r.reasoning for r in responses) == reasoning
     assert responses[-1].usage.reasoning_tokens == MAX_TOKENS  # as the HTTP usage counts them
     assert "".join(r.text for r in responses) == content
+
+
+def _shot(country: str, city: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"What is the capital of {country}?"},
+            {"role": "assistant", "content": f"<think>{country} is a country in Europe.</think>{city}"}]
+
+
+# Three answered turns, each a think block and then the answer: the model writes its own
+# think block and closes it ("<think>France is a country in Europe.</think>Paris" greedy).
+FEW_SHOT = [*_shot("Spain", "Madrid"), *_shot("Italy", "Rome"), *_shot("Germany", "Berlin"),
+            {"role": "user", "content": "What is the capital of France?"}]
+LOWER = "[a-z]{3,12}"  # the answer after the block: lower case only, so not the model's free "Paris"
+
+
+def test_a_think_block_then_constrained_content(cluster):
+    """The model's output holds a closed think block and then content: the grammar holds the
+    content only (lower-case letters, where the free answer is "Paris"), the think block is the
+    model's free text (upper case and a full stop, which the grammar forbids), split from it in
+    the whole answer, the streamed deltas and over gRPC."""
+    api, model, address = cluster
+    free = api.chat.completions.create(model=model, messages=FEW_SHOT, temperature=0, max_tokens=40)
+    message = free.choices[0].message
+    assert message.model_extra["reasoning"] == "France is a country in Europe."
+    assert message.content.strip() == "Paris" and free.choices[0].finish_reason == "stop"
+    held = api.chat.completions.create(model=model, messages=FEW_SHOT, temperature=0, max_tokens=40,
+                                       extra_body={"structured_outputs": {"regex": LOWER}})
+    answer = held.choices[0].message
+    assert answer.model_extra["reasoning"] == message.model_extra["reasoning"]  # the block was free
+    assert re.fullmatch(LOWER, answer.content.strip()) and answer.content.strip() != "Paris"
+    assert held.choices[0].finish_reason == "stop"
+    assert 0 < held.usage.completion_tokens_details.reasoning_tokens < held.usage.completion_tokens
+    pieces = {"reasoning": "", "content": ""}
+    for chunk in api.chat.completions.create(model=model, messages=FEW_SHOT, temperature=0, max_tokens=40,
+                                             extra_body={"structured_outputs": {"regex": LOWER}}, stream=True):
+        delta = chunk.choices[0].delta
+        pieces["reasoning"] += (delta.model_extra or {}).get("reasoning") or ""
+        pieces["content"] += delta.content or ""
+    assert pieces == {"reasoning": answer.model_extra["reasoning"], "content": answer.content}
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(
+        max_tokens=40, temperature=0, structured_outputs=pb.StructuredOutputs(regex=LOWER)))
+    for m in FEW_SHOT:
+        request.messages.items.add(role=m["role"], content=m["content"])
+    with grpc.insecure_channel(address) as channel:
+        responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
+    assert "".join(r.reasoning for r in responses) == answer.model_extra["reasoning"]
+    assert "".join(r.text for r in responses) == answer.content
