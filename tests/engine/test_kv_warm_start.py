@@ -4,7 +4,7 @@ dict (tests/integration/test_kv_warm_start_serve.py runs Serve and Redis).
 
 A receiver that warmed from a holder hits the prefix on its first request with
 the holder's tokens; the byte budget caps the blocks; a failing holder leaves
-the receiver empty and consistent."""
+the receiver empty and consistent, and a stalling one costs the time bound."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ class Failing:
             raise RuntimeError("holder died")
 
 
+class Stalling:
+    class export_kv:  # noqa: N801 - a handle's shape
+        @staticmethod
+        async def remote(*args):
+            await asyncio.sleep(3600)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir("llama", tmp_path_factory.mktemp("kv-warm-llama"))
@@ -68,6 +75,8 @@ def test_warm_start_imports_the_hottest_blocks_within_the_budget(tiny_dir):
         assert again[2] == 3 * BS and again[0] == cold[0]  # the chain's leading blocks ranked first
         got = await warm_start(failed.transfer, directory, lambda rid: Failing(), "me", "", 10**9, 10.0)
         assert got.outcome == "error" and got.blocks == 0 and failed.pool.num_cached_blocks == 0
+        got = await warm_start(failed.transfer, directory, lambda rid: Stalling(), "me", "", 10**9, 0.5)
+        assert got.outcome == "timeout" and got.blocks == 0  # the stall ended by the time bound
         off = await warm_start(failed.transfer, directory, lambda rid: LocalHolder(holder.transfer), "me", "",
                                0, 10.0)
         assert off.outcome == "off" and off.blocks == 0
