@@ -16,7 +16,8 @@ the same ``core_group``). Two consequences for routing:
   one batch of 4 (measured on 2 cores: 2 replicas at 4 concurrent requests
   gave 0.66-0.68x the throughput of one engine batching all four). While a
   member is *open* (busy with fewer than ``pack_max_seqs`` sequences and KV
-  headroom), an idle sibling costs ``pack_idle_tokens`` more, and so does a
+  headroom; a request this router just sent makes it busy before its figures
+  say so), an idle sibling costs ``pack_idle_tokens`` more, and so does a
   *full* one (at ``pack_max_seqs`` or without headroom); among open members
   the one with the most sequences goes first, so batches that a burst split
   merge again as their requests finish.
@@ -53,6 +54,14 @@ def num_seqs(view: ReplicaView) -> int:
     return view.num_running + view.num_waiting + view.num_swapped
 
 
+def batch_size(view: ReplicaView) -> int:
+    """Sequences a replica holds, at least 1 when prefill is queued there: a request
+    this router just sent counts before the replica's figures show it (its prompt is
+    in ``num_prefill_tokens``), so a burst decided in one go packs instead of
+    finding every member idle."""
+    return max(num_seqs(view), 1 if view.num_prefill_tokens > 0 else 0)
+
+
 def plan_packing(views: Sequence[ReplicaView], queue_cost: Callable[[ReplicaView], float], pack_max_seqs: int,
                  pack_idle_tokens: float, kv_high_water: float) -> Packing:
     """The packing terms for ``views`` (module doc); empty where nothing is packed."""
@@ -68,13 +77,13 @@ def plan_packing(views: Sequence[ReplicaView], queue_cost: Callable[[ReplicaView
             continue
         shared = sum(queue_cost(v) for v in members)
         open_ = {v.replica_id for v in members
-                 if 0 < num_seqs(v) < pack_max_seqs and v.kv_cache_usage < kv_high_water}
-        idle = {v.replica_id for v in members if num_seqs(v) == 0}
+                 if 0 < batch_size(v) < pack_max_seqs and v.kv_cache_usage < kv_high_water}
+        idle = {v.replica_id for v in members if batch_size(v) == 0}
         for view in members:
             rid = view.replica_id
             packing.queue[rid] = shared
             if rid in open_:
-                packing.order[rid] = -num_seqs(view)
+                packing.order[rid] = -batch_size(view)
             elif (rid in idle and open_) or (rid not in idle and (open_ or idle)):
                 packing.penalty[rid] = pack_idle_tokens
     return packing

@@ -299,3 +299,11 @@ def test_the_serve_router_reads_the_core_group():
         assert router._view(replica, 0).core_group == read
     replica.routing_stats = {}  # a replica from before the field
     assert router._view(replica, 0).core_group == ""
+
+
+def test_a_burst_decided_before_the_figures_move_packs_onto_the_first_choice():
+    # Both members report idle, but this router just sent one of them a prompt (its
+    # pending prefill tokens): that one counts as a batch of one, so the burst packs.
+    views = (ReplicaView("sent", num_prefill_tokens=256, core_group="g"), ReplicaView("other", core_group="g"))
+    for order in (views, views[::-1]):
+        assert PrefixCostPolicy().choose(inp(*order, prompt=256))[0] == "sent"
