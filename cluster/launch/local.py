@@ -305,9 +305,11 @@ def _serve_delete(names: list[str]) -> None:
 
 
 def _with_redis(config: ClusterConfig, redis_url: Optional[str]) -> ClusterConfig:
+    """The config the cluster runs with: the launcher's own Redis named by its URL (its
+    ``redis_data_dir`` was the launcher's to use, and the two may not be given together)."""
     import dataclasses
 
-    return dataclasses.replace(config, redis_url=redis_url)
+    return dataclasses.replace(config, redis_url=redis_url, redis_data_dir=None)
 
 
 def stats_of_every_replica(handle: Any, count: int, timeout: float = 60.0) -> dict[str, dict[str, Any]]:

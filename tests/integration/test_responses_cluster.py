@@ -51,7 +51,13 @@ def test_stream_deltas_equal_the_greedy_text(client):
                                           stream=True, store=False))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-1].response.output_text
-    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}, kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(client):
