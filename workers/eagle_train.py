@@ -29,8 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cluster.shared.types import SamplingParams
-from workers.medusa_train import final_hidden_states, head_and_embedding, training_prompts
+from workers.medusa_train import final_hidden_states, greedy_answers, head_and_embedding
 from workers.model.eagle import EagleDraft
 
 logger = logging.getLogger(__name__)
@@ -77,9 +76,7 @@ def train_eagle(llm: Any, output: Path, *, num_prompts: int = 512, prompt_len: i
 
     torch.manual_seed(seed)
     started = time.perf_counter()
-    prompts = training_prompts(llm, num_prompts, prompt_len, seed)
-    logger.info("generating %d greedy answers of %d tokens", len(prompts), gen_len)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=gen_len, temperature=0.0))
+    prompts, outs = greedy_answers(llm, num_prompts, prompt_len, gen_len, seed)
     generated_s = time.perf_counter() - started
     data: list[tuple[torch.Tensor, list[int], int]] = []  # (hidden [n, H], tokens, first answer row)
     for prompt, out in zip(prompts, outs):

@@ -97,6 +97,14 @@ def training_prompts(llm: Any, num_prompts: int, prompt_len: int, seed: int = 0)
 
 
 @torch.inference_mode()
+
+def greedy_answers(llm: Any, num_prompts: int, prompt_len: int, gen_len: int, seed: int = 0) -> tuple[list, list]:
+    """``(prompts, outputs)``: ``training_prompts`` and the model's greedy answers to
+    them, ``gen_len`` tokens at most (the data of Medusa heads and EAGLE drafts)."""
+    prompts = training_prompts(llm, num_prompts, prompt_len, seed)
+    logger.info("generating %d greedy answers of %d tokens", len(prompts), gen_len)
+    return prompts, llm.generate(prompts, SamplingParams(max_tokens=gen_len, temperature=0.0))
+
 def final_hidden_states(llm: Any, token_ids: list[int]) -> torch.Tensor:
     """``[len(token_ids), hidden]``: the model's normed last hidden state of
     every position, in one prefill over the engine's (idle) KV cache."""
@@ -143,9 +151,7 @@ def train_heads(llm: Any, output: Path, *, num_heads: int = 4, num_prompts: int 
     """
     torch.manual_seed(seed)
     started = time.perf_counter()
-    prompts = training_prompts(llm, num_prompts, prompt_len, seed)
-    logger.info("generating %d greedy answers of %d tokens", len(prompts), gen_len)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=gen_len, temperature=0.0))
+    prompts, outs = greedy_answers(llm, num_prompts, prompt_len, gen_len, seed)
     generated_s = time.perf_counter() - started
     feats, targets = [], []
     for n, (prompt, out) in enumerate(zip(prompts, outs)):
