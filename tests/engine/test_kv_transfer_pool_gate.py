@@ -96,3 +96,41 @@ def test_an_export_does_not_wait_for_the_holders_step(tmp_path):
         release.set()
         holder.shutdown()
         receiver.shutdown()
+
+
+def test_a_request_waiting_for_pinned_blocks_lets_their_release_in(tmp_path):
+    # Every cached block pinned (a warm start's export of a small pool), then a request that
+    # needs some of them: its steps schedule nothing. Those steps must lend the gate, or the
+    # release (which needs it) never runs and the request waits for ever (seen in the suite:
+    # a replica that joined warm-started from one whose whole pool was cached).
+    model_dir = make_tiny_model_dir("llama", tmp_path / "pinned-llama")
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=16)
+    front = AsyncEngine(llm.engine)
+    front.start()
+    transfer = KVTransfer(front, llm.runner)
+    rng = random.Random(5)
+    filler = [rng.randrange(3, 500) for _ in range(57)]  # 14 full blocks cached once it ends
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run(request_id, ids):
+        tokens = []
+        async for out in front.generate(GenerationRequest(request_id, ids, params)):
+            tokens += out.new_token_ids
+        return tokens
+
+    async def main():
+        await run("filler", filler)
+        hashes, _ = transfer.prefix_hashes(filler)
+        held = await transfer._pool_call(lambda engine: transfer.ledger.pin_hottest(hashes, 64))
+        assert held is not None and len(held.block_ids) >= 12
+        waiting = asyncio.ensure_future(run("waiting", [rng.randrange(3, 500) for _ in range(20)]))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # 6 blocks needed, at most 4 free: it waits for the pinned ones
+        await asyncio.wait_for(transfer._pool_call(lambda engine: transfer.ledger.release(held.transfer_id)), 10)
+        assert len(await asyncio.wait_for(waiting, 60)) == 4
+        await front.call(lambda engine: transfer.ledger.check_integrity(list(engine.scheduler.queue)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()

@@ -80,11 +80,16 @@ def test_warm_start_imports_the_hottest_blocks_within_the_budget(tiny_dir):
         off = await warm_start(failed.transfer, directory, lambda rid: LocalHolder(holder.transfer), "me", "",
                                0, 10.0)
         assert off.outcome == "off" and off.blocks == 0
-        for side in (holder, full, capped, failed):
+        # A pool with room for 8 imported blocks (half its 16 free ones) asks for 8, not for all 10.
+        got = await warm_start(small.transfer, directory, lambda rid: LocalHolder(holder.transfer), "me", "",
+                               10**9, 10.0)
+        assert got.outcome == "warmed" and got.blocks == 8 and small.pool.num_cached_blocks == 8
+        for side in (holder, full, capped, failed, small):
             await check_idle(side)
 
+    small = make_side(tiny_dir, block_size=BS, num_kv_blocks=16)
     try:
         asyncio.run(main())
     finally:
-        for side in (holder, full, capped, failed):
+        for side in (holder, full, capped, failed, small):
             side.close()

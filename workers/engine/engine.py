@@ -235,8 +235,11 @@ class LLMEngine:
         self._note_first_scheduled(sched)
         if sched.is_empty:
             # schedule() may have finished requests that can never fit; they
-            # are reported through update_from_output like any other.
+            # are reported through update_from_output like any other. What it waits for may be
+            # blocks a KV transfer pinned: their release needs the gate (pool_gate.py).
             model_out = ModelOutput(sampled_token_ids=[], logprobs=[])
+            if self.forward_gate is not None:
+                self.forward_gate.pause()
         else:
             with self.forward_gate.lent() if self.forward_gate is not None else contextlib.nullcontext():
                 model_out = self.runner.execute(sched)

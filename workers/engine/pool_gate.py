@@ -15,6 +15,12 @@ everything else it does (schedule, the step's bookkeeping, its calls)::
     engine thread:  [held: schedule] [lent: forward] [held: update, calls] [lent: idle wait] ...
     other thread:                     pin / release                        pin / release
 
+A step that schedules nothing (a waiting request whose blocks are not free)
+runs no forward, so it lends the gate for a moment instead (``pause``): the
+blocks it waits for may be the ones a transfer pinned, whose release needs
+the gate (without this the engine thread spun holding it, and the release,
+and so the request, waited for ever).
+
 No torch, no ray: a ``threading.Lock`` and the discipline above.
 """
 
@@ -22,10 +28,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
+
+PAUSE_S = 0.001  # how long a step that scheduled nothing lends the gate
 
 
 class PoolGate:
@@ -52,6 +61,11 @@ class PoolGate:
             yield
         finally:
             self._lock.acquire()
+
+    def pause(self) -> None:
+        """Engine thread, after a step that scheduled nothing: lends the gate a moment."""
+        with self.lent():
+            time.sleep(PAUSE_S)
 
     def get(self, inbox: "queue.Queue[T]", block: bool) -> T:
         """Engine thread: the inbox's next item, the gate lent while it waits idle
