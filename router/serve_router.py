@@ -67,6 +67,8 @@ from cluster.shared.types import GenerationRequest
 from router.metrics import get_router_metrics
 from router.decision import RoutingCore
 from router.policies import ReplicaView, get_policy
+from router.policies.base import Ranking
+from router.policies.disagg import pair, role_of
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         cache_contract: str = "",
         num_routers: int = 1,
         directory_lookup: str = "index",
+        prefill_replicas: int = 0,
     ) -> None:
         """Called by Serve with ``request_router_kwargs``."""
         if directory_lookup not in ("index", "redis"):
@@ -116,6 +119,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         # Recent sends, per-prefix rates, tokens sent since each replica's stats,
         # candidate sampling: the part of a decision the simulator shares.
         self._core = RoutingCore(self._policy, block_size, num_routers=num_routers)
+        self._prefill_replicas = prefill_replicas  # disaggregated prefill (router/policies/disagg.py); 0: off
 
     async def choose_replicas(
         self,
@@ -168,12 +172,23 @@ class PrefixAwareRequestRouter(RequestRouter):
         ranking = self._core.decide_ranking(chain, len(request.prompt_token_ids), list(by_id), counts,
                                             lambda rid, matched: self._view(by_id[rid], matched, adapter),
                                             adapter=adapter, adapter_holders=holders)
+        ranking, request.kv_prefill_first = self._disaggregated(ranking, by_id, counts, request, adapter)
         ranked = ranking.replica_ids
         # Replaced, not updated: a request routed again (a rejection, a migration) carries this decision's.
         request.kv_fetch_from = {rid: holder for rid, holder in ranking.fetch_from.items() if holder in by_id}
         matched = counts.get(ranked[0], 0) if counts is not None and ranked else None
         self._metrics.record_decision(time.perf_counter() - began, matched, len(chain))
         return [[by_id[replica_id]] for replica_id in ranked]
+
+    def _disaggregated(self, ranking: Ranking, by_id: dict[str, RunningReplica], counts: Optional[dict[str, int]],
+                       request: GenerationRequest, adapter: str) -> tuple[Ranking, bool]:
+        """Decode replicas first, each hinted to have the first prefill replica prefill and
+        hand the KV over (``router/policies/disagg.py``); the ranking as it is when off."""
+        if not self._prefill_replicas:
+            return ranking, False
+        roles = {rid: role_of(_rank_of(r), self._prefill_replicas) for rid, r in by_id.items()}
+        paired = pair(ranking, roles, counts or {}, len(request.prompt_token_ids), self._block_size, bool(adapter))
+        return Ranking(paired.replica_ids, paired.fetch_from), paired.prefill_first
 
     def _adapter_fingerprint(self, name: str, candidates: List[RunningReplica]) -> str:
         """What the replicas hash a LoRA adapter's blocks with: the model's fingerprint and
@@ -318,9 +333,16 @@ def _holds(stats: dict, adapter: str) -> bool:
     return any(name == adapter for name, _ in stats.get("lora_adapters", ()))
 
 
+def _rank_of(replica: RunningReplica) -> Optional[int]:
+    """The replica's Serve rank as it reported it (``workers/disagg.py``), or None."""
+    rank = (getattr(replica, "replica_metadata", None) or {}).get("rank")
+    return rank if isinstance(rank, int) else None
+
+
 def _export_target(pending: Optional[PendingRequest]) -> str:
-    """The replica a KV export call names (``ReplicaServer.export_kv``'s ``holder_id``), or ""."""
-    if pending is None or getattr(pending.metadata, "call_method", "") != "export_kv":
+    """The replica a KV export or disaggregated-prefill call names (``ReplicaServer.export_kv``'s
+    or ``prefill_kv``'s ``holder_id``), or ""."""
+    if pending is None or getattr(pending.metadata, "call_method", "") not in ("export_kv", "prefill_kv"):
         return ""
     return str(pending.kwargs.get("holder_id", "") or "")
 

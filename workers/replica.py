@@ -41,6 +41,7 @@ from cluster.shared.ray_local import node_ip as ray_node_ip
 from cluster.shared.types import GenerationRequest, LoRARequest, StreamChunk
 from workers.core_share import core_share_for, forward_threads, torch_threads
 from workers.direct_endpoint import DirectStreamEndpoint
+from workers.disagg import DisaggregationEndpoints
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_pool import KVEventBatch
 from workers.engine.engine import LLMEngine
@@ -62,7 +63,7 @@ def default_replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:8]}"
 
 
-class ReplicaServer(KVTransferEndpoints, DirectStreamEndpoint):
+class ReplicaServer(DisaggregationEndpoints, KVTransferEndpoints, DirectStreamEndpoint):
     """An engine replica with streaming, stats and KV-event publishing.
 
     Args:

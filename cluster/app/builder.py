@@ -115,6 +115,7 @@ def request_router_config(config: ClusterConfig) -> Any:
             # Each router sees about 1/num_routers of a prefix's requests (hot-prefix rates).
             "num_routers": config.router.num_routers,
             "directory_lookup": config.directory_lookup,
+            "prefill_replicas": config.prefill_replicas,  # disaggregated prefill (router/policies/disagg.py)
         },
         # Load figures for the policy; the router also counts its own in-flight requests.
         request_routing_stats_period_s=1.0,

@@ -291,6 +291,8 @@ class GenerationRequest:
     # The request router's fetch hints (issue 33, docs/KV_TRANSFER.md): replica id -> the replica
     # holding the prefix that it should fetch the KV from before it prefills; set per decision.
     kv_fetch_from: dict[str, str] = field(default_factory=dict)
+    # Disaggregated prefill (docs/DISAGGREGATION.md): the hinted replica is a prefill replica; ask it to prefill first.
+    kv_prefill_first: bool = False
 
 
 @dataclass

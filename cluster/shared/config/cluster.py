@@ -208,6 +208,12 @@ class ClusterConfig:
             many nodes with room). ``None`` (default): no cap; Serve
             schedules replicas with Ray's SPREAD strategy, so they land on
             different nodes where there is room (best effort).
+        prefill_replicas: Disaggregated prefill (docs/DISAGGREGATION.md):
+            the replicas of Serve rank below it are ``prefill`` replicas
+            (SGLang's ``--disaggregation-mode prefill``, vLLM's
+            ``kv_producer``), the others ``decode`` (``kv_consumer``); a
+            request is prefilled on one, its KV pulled by the other, which
+            decodes. 0 (default): every replica does both (``kv_both``).
 
     ``from_dict`` / ``from_yaml`` read the same tree from a mapping or a YAML
     file (``prefixserve up --config``, the RayService's ``serveConfigV2``);
@@ -229,6 +235,7 @@ class ClusterConfig:
     autoscaling: Optional[AutoscalingConfig] = None
     models: list[ModelConfig] = field(default_factory=list)
     max_replicas_per_node: Optional[int] = None
+    prefill_replicas: int = 0
 
     def __post_init__(self) -> None:
         check_serving_fields(self)

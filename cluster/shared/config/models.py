@@ -36,7 +36,8 @@ BASELINE_ROUTING_POLICIES = ("adapter_affinity", "random")
 DIRECTORY_LOOKUPS = ("index", "redis")
 # The per-model fields, shared by ModelConfig and ClusterConfig's top level.
 SERVING_FIELDS = ("replicas", "replica_num_cpus", "rank_num_cpus", "max_ongoing_requests", "routing_policy",
-                  "routing_policy_params", "directory_lookup", "engine", "autoscaling", "max_replicas_per_node")
+                  "routing_policy_params", "directory_lookup", "engine", "autoscaling", "max_replicas_per_node",
+                  "prefill_replicas")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
@@ -143,6 +144,10 @@ def check_serving_fields(config: Any) -> None:
         raise ValueError("max_replicas_per_node applies to replicas without tensor parallelism (Serve refuses it "
                          "with placement groups); unset it with tensor_parallel_size > 1")
     scaling = config.autoscaling
+    fewest = scaling.min_replicas if scaling is not None else config.replicas
+    if not 0 <= config.prefill_replicas < fewest:
+        raise ValueError(f"prefill_replicas must be >= 0 and leave a decode replica: below replicas (or autoscaling's "
+                         f"min_replicas), {fewest}; got {config.prefill_replicas} (0: every replica prefills and decodes)")
     if scaling is not None and not scaling.min_replicas <= config.replicas <= scaling.max_replicas:
         raise ValueError(
             f"with autoscaling, replicas ({config.replicas}) is the initial replica count and must lie in "
@@ -175,6 +180,8 @@ class ModelConfig:
         max_replicas_per_node: Most of this model's replicas on one Ray node
             (Serve's ``max_replicas_per_node``); ``None``: no cap, Serve
             spreads replicas over the nodes with room (best effort).
+        prefill_replicas: Disaggregated prefill (docs/DISAGGREGATION.md): the replicas of Serve rank below it
+            only prefill, the others decode; 0 (default): every replica does both.
     """
 
     name: Optional[str] = None
@@ -189,6 +196,7 @@ class ModelConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     autoscaling: Optional[AutoscalingConfig] = None
     max_replicas_per_node: Optional[int] = None
+    prefill_replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.name is not None and not _NAME.match(self.name):
