@@ -28,9 +28,9 @@ CASES = {
     "qwen3": ("qwen3", {}, None),  # per-head q/k norms, in place before the rotation
     "gemma3": ("gemma3", {}, None),  # four norms, GeGLU, q/k norms, two RoPE tables
     "gemma3_int4": ("gemma3", {}, "int4"),
-    "gemma2": ("gemma2", {}, None),  # capped scores: softcap.py's attention in the per-layer loop
+    "gemma2": ("gemma2", {}, None),  # capped scores: the decode kernel's cap, in the one-call step too
 }
-NO_DRIVER = {"gemma2"}  # no C attention caps scores: no one-call decode step
+NO_DRIVER: set[str] = set()  # every family here gets the one-call decode step
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -81,11 +81,28 @@ def test_head_norms_and_gemmas_layout_get_the_step_driver(tmp_path, family):
         assert {lay.local for lay in model.native_decoder.layers} == {True, False}
 
 
-def test_soft_capped_attention_keeps_torchs_attention(tmp_path):
-    # Gemma 2: the native decoder's per-layer loop with softcap.py's attention, never the C decode kernel.
+def test_soft_capped_scores_run_in_the_one_call_step(tmp_path):
+    # Gemma 2: the decode kernel caps its scores, so the one-call step serves its decode-only steps (the
+    # bitwise test above checks its numbers). With the cap not passed to the kernel (each layer's struct
+    # set to 0) the step's logits differ from the module path's: the bitwise check catches a lost cap.
     folder = save_hf_model(make_hf_model(make_hf_config("gemma2")), tmp_path)
     model, _ = load_model(folder, "float32", "cpu", TorchAttentionBackend())
     assert model.model.layers[0].self_attn.softcap == 5.0
-    if model.native_decoder is None:
+    fast = model.native_decoder
+    if fast is None:
         pytest.skip("a native kernel did not build here")
-    assert model.native_decoder._driver is None
+    assert fast._driver is not None and {layer.cap for layer in fast.layers} == {5.0}
+    for layer_c in fast._layers_c:
+        layer_c.cap = 0.0
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(n)] for i, n in enumerate([9, 14])}
+    drivers = [PagedDriver(model, block_size=4), PagedDriver(model, block_size=4)]
+    differs = False
+    for chunks in (prompts, {"r0": [7], "r1": [8]}, {"r0": [9], "r1": [10]}):
+        model.native_decoder = fast
+        got = drivers[0].step(chunks)
+        model.native_decoder = None
+        expected = drivers[1].step(chunks)
+        differs |= any(not torch.equal(got[rid], expected[rid]) for rid in chunks)
+    model.native_decoder = fast
+    assert differs

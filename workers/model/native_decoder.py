@@ -27,8 +27,10 @@ rows before the rotation (``head_rms_norm_f32``), and for Gemma the embedding
 scale, four norms per layer (the attention's and the MLP's outputs normed
 before they join the stream), GeGLU (``gelu_tanh_and_mul_f32``, which the
 module path calls too) and the sliding-window layers' own RoPE table. Gemma 2
-runs the per-layer loop only: its soft-capped attention scores are torch's
-(``attention/softcap.py``, the module path's), which no C kernel computes.
+too: the decode kernel caps its attention scores (``softcap`` of
+``paged_decode.c``, which the torch backend's capped decodes call as well, so
+both paths keep the same bits); its prefill chunks take the module path's
+attention (``attention/softcap.py``), as below.
 
 Steps with prefill chunks take the module path's attention for those layers'
 attention (views of the q/k/v rows into the backend); everything else stays
@@ -63,7 +65,7 @@ class _Layer:
 
     __slots__ = ("norm1", "norm2", "norm3", "norm4", "eps", "qkv", "o", "gate_up", "down", "num_heads",
                  "num_kv_heads", "head_dim", "scale", "window", "attn", "linears", "moe", "q_norm", "k_norm",
-                 "qk_eps", "gelu", "local")
+                 "qk_eps", "gelu", "local", "cap")
 
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -85,6 +87,7 @@ class _Layer:
         self.gate_up, self.down = (weight_of(m) if m is not None else None for m in dense)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
+        self.cap = float(attn.softcap or 0.0)  # Gemma 2's score cap (0: none)
         self.attn = attn
         self.linears = (attn.qkv_proj, attn.o_proj, *dense)  # their .lora: side paths
 
@@ -98,7 +101,7 @@ class _LayerC(ctypes.Structure):
     _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", Lin), ("o", Lin), ("gate_up", Lin), ("down", Lin),
                 ("k_cache", _P), ("v_cache", _P), ("window", _L), ("eps", _F), ("scale", _F), ("moe", _P),
                 ("q_norm", _P), ("k_norm", _P), ("norm3", _P), ("norm4", _P), ("gelu", _L), ("local", _L),
-                ("qk_eps", _F)]
+                ("qk_eps", _F), ("cap", _F)]
 
 
 _DRIVER_SIGNATURES = {"decoder_decode": [_P, _P, _L, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _L,
@@ -143,8 +146,6 @@ class NativeDecoder:
         lib = native.build("decoder_step", _DRIVER_SOURCE, signatures=_DRIVER_SIGNATURES)
         lins = [[lin_struct(w) if w is not None else Lin() for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                 for layer in self.layers]
-        if any(layer.attn.softcap is not None for layer in self.layers):  # Gemma 2: the C attention cannot cap
-            return None
         moes = [layer.moe.native if layer.moe is not None else None for layer in self.layers]
         moe_lib = load_moe() if any(layer.moe is not None for layer in self.layers) else None
         if lib is None or any(lin is None for row in lins for lin in row) or any(
@@ -171,7 +172,7 @@ class NativeDecoder:
             _LayerC(layer.norm1, layer.norm2, *row, None, None, layer.window, layer.eps, layer.scale,
                     ctypes.addressof(moe.struct) if moe is not None else None, layer.q_norm or None,
                     layer.k_norm or None, layer.norm3 or None, layer.norm4 or None, layer.gelu, layer.local,
-                    layer.qk_eps)
+                    layer.qk_eps, layer.cap)
             for layer, row, moe in zip(self.layers, lins, moes, strict=True)])
         inter = max([row[3].k for row, moe in zip(lins, moes, strict=True) if moe is None], default=0)
         self._scratch_per_token = 3 * self.hidden_size + lins[0][0].n \
@@ -279,7 +280,7 @@ class NativeDecoder:
             self._rotary(qkv.data_ptr(), tokens, hq + hkv, d, ld, *ropes[2 * layer.local : 2 * layer.local + 2])
             if self.timers is not None:
                 begin = time.perf_counter()
-            if decode_only and layer.attn.softcap is None:
+            if decode_only:
                 attn = torch.empty(tokens, hq * d)
                 base = qkv.data_ptr()
                 k_base = base + hq * d * 4
@@ -288,7 +289,7 @@ class NativeDecoder:
                 decode_fn(base, ld, k_base, ld, k_base + hkv * d * 4, ld, slots, cache,
                              cache + kv_cache.stride(0) * kv_cache.element_size(), tables, width, lens, num_reqs, hq, hkv, d,
                              kv_cache.shape[2], layer.scale, layer.window, attn.data_ptr(), hq * d,
-                             tail_lo, tail_slots, tail_width)
+                             tail_lo, tail_slots, tail_width, layer.cap)
             else:
                 q = qkv[:, : hq * d].view(tokens, hq, d)
                 k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)

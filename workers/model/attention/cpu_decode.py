@@ -25,6 +25,9 @@ a chunk is attended chunk by chunk in parallel and merged in order
 head's arithmetic never depends on the head range, so a request's output is
 the same whatever its batch-mates.
 
+Soft-capped scores (Gemma 2) are capped in the kernel, between the product
+and the softmax (``softcap``), on both paths.
+
 It is plain C built on first use (``workers/model/native.py``): no compiler,
 or a failed build, leaves ``load()`` returning None and the torch path in
 use; nothing else changes.
@@ -48,7 +51,7 @@ MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256
 _FLAGS = (*native.FLAGS, "-ffp-contract=fast", "-fno-math-errno")
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES = {"paged_decode_f32": [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I,
-                                    ctypes.c_float, _I, _P, _L, _P, _P, _I]}
+                                    ctypes.c_float, _I, _P, _L, _P, _P, _I, ctypes.c_float]}
 
 
 def load(kv_dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
@@ -95,6 +98,7 @@ def paged_decode(
     sliding_window: Optional[int],
     new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     tails: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged K/V (see module doc).
 
@@ -112,6 +116,8 @@ def paged_decode(
             from ``tail_lo`` on at ``tail_slots[r, p - tail_lo]`` (the
             request's own path through the tree) instead of through its
             block table; -1 reads the table as usual.
+        softcap: Gemma 2's cap: each scaled score ``s`` becomes
+            ``softcap * tanh(s / softcap)`` before the softmax.
 
     Returns:
         [B, num_heads, head_dim], contiguous.
@@ -140,6 +146,6 @@ def paged_decode(
         q.data_ptr(), q.stride(0), k_ptr, ldk, v_ptr, ldv, slots_ptr, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_reqs, num_heads, kv_cache.shape[3], head_dim,
         kv_cache.shape[2], float(scale), int(sliding_window or 0), out.data_ptr(), num_heads * head_dim,
-        tail_lo_ptr, tail_slots_ptr, tail_width,
+        tail_lo_ptr, tail_slots_ptr, tail_width, float(softcap or 0.0),
     )
     return out

@@ -1,10 +1,12 @@
 """Paged attention with soft-capped scores (Gemma 2), in plain torch.
 
-Neither ``scaled_dot_product_attention`` nor our native kernels (``cpu_decode``,
-``cpu_prefill``) can cap scores between the product and the softmax, so
-soft-capped layers take this path of the torch backend: one request at a
-time (plain decodes a group at a time, padded and masked), its context
-gathered by slot, then transformers' eager order of operations::
+Neither ``scaled_dot_product_attention`` nor the native prefill kernel
+(``cpu_prefill``) can cap scores between the product and the softmax, so
+soft-capped prefill chunks take this path of the torch backend: one request
+at a time, its context gathered by slot, then transformers' eager order of
+operations. Decode rows go to the native decode kernel (``cpu_decode``, which
+caps) when the backend hands one over (``decode_lib``), else here a group at
+a time (padded and masked)::
 
     s = (q @ k^T) * scale                       [Hq, q rows, L]
     s = tanh(s / cap) * cap                      before the mask, as transformers
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from workers.model.attention import kv_int8
+from workers.model.attention import cpu_decode, kv_int8
 from workers.model.attention.base import AttentionMetadata, write_kv
 
 # Scores of one chunk of query rows ([Hq, rows, L] float32) stay below this.
@@ -34,16 +36,25 @@ DECODE_GROUP_BYTES = 4 << 20
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
-                      softcap: float) -> torch.Tensor:
+                      softcap: float, decode_lib: Optional[object] = None) -> torch.Tensor:
     """Writes k/v into the cache at ``meta.slot_mapping``, then attends every
-    request's rows over its context with capped scores (``AttentionBackend.forward``)."""
+    request's rows over its context with capped scores (``AttentionBackend.forward``);
+    with ``decode_lib`` (``cpu_decode.load()``'s) the decode rows on that kernel."""
     write_kv(k, v, kv_cache, meta.slot_mapping)
     block_size = kv_cache.shape[2]
     flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, hd]
     out = torch.empty_like(q)
     start = 0
-    if meta.tree_tails is None and meta.num_decodes:  # plain decodes, in groups (the torch backend's layout)
-        start = meta.num_decodes
+    nd = meta.num_decodes
+    if decode_lib is not None and nd:  # the decode kernel caps too; tree rows read their tails there
+        tails = meta.tree_tails
+        if tails is not None:
+            tails = (tails[0][:nd].contiguous(), tails[1][:nd].contiguous())
+        out[:nd] = cpu_decode.paged_decode(decode_lib, q[:nd], kv_cache, meta.block_tables[:nd],
+                                           meta.seq_lens[:nd], scale, sliding_window, tails=tails, softcap=softcap)
+        start = nd
+    elif meta.tree_tails is None and nd:  # plain decodes, in groups (the torch backend's layout)
+        start = nd
         out[:start] = _decodes(q[:start], kv_cache, meta, scale, sliding_window, softcap)
     for i in range(start, meta.num_requests):
         qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]

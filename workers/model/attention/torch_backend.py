@@ -19,8 +19,10 @@ request at a time: a first chunk without cached context attends to its own
 keys with ``is_causal`` (no gather); a chunk with context gathers its blocks
 and uses an explicit causal mask offset by the context length.
 
-Layers with soft-capped scores (Gemma 2) take ``softcap.py`` instead: plain
-torch, one request at a time (neither SDPA nor the native kernels cap scores).
+Layers with soft-capped scores (Gemma 2): decodes on the native decode kernel,
+which caps scores (``cpu_decode``), prefill chunks (and every row where the
+kernel is off) in ``softcap.py``: plain torch, one request at a time (neither
+SDPA nor the prefill kernel caps scores).
 """
 
 from __future__ import annotations
@@ -75,8 +77,14 @@ class TorchAttentionBackend:
         softcap: Optional[float] = None,
     ) -> torch.Tensor:
         nd = meta.num_decodes
-        if softcap is not None:
-            return softcap_attention(q, k, v, kv_cache, meta, scale, sliding_window, softcap)
+        if softcap is not None:  # decodes on the native kernel, which caps; prefill chunks in softcap.py
+            if self._native_decode and self._native_ready(q, k, v, kv_cache) and nd == meta.num_requests:
+                return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens,
+                                               scale, sliding_window, new_kv=(k, v, meta.slot_mapping),
+                                               tails=meta.tree_tails, softcap=softcap)
+            native = self._native_decode and nd > 0 and self._native_ready(q, None, None, kv_cache)
+            return softcap_attention(q, k, v, kv_cache, meta, scale, sliding_window, softcap,
+                                     decode_lib=self._native_lib if native else None)
         if self.batch_invariant:
             return self._per_query(q, k, v, kv_cache, meta, scale, sliding_window)
         if nd == meta.num_requests and self._native_decode and self._native_ready(q, k, v, kv_cache):

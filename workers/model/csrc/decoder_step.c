@@ -6,11 +6,12 @@
    q_norm / k_norm: NULL, or an RMSNorm over each query / key head before the rotation (Qwen3, Gemma 3).
    norm3 / norm4: NULL for Llama's layout (norm2 is the MLP's input norm), else Gemma's: norm2 normalizes
    the attention output, norm3 is the MLP's input norm and norm4 normalizes the MLP's output.
-   local: the layer rotates with the second RoPE table (Gemma 3's sliding-window layers). */
+   local: the layer rotates with the second RoPE table (Gemma 3's sliding-window layers).
+   cap: the attention scores' soft cap (Gemma 2; 0: none). */
 typedef struct { const float* norm1; const float* norm2; lin_t qkv, o, gate_up, down;
                  void* k_cache; void* v_cache; long window; float eps; float scale; const moe_t* moe;
                  const float* q_norm; const float* k_norm; const float* norm3; const float* norm4;
-                 long gelu; long local; float qk_eps; } layer_t;
+                 long gelu; long local; float qk_eps; float cap; } layer_t;
 
 /* Every layer of a decode-only step, in NativeDecoder.forward's order: residual
    [T, hidden] holds the embeddings and is the residual stream; out receives
@@ -45,7 +46,7 @@ void decoder_decode(const fns_t* f, const layer_t* layers, long num_layers, long
         f->rotary(qkv, T, hq + hkv, d, nqkv, L->local ? cos_local : cos, L->local ? sin_local : sin);
         f->decode(qkv, nqkv, qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, slots, L->k_cache, L->v_cache,
                   tables, (int)width, lens, (int)num_reqs, (int)hq, (int)hkv, (int)d, (int)block_size,
-                  L->scale, (int)L->window, attn, hq * d, tail_lo, tail_slots, (int)tail_width);
+                  L->scale, (int)L->window, attn, hq * d, tail_lo, tail_slots, (int)tail_width, L->cap);
         linear(f, &L->o, attn, T, o);
         if (L->norm3) {  /* Gemma: residual += norm2(o); h = norm3(residual) */
             f->norm(NULL, o, L->norm2, o, T, hidden, L->eps);

@@ -12,7 +12,7 @@ typedef void (*silu_fn)(const float*, float*, long, long);  /* and gelu_tanh_and
 typedef void (*head_norm_fn)(float*, long, long, long, long, const float*, float);
 typedef void (*decode_fn)(const float*, long, const float*, long, const float*, long, const long*, void*, void*,
                           const int*, int, const int*, int, int, int, int, int, float, int, float*, long,
-                          const int*, const long*, int);
+                          const int*, const long*, int, float);  /* last: the score cap (0: none) */
 typedef void (*i8gemm_fn)(const float*, long, long, long, const signed char*, const float*, const int*, long,
                           const float*, float*, long);
 

@@ -7,6 +7,10 @@
 
 #define MAX_GROUP 32
 
+/* Soft-capped scores (Gemma 2's attn_logit_softcapping): s -> cap * tanh(s / cap), applied to the
+   scaled score before the softmax, as transformers does; cap 0 leaves scores as they are. */
+static inline float cap_score(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
+
 /* The first position a query at len - 1 attends to under a sliding window (0: none). */
 static inline int window_lo(int len, int window) { return (window > 0 && len > window) ? len - window : 0; }
 #define MAX_DIM 256
@@ -80,7 +84,7 @@ static inline void row_offsets(long* offs, int j0, int j1, int start, long block
                 float dot = 0.0f;                                                           \
                 _Pragma("omp simd reduction(+:dot)")                                        \
                 for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];                           \
-                s[g][j] = dot * ks;                                                         \
+                s[g][j] = cap_score(dot * ks, cap);                                         \
             }                                                                               \
         }                                                                                   \
         for (int g = 0; g < G; ++g) {                                                       \
@@ -110,7 +114,8 @@ static inline void row_offsets(long* offs, int j0, int j1, int start, long block
     }
 
 #define ATTEND_ARGS const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache, \
-    const int* table, int len, int lo, int h, int block_size, long row, float scale, const long* tslots, int tlo
+    const int* table, int len, int lo, int h, int block_size, long row, float scale, const long* tslots, int tlo, \
+    float cap
 
 #define ATTEND(G, D) static void attend_##G##_##D(ATTEND_ARGS) { ATTEND_BODY(G, D) }
 ATTEND(1, 64) ATTEND(2, 64) ATTEND(3, 64) ATTEND(4, 64) ATTEND(5, 64) ATTEND(6, 64) ATTEND(7, 64) ATTEND(8, 64)
@@ -139,6 +144,30 @@ static inline void prefetch_rows(const float* k, const float* v, long span) {
         _mm_prefetch((const char*)(k + d), _MM_HINT_T1);
         _mm_prefetch((const char*)(v + d), _MM_HINT_T1);
     }
+}
+
+/* tanh of eight floats: Cephes' tanhf (an odd polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) from
+   there, exp8's clamp giving 1 for large |x|), within a few ulp of libm's tanhf; then cap * tanh(s / cap)
+   as cap_score. */
+static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp8(_mm256_add_ps(ax, ax));
+    const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), ax, ax);
+    const __m256 r = _mm256_blendv_ps(small, big, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_GE_OQ));
+    return _mm256_or_ps(r, _mm256_and_ps(x, sign));
+}
+static inline __m256 cap8(__m256 s, float cap) {
+    const __m256 c = _mm256_set1_ps(cap);
+    return _mm256_mul_ps(c, tanh8(_mm256_div_ps(s, c)));
 }
 
 /* The largest lane; the lanes' sum in a fixed order. */
@@ -171,7 +200,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
    query head's arithmetic is the same whatever the head range or batch. */
 static void attend_fast(const float* qr, float* orow, const float* k_cache, const float* v_cache,
                         const int* table, int len, int lo, int h0, int h1, int G, int D, int block_size,
-                        long row, float scale, float* part, const long* tslots, int tlo) {
+                        long row, float scale, float* part, const long* tslots, int tlo, float cap) {
     const int NQ = (h1 - h0) * G;               /* query heads handled here */
     const float* qh = qr + (long)h0 * G * D;
     float* oh = orow + (long)h0 * G * D;
@@ -228,6 +257,10 @@ static void attend_fast(const float* qr, float* orow, const float* k_cache, cons
                 }
             }
         }
+        if (cap > 0.0f)  /* capped scores, eight at a time (lanes past j1 are scratch, never read) */
+            for (int g = 0; g < NQ; ++g)
+                for (int j = j0; j < j1; j += 8)
+                    _mm256_storeu_ps(&s[g][j], cap8(_mm256_loadu_ps(&s[g][j]), cap));
         for (int g = 0; g < NQ; ++g) {
             const float* vb = v_cache + (long)(g / G) * D;
             /* the block's max (exact in any order), then p_j = exp(s_j - max) and their sum, eight
@@ -334,12 +367,12 @@ static void merge_chunks(const float* parts, long stride, int nc, int NQ, int D,
 
 static void attend(const float* qh, float* oh, const kv_t* k_cache, const kv_t* v_cache,
                    const int* table, int len, int lo, int h, int G, int D, int block_size,
-                   long row, float scale, const long* tslots, int tlo) {
+                   long row, float scale, const long* tslots, int tlo, float cap) {
     attend_fn fn = 0;
     if (G <= 8 && D == 64) fn = ATTEND_64[G];
     else if (G <= 8 && D == 128) fn = ATTEND_128[G];
-    if (fn) fn(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, tslots, tlo);
-    else attend_any(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, tslots, tlo, G, D);
+    if (fn) fn(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, tslots, tlo, cap);
+    else attend_any(qh, oh, k_cache, v_cache, table, len, lo, h, block_size, row, scale, tslots, tlo, cap, G, D);
 }
 
 /* Decode attention: request r's query (num_heads * head_dim floats at
@@ -349,7 +382,8 @@ static void attend(const float* qh, float* oh, const kv_t* k_cache, const kv_t* 
    With tail_lo (tree verification, spec_decode.py): a row r with
    tail_lo[r] >= 0 reads positions p >= tail_lo[r] from the slots
    tail_slots[r * tail_width + p - tail_lo[r]] (its own path through the
-   tree) instead of through its block table. */
+   tree) instead of through its block table. softcap > 0 caps every scaled
+   score to softcap * tanh(score / softcap) before the softmax (Gemma 2). */
 #define TAIL_LO(r, len) ((tail_lo && tail_lo[r] >= 0) ? tail_lo[r] : (len))
 #define TAIL_SLOTS(r) (tail_slots ? tail_slots + (long)(r) * tail_width : 0)
 /* One token's K (or V) of every head into its cache row (quantized per head for int8). */
@@ -377,7 +411,8 @@ void paged_decode_f32(
     const float* q, long ldq, const float* k, long ldk, const float* v, long ldv, const long* slot_mapping,
     kv_t* k_cache, kv_t* v_cache, const int* block_tables, int table_width, const int* seq_lens,
     int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int window, float* out, long ldo, const int* tail_lo, const long* tail_slots, int tail_width)
+    float scale, int window, float* out, long ldo, const int* tail_lo, const long* tail_slots, int tail_width,
+    float softcap)
 {
     const int G = num_heads / num_kv_heads;
     const long row = (long)num_kv_heads * HS(head_dim);      /* one token's K (or V), in kv_t */
@@ -435,7 +470,7 @@ void paged_decode_f32(
                 attend_fast(q + (long)r * ldq, out + (long)r * ldo, k_cache, v_cache,
                             block_tables + (long)r * table_width, c_hi, c_lo, h0, h1, G, head_dim,
                             block_size, row, scale, slot[i] >= 0 ? partial + slot[i] : 0,
-                            TAIL_SLOTS(r), TAIL_LO(r, len));
+                            TAIL_SLOTS(r), TAIL_LO(r, len), softcap);
             }
             if (nsplit) {
                 #pragma omp for schedule(dynamic, 1)
@@ -461,7 +496,7 @@ void paged_decode_f32(
             const int lo = window_lo(len, window);
             attend(q + (long)r * ldq + (long)h * G * head_dim, out + (long)r * ldo + (long)h * G * head_dim,
                    k_cache, v_cache, block_tables + (long)r * table_width, len, lo, h, G, head_dim,
-                   block_size, row, scale, TAIL_SLOTS(r), TAIL_LO(r, len));
+                   block_size, row, scale, TAIL_SLOTS(r), TAIL_LO(r, len), softcap);
         }
     }
 }
