@@ -46,7 +46,13 @@ From 16 rows (prefill, large decode batches) each panel's q is first decoded
 to floats once (exact small integers, K x NR floats, in L2) and the rows run
 on that with the same operations in the same order, so the same bits; the
 conversion is then paid once per panel instead of once per 3 rows (AVX2),
-1.3x faster at 64-512 rows on the AVX2 EPYC.
+1.3x faster at 64-512 rows on the AVX2 EPYC. There x is packed in strips of
+rows as the float32 GEMM packs it, and the group sums are taken from the
+strips on every thread (``csrc/qgemm_prefill.h``). What remains against the
+float32 GEMM on the same shapes is the arithmetic itself: per group of G
+inputs an element takes G FMAs plus two (scale, min), so with groups of 32
+an FMA-bound CPU runs it at most at 32 / 34 = 0.94x the float32 GEMM's speed
+(0.98x with groups of 128) unless the bits change (docs/QUANTIZATION.md).
 """
 
 from __future__ import annotations

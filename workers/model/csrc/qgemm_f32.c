@@ -226,91 +226,7 @@ void qgemm_panels_f32(const float* x, long M, long K, long ldx, const float* xs,
     }
 }
 
-/* A panel's q as exact small-integer floats, [K][NR] (4- and 5-bit: inputs 2kk and
-   2kk + 1 from byte row kk, as the microkernel reads them). */
-static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
-    if (bits == 4) {
-        for (long kk = 0; kk < K / 2; ++kk) {
-            vec l0, l1, h0, h1;
-            LOAD_U4(q + kk * NR, l0, l1, h0, h1);
-            VSTORE(wf + (2 * kk) * NR, l0); VSTORE(wf + (2 * kk) * NR + VL, l1);
-            VSTORE(wf + (2 * kk + 1) * NR, h0); VSTORE(wf + (2 * kk + 1) * NR + VL, h1);
-        }
-    } else if (bits == 5) {
-        for (long kk = 0; kk < K / 2; ++kk) {
-            vec l0, l1, h0, h1;
-            LOAD_U5(q + kk * NR, q + (K / 2 + kk / 4) * NR, 2 * (kk % 4), l0, l1, h0, h1);
-            VSTORE(wf + (2 * kk) * NR, l0); VSTORE(wf + (2 * kk) * NR + VL, l1);
-            VSTORE(wf + (2 * kk + 1) * NR, h0); VSTORE(wf + (2 * kk + 1) * NR + VL, h1);
-        }
-    } else {
-        for (long k = 0; k < K; ++k) {
-            vec w0, w1;
-            LOAD_S8((const signed char*)q + k * NR, w0, w1);
-            VSTORE(wf + k * NR, w0); VSTORE(wf + k * NR + VL, w1);
-        }
-    }
-}
-
-/* Up to FR rows against a decoded panel wf: the same operations in the same
-   order as qukr (per group an FMA chain from zero over the group's inputs,
-   then scale, then min), so the same bits; the running sums wait in acc
-   (L1) between groups, leaving the registers to FR rows of group sums. */
-#define FR (2 * MRQ)
-static inline __attribute__((always_inline))
-void fukr(const int R, const float* x, long ldx, const float* xs, long G, const float* wf,
-          const float* sc, const float* mn, int bits, long K, long gs, float* y, long ldy,
-          int nvalid, const float* bias) {
-    float acc[FR][NR] __attribute__((aligned(64)));
-    for (long g = 0; g < G; ++g) {
-        const long k0 = g * gs;
-        const long len = k0 + gs <= K ? gs : K - k0;
-        const long k1 = k0 + (bits == 8 ? len : (len / 2) * 2);
-        vec ga[FR][2];
-        for (int r = 0; r < FR; ++r) { ga[r][0] = VZERO(); ga[r][1] = VZERO(); }
-        for (long k = k0; k < k1; ++k) {
-            const vec w0 = VLOAD(wf + k * NR), w1 = VLOAD(wf + k * NR + VL);
-            for (int r = 0; r < FR; ++r) {
-                if (r < R) {
-                    const vec xa = VSET1(x[r * ldx + k]);
-                    ga[r][0] = VFMA(w0, xa, ga[r][0]); ga[r][1] = VFMA(w1, xa, ga[r][1]);
-                }
-            }
-        }
-        const vec s0 = VLOAD(sc + g * NR), s1 = VLOAD(sc + g * NR + VL);
-        for (int r = 0; r < R; ++r) {
-            vec a0 = g ? VLOAD(acc[r]) : VZERO(), a1 = g ? VLOAD(acc[r] + VL) : VZERO();
-            a0 = VFMA(s0, ga[r][0], a0); a1 = VFMA(s1, ga[r][1], a1);
-            if (mn) {
-                const vec xsum = VSET1(xs[r * G + g]);
-                a0 = VFMA(VLOAD(mn + g * NR), xsum, a0); a1 = VFMA(VLOAD(mn + g * NR + VL), xsum, a1);
-            }
-            VSTORE(acc[r], a0); VSTORE(acc[r] + VL, a1);
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        vec a0 = VLOAD(acc[r]), a1 = VLOAD(acc[r] + VL);
-        if (bias) { a0 = VADD(a0, VLOAD(bias)); a1 = VADD(a1, VLOAD(bias + VL)); }
-        if (nvalid == NR) {
-            VSTORE(y + r * ldy, a0); VSTORE(y + r * ldy + VL, a1);
-        } else {
-            float tmp[NR];
-            VSTORE(tmp, a0); VSTORE(tmp + VL, a1);
-            memcpy(y + r * ldy, tmp, sizeof(float) * nvalid);
-        }
-    }
-}
-
-/* fukr with R a constant: a full block of FR rows (every row of a prefill but the last few) runs
-   without a per-row test in its inner loop; a partial block takes the general one. Same operations. */
-static void fukr_full(const float* x, long ldx, const float* xs, long G, const float* wf, const float* sc,
-                      const float* mn, int bits, long K, long gs, float* y, long ldy, int nvalid, const float* bias) {
-    fukr(FR, x, ldx, xs, G, wf, sc, mn, bits, K, gs, y, ldy, nvalid, bias);
-}
-static void fukr_part(int R, const float* x, long ldx, const float* xs, long G, const float* wf, const float* sc,
-                      const float* mn, int bits, long K, long gs, float* y, long ldy, int nvalid, const float* bias) {
-    fukr(R, x, ldx, xs, G, wf, sc, mn, bits, K, gs, y, ldy, nvalid, bias);
-}
+#include "qgemm_prefill.h"
 
 /* y[M, ldy] = x[M, ldx] @ W.T (+ bias) for a quantized W (module doc).
    q: panels, each K * bits / 8 * NR bytes (5-bit: K / 2 * NR of nibbles, then K / 8 * NR of high bits); scales / mins: panels of ceil(K / gs) * NR
@@ -322,38 +238,15 @@ void qgemm_f32(const float* x, long M, long K, long ldx, const unsigned char* q,
                   y, ldy);
         return;
     }
-    const long P = (N + NR - 1) / NR;
-    const long G = (K + gs - 1) / gs;
-    const long qbytes = K * bits / 8 * NR;
-    float* xs = (float*)malloc(sizeof(float) * (M * G + 1));
-    qgemm_group_sums(x, M, K, ldx, gs, xs);
     const int parallel = (double)M * (double)N * (double)K > 262144.0;
-    if (M >= DECODE_ROWS) {
-        /* Many rows (prefill): each panel's q decoded to floats once, then FR rows at a time on them
-           (the small-batch kernel below converts q for every MRQ rows). Same bits either way. */
-        #pragma omp parallel if (parallel)
-        {
-            float* wf = (float*)aligned_alloc(64, sizeof(float) * (K + 1) * NR);
-            #pragma omp for schedule(dynamic, 1)
-            for (long p = 0; p < P; ++p) {
-                const int nvalid = (N - p * NR) < NR ? (int)(N - p * NR) : NR;
-                const float* b = bias ? bias + p * NR : 0;
-                decode_panel(q + p * qbytes, bits, K, wf);
-                for (long m = 0; m < M; m += FR) {
-                    const int rows = (M - m) < FR ? (int)(M - m) : FR;
-                    if (rows == FR)
-                        fukr_full(x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
-                                  mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
-                    else
-                        fukr_part(rows, x + m * ldx, ldx, xs + m * G, G, wf, scales + p * G * NR,
-                                  mins ? mins + p * G * NR : 0, bits, K, gs, y + m * ldy + p * NR, ldy, nvalid, b);
-                }
-            }
-            free(wf);
-        }
-        free(xs);
+    if (M >= DECODE_ROWS) {  /* many rows (prefill): each panel decoded once, then strips of rows on it */
+        qgemm_prefill(x, M, K, ldx, q, scales, mins, bits, gs, N, bias, y, ldy, parallel);
         return;
     }
+    const long P = (N + NR - 1) / NR;
+    const long G = (K + gs - 1) / gs;
+    float* xs = (float*)malloc(sizeof(float) * (M * G + 1));
+    qgemm_group_sums(x, M, K, ldx, gs, xs);
     #pragma omp parallel for schedule(static) if (parallel)
     for (long p = 0; p < P; ++p)
         qgemm_panels_f32(x, M, K, ldx, xs, q, scales, mins, bits, gs, N, bias, y, ldy, p, p + 1);
