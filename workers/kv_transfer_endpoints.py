@@ -17,6 +17,10 @@ the call's result through Ray's object store, as with an actor handle::
     router (in the receiver's process): call_method export_kv -> [[holder]]
     holder:   export_kv -> KVExport (pinned, copied, released)
     receiver: import, commit, events out -> the request's admission hits
+
+The other way round, a replica that Serve stops (scale-down) pushes its
+hottest blocks to a survivor in ``shutdown`` (``_hand_over_cache``,
+``workers/kv_handover.py``): the same handle, method ``import_kv``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
+from workers.kv_handover import HandoverMetrics, HandoverResult, hand_over, import_pushed
 from workers.kv_transfer import KVExport, KVTransfer
 from workers.kv_warm_start import WarmResult, WarmStartMetrics, warm_start
 from workers.kv_transfer_metrics import TransferMetrics
@@ -54,9 +59,29 @@ class _NamedExport:
         return self._handle.remote(block_hashes, holder_id=self._holder_id)
 
 
-def serve_holder_of() -> Optional[HolderOf]:
-    """Inside a Serve replica: resolves a holder id to a ``ServeHolder`` through a
-    handle to this replica's own deployment (made once); None outside Serve."""
+class ServeReceiver:
+    """A surviving replica of this deployment reached through a Serve handle (a
+    hand-over, ``workers/kv_handover.py``): ``import_kv.remote(export, sender_id)``.
+    The call names the receiver (``holder_id``), but the request router routes
+    by name only ``export_kv``; ``import_kv`` goes to the least loaded live
+    replica, which imports what fits all the same (Serve no longer routes to the
+    stopping replica)."""
+
+    def __init__(self, handle: Any, receiver_id: str) -> None:
+        import_kv = handle.options(method_name="import_kv")
+
+        class _Call:
+            @staticmethod
+            def remote(export: KVExport, sender_id: str) -> Any:
+                return import_kv.remote(export, holder_id=receiver_id, sender_id=sender_id)
+
+        self.import_kv = _Call
+
+
+def serve_holder_of(wrap: Callable[[Any, str], Any] = ServeHolder) -> Optional[HolderOf]:
+    """Inside a Serve replica: resolves a replica id to ``wrap(handle, id)`` (a
+    ``ServeHolder``, or a ``ServeReceiver``) through a handle to this replica's
+    own deployment (made once); None outside Serve."""
     try:
         from ray import serve
 
@@ -68,9 +93,48 @@ def serve_holder_of() -> Optional[HolderOf]:
     def holder_of(holder_id: str) -> Any:
         if not handles:
             handles.append(serve.get_deployment_handle(context.deployment, context.app_name))
-        return ServeHolder(handles[0], holder_id)
+        return wrap(handles[0], holder_id)
 
     return holder_of
+
+
+def serve_app_deleted() -> bool:
+    """Inside a Serve replica: whether its whole application is being deleted (or
+    Serve is gone): then no replica survives to take a hand-over. Blocks (asks
+    Serve's controller): call it off any event loop."""
+    try:
+        from ray import serve
+
+        app_name = serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - not inside a Serve replica (a test's receivers)
+        return False
+    try:
+        app = serve.status().applications.get(app_name)
+        return app is None or app.status == "DELETING"
+    except Exception:  # noqa: BLE001 - no controller (serve.shutdown)
+        return True
+
+
+def _run_with_directory(redis_url: str, namespace: str, main: Callable[[Any], Any], join_s: float,
+                        name: str) -> list[Any]:
+    """``await main(directory)`` on a thread of its own with its own event loop (the
+    caller's loop, Serve's, stays free); returns ``[its result]``, or ``[]`` when it
+    did not end within ``join_s`` (the thread is left to end on its own bound)."""
+    box: list[Any] = []
+
+    async def run() -> None:
+        from cluster.shared.directory import Directory
+
+        directory = Directory.from_url(redis_url, namespace)
+        try:
+            box.append(await main(directory))
+        finally:
+            await directory.aclose()
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()), name=name, daemon=True)
+    thread.start()
+    thread.join(join_s)
+    return box
 
 
 class KVTransferEndpoints:
@@ -80,6 +144,8 @@ class KVTransferEndpoints:
     kv_transfer: KVTransfer
     replica_id: str
     holder_of: Optional[HolderOf] = None
+    receiver_of: Optional[HolderOf] = None  # a hand-over's receiver id -> a handle with import_kv.remote
+    handover_result: Optional[HandoverResult] = None
 
     def _start_kv_transfer(self, front: Any, runner: Any, metrics: Any, after_commit: Callable[[], None],
                            cache: Any) -> None:
@@ -91,9 +157,12 @@ class KVTransferEndpoints:
                                       timeout_s=cache.kv_transfer_timeout_s)
         if self.holder_of is None:
             self.holder_of = serve_holder_of()
+        if self.receiver_of is None:
+            self.receiver_of = serve_holder_of(ServeReceiver)
         self._kv_cache_config = cache
         self.warm_metrics = WarmStartMetrics(metrics.registry, labels)
         self.warm_result: Optional[WarmResult] = None
+        self.handover_metrics = HandoverMetrics(metrics.registry, labels)
 
     def _run_warm_start(self, redis_url: Optional[str], namespace: str, contract: str) -> WarmResult:
         """Blocks until the warm start is over (``workers/kv_warm_start.py``): called by the
@@ -103,25 +172,50 @@ class KVTransferEndpoints:
         if redis_url is None or cache.kv_warm_start_bytes <= 0:
             result = WarmResult("off")
         else:
-            box: list[WarmResult] = []
-
-            async def main() -> None:
-                from cluster.shared.directory import Directory
-
-                directory = Directory.from_url(redis_url, namespace)
-                try:
-                    box.append(await warm_start(self.kv_transfer, directory, self.holder_of, self.replica_id,
-                                                contract, cache.kv_warm_start_bytes, cache.kv_transfer_timeout_s))
-                finally:
-                    await directory.aclose()
-
-            thread = threading.Thread(target=lambda: asyncio.run(main()), name="kv-warm-start", daemon=True)
-            thread.start()
-            thread.join(cache.kv_transfer_timeout_s + 30)  # its own bound is kv_transfer_timeout_s
+            box = _run_with_directory(redis_url, namespace, lambda directory: warm_start(
+                self.kv_transfer, directory, self.holder_of, self.replica_id, contract, cache.kv_warm_start_bytes,
+                cache.kv_transfer_timeout_s), cache.kv_transfer_timeout_s + 30, "kv-warm-start")  # its own bound
             result = box[0] if box else WarmResult("timeout")
         self.warm_metrics.record(result)
         self.warm_result = result
         return result
+
+    def _hand_over_cache(self, redis_url: Optional[str], namespace: str, contract: str) -> None:
+        """Pushes this replica's hottest cached blocks to a survivor (``workers/kv_handover.py``)
+        and blocks until that is over, at most ``kv_transfer_timeout_s`` (and a margin): called
+        once by ``shutdown`` (Serve's graceful stop, after its drain) while the engine and the
+        directory publisher still run. Off outside Serve, with no directory or a budget of 0;
+        skipped when the whole application is being deleted. Never raises."""
+        if self.handover_result is not None or getattr(self, "handover_metrics", None) is None:
+            return  # handed over already, or the constructor did not get this far
+        cache = self._kv_cache_config
+        result = HandoverResult("off")
+        try:
+            if (redis_url is not None and cache.kv_handover_bytes > 0 and self.receiver_of is not None
+                    and self.kv_transfer.front.error is None and self.kv_transfer.layout is not None):
+                async def main(directory: Any) -> HandoverResult:
+                    if await asyncio.to_thread(serve_app_deleted):
+                        return HandoverResult("skipped")
+                    return await hand_over(self.kv_transfer, directory, self.receiver_of,  # type: ignore[arg-type]
+                                           self.replica_id, contract, cache.kv_handover_bytes,
+                                           cache.kv_transfer_timeout_s)
+
+                box = _run_with_directory(redis_url, namespace, main, cache.kv_transfer_timeout_s + 5, "kv-handover")
+                result = box[0] if box else HandoverResult("timeout")
+        except Exception as exc:  # noqa: BLE001 - the stop must go on
+            logger.warning("cache hand-over failed (%r)", exc)
+            result = HandoverResult("error")
+        self.handover_metrics.record(result)
+        self.handover_result = result
+
+    async def import_kv(self, export: KVExport, holder_id: str = "", sender_id: str = "") -> tuple[str, int]:
+        """A stopping replica's hand-over (``workers/kv_handover.py``): imports the blocks of
+        ``export`` not cached here, hottest first, at most half of the free blocks. Returns
+        ``(failure reason or "", blocks imported)``. ``holder_id``: the receiver the sender
+        meant (any live replica that gets the call imports what fits)."""
+        if sender_id and sender_id == self.replica_id:
+            return "error", 0  # routed back to the stopping replica: nothing survives here
+        return await import_pushed(self.kv_transfer, export)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -265,7 +265,10 @@ class ReplicaServer(DisaggregationEndpoints, KVTransferEndpoints, DirectStreamEn
             raise RuntimeError(f"engine loop failed: {self._front.error!r}")
 
     def shutdown(self) -> None:
-        """Stops the engine thread, the publisher (unregisters) and TP ranks."""
+        """Hands the cache over to a survivor (``kv_transfer_endpoints.py``), then stops the
+        engine thread, the publisher (unregisters) and TP ranks."""
+        self._hand_over_cache(getattr(self, "_redis_url", None), getattr(self, "_namespace", ""),
+                              getattr(self, "_contract", ""))
         self._closing = True
         self._wake_publisher()
         if getattr(self, "_publisher_thread", None) is not None:

@@ -128,12 +128,12 @@ class CacheConfig:
         kv_cache_dtype: ``auto`` (the model's dtype) or ``int8`` (one scale
             per token and head, ``workers/model/attention/kv_int8.py``; CPU,
             the torch attention backend): about 3.8x the blocks of float32.
-        kv_transfer_max_concurrent: KV fetches from other replicas, and
-            exports to them, a replica runs at once; one more is refused at
-            once (its request prefills), never queued (docs/KV_TRANSFER.md).
-        kv_transfer_timeout_s: Seconds a KV fetch waits for the holder
-            before its request prefills instead, and a warm start's time bound.
+        kv_transfer_max_concurrent: KV fetches from other replicas, and exports to them, a replica runs
+            at once; one more is refused at once (its request prefills), never queued (docs/KV_TRANSFER.md).
+        kv_transfer_timeout_s: Seconds a KV fetch waits for the holder before its request prefills
+            instead, and the time bound of a warm start and of a hand-over.
         kv_warm_start_bytes: KV a joining replica pulls of the hottest prefixes before it serves; 0: off.
+        kv_handover_bytes: KV a replica being scaled down pushes of its hottest prefixes to a survivor; 0: off.
     """
 
     block_size: int = 16
@@ -146,6 +146,7 @@ class CacheConfig:
     kv_transfer_max_concurrent: int = 2
     kv_transfer_timeout_s: float = 10.0
     kv_warm_start_bytes: int = 64 * 2**20
+    kv_handover_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -161,10 +162,11 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.kv_transfer_max_concurrent < 1 or self.kv_transfer_timeout_s <= 0 or self.kv_warm_start_bytes < 0:
-            raise ValueError("kv_transfer_max_concurrent must be >= 1, kv_transfer_timeout_s > 0 and kv_warm_start_"
-                             f"bytes >= 0, got {self.kv_transfer_max_concurrent}, {self.kv_transfer_timeout_s} and "
-                             f"{self.kv_warm_start_bytes}")
+        if self.kv_transfer_max_concurrent < 1 or self.kv_transfer_timeout_s <= 0 or min(
+                self.kv_warm_start_bytes, self.kv_handover_bytes) < 0:
+            raise ValueError("kv_transfer_max_concurrent must be >= 1, kv_transfer_timeout_s > 0, kv_warm_start_bytes "
+                             f"and kv_handover_bytes >= 0, got {self.kv_transfer_max_concurrent}, "
+                             f"{self.kv_transfer_timeout_s}, {self.kv_warm_start_bytes} and {self.kv_handover_bytes}")
 
 
 @dataclass(frozen=True)
@@ -209,10 +211,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}): every running sequence needs a token of budget each step"
-            )
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs a token of budget each step")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
