@@ -252,6 +252,10 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
     lines += format_table(table)
     if "engine_baseline" in summary:
         lines += format_table(_baseline_rows(summary["engine_baseline"]))
+    if summary.get("ttft_split"):
+        from cluster.bench.ttft_split import rows as split_rows
+
+        lines += format_table(split_rows(summary["ttft_split"]))
     return lines
 
 

@@ -267,7 +267,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     try:
         if cluster is not None:
             target = cluster.grpc_address if args.backend == "grpc" else cluster.http_url
-        summary, records = asyncio.run(_bench(args, target, tokenizer, conversations, slos))
+        summary, records = asyncio.run(_bench(args, target, tokenizer, conversations, slos, cluster))
     finally:
         if cluster is not None:
             cluster.stop()
@@ -308,17 +308,30 @@ def against_baseline(summary: dict[str, Any], baselines: Sequence[dict[str, floa
 
 
 async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversations: list[Conversation],
-                 slos: dict[str, float]) -> tuple[dict[str, Any], list[RequestRecord]]:
+                 slos: dict[str, float], cluster: Any = None) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """The run; with a local ``cluster``, its replicas' side of the TTFT too (``ttft_split``)."""
+    from cluster.bench import ttft_split
+    from cluster.shared.directory import Directory
+
     client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key, args.tls_ca)
+    directories = [] if cluster is None else [Directory.from_url(cluster.redis_url, model.namespace)
+                                              for model in cluster.config.models_by_name().values()]
     try:
         await warm_up(client)
+        before = await ttft_split.settled(directories) if directories else None
         logger.info("sending %d requests (%s) to %s", sum(c.num_requests for c in conversations),
                     args.dataset_name, target)
         records, duration = await run_requests(client, conversations, args.request_rate, args.max_concurrency,
                                                args.seed, progress=not args.disable_tqdm, desc=args.dataset_name)
+        summary = summarize(records, duration, slos, structured=args.dataset_name in STRUCTURED_DATASETS)
+        if before is not None:  # the warm-up counted (settled above), then the run's requests
+            after = await ttft_split.after_run(directories, before, summary["completed"])
+            summary["ttft_split"] = ttft_split.split(before, after, summary["ttft_ms"]["mean"])
     finally:
         await client.aclose()
-    return summarize(records, duration, slos, structured=args.dataset_name in STRUCTURED_DATASETS), records
+        for directory in directories:
+            await directory.aclose()
+    return summary, records
 
 
 def run_config(args: argparse.Namespace, target: Optional[str], engine: Any, local: bool) -> dict[str, Any]:

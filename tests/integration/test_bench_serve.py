@@ -133,6 +133,29 @@ def test_bench_serve_over_grpc_matches_the_workload(cluster, tmp_path):
     assert config["request_rate"] == "inf" and config["max_concurrency"] == 1
 
 
+def test_a_local_clusters_run_splits_its_ttft_between_the_path_and_the_replicas(cluster, tmp_path, monkeypatch):
+    # bench serve without --url starts a local cluster and reads its replicas' own TTFT
+    # (cluster/bench/ttft_split.py); here the cluster is this module's, started already.
+    from types import SimpleNamespace
+
+    from cluster.bench import serve as serve_module
+
+    _, model_dir, redis_url, namespace = cluster
+    with routers(cluster) as (address, _):
+        running = SimpleNamespace(grpc_address=address, redis_url=redis_url, stop=lambda: None,
+                                  config=SimpleNamespace(models_by_name=lambda: {"tiny": SimpleNamespace(
+                                      namespace=namespace)}))
+        monkeypatch.setattr(serve_module, "start_local_cluster", lambda *args, **kwargs: running)
+        report = bench(model_dir, tmp_path, *shared_prefix_flags(seed=13))
+    parts = report["ttft_split"]
+    assert parts["requests"] == report["completed"] == GROUPS * PER_GROUP  # the run's, not the warm-up's
+    assert parts["client_ttft_mean_ms"] == report["ttft_ms"]["mean"]
+    # A replica's interval lies inside the client's: receipt to first token, queue inside that.
+    assert 0 < parts["replica_ttft_mean_ms"] < parts["client_ttft_mean_ms"], parts
+    assert 0 <= parts["replica_queue_mean_ms"] <= parts["replica_ttft_mean_ms"], parts
+    assert parts["path_mean_ms"] == pytest.approx(parts["client_ttft_mean_ms"] - parts["replica_ttft_mean_ms"])
+
+
 def test_bench_serve_over_openai_matches_the_workload(cluster, tmp_path):
     with routers(cluster) as (_, base_url):
         report = bench(cluster[1], tmp_path, "--backend", "openai", "--base-url", base_url,
