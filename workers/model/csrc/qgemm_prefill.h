@@ -49,8 +49,13 @@ static void decode_panel(const unsigned char* q, int bits, long K, float* wf) {
 static void pack_strip(const float* x, long M, long K, long ldx, long gs, long s, float* xp, float* xs) {
     const long m0 = s * FR;
     const int rows = M - m0 < FR ? (int)(M - m0) : FR;
-    for (int r = 0; r < FR; ++r)
-        for (long k = 0; k < K; ++k) xp[k * FR + r] = r < rows ? x[(m0 + r) * ldx + k] : 0.0f;
+    const float* xr[FR];  /* rows past M read row m0 (any finite row) and are then zeroed */
+    for (int r = 0; r < FR; ++r) xr[r] = x + (m0 + (r < rows ? r : 0)) * ldx;
+    for (long k = 0; k < K; ++k)
+        for (int r = 0; r < FR; ++r) xp[k * FR + r] = xr[r][k];
+    if (rows < FR)
+        for (long k = 0; k < K; ++k)
+            for (int r = rows; r < FR; ++r) xp[k * FR + r] = 0.0f;
     const long G = (K + gs - 1) / gs;
     for (long g = 0; g < G; ++g) {
         float sum[FR];
