@@ -23,12 +23,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.shared.directory import Directory
+from cluster.shared.hashing import hash_block_chain, root_hash
 from router.backend import ModelInfo, RouterBackend
 from router.metrics import ClusterMetrics, get_router_metrics
 from router.openai import serve_openai
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
 from tests.integration.router_cluster import serve_app
+from workers.model.loader import model_fingerprint
 
 APP = "metrics-test"
 POLICY = "cache_aware"
@@ -141,9 +143,29 @@ def test_token_request_and_latency_counters_match_the_traffic(cluster):
     prompts = [(shared, 5, False), (shared, 3, False), (list(range(40, 51)), 7, True),
                (list(range(60, 66)), 1, False), (list(range(70, 99)), 9, True)]
 
+    _, model_dir, redis_url, namespace = cluster
+    chain = hash_block_chain(shared, 4, root_hash(model_fingerprint(model_dir)))
+
+    async def listed() -> None:
+        # The second shared-prefix request is routed on what the directory lists: wait for the
+        # first one's blocks (KV events reach Redis a moment after its last token; on a loaded
+        # machine the second request used to overtake them, miss, and land on the other replica).
+        directory = Directory.from_url(redis_url, namespace)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while max((await directory.lookup(chain)).values(), default=0) < len(chain):
+                assert time.monotonic() < deadline, "the directory never listed the shared prefix"
+                await asyncio.sleep(0.1)
+        finally:
+            await directory.aclose()
+
     async def body(client: Client) -> None:
         before = await client.scrape()
-        usages = [await client.complete(p, n, stream) for p, n, stream in prompts]
+        usages = []
+        for i, (p, n, stream) in enumerate(prompts):
+            if i == 1:
+                await listed()
+            usages.append(await client.complete(p, n, stream))
         sent = sum(u["prompt_tokens"] for u in usages)
         received = sum(u["completion_tokens"] for u in usages)
         cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
