@@ -18,7 +18,8 @@ logger = logging.getLogger("prefixserve")
 
 # `up` flags that override a top-level field of the cluster config.
 _UP_CLUSTER_FLAGS = ("replicas", "replica_num_cpus", "rank_num_cpus", "redis_url", "redis_data_dir", "namespace",
-                     "max_ongoing_requests", "routing_policy", "directory_lookup", "max_replicas_per_node")
+                     "max_ongoing_requests", "routing_policy", "directory_lookup", "max_replicas_per_node",
+                     "prefill_replicas")
 
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
@@ -37,6 +38,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                          "over the nodes with room, best effort)")
     # Defaults None: unset flags keep the --config file's value (or the config default).
     up.add_argument("--replicas", type=int, default=None, help="default: 1")
+    up.add_argument("--prefill-replicas", type=int, default=None,
+                    help="disaggregated prefill: this many replicas only prefill, the others decode "
+                         "(docs/DISAGGREGATION.md; default 0: every replica does both)")
     up.add_argument("--replica-num-cpus", type=float, default=None,
                     help="CPUs reserved per replica (fractional; default 0.5)")
     up.add_argument("--rank-num-cpus", type=float, default=None,

@@ -122,3 +122,13 @@ def test_prefill_replicas_in_the_config_must_leave_a_decode_replica_and_reach_th
                                  "autoscaling": {"min_replicas": 2, "max_replicas": 4}})
     multi = ClusterConfig.from_dict({"models": [{"name": "a", "replicas": 3, "prefill_replicas": 1}]})
     assert multi.models_by_name()["a"].prefill_replicas == 1
+
+
+def test_up_takes_prefill_replicas_from_its_flag():
+    from cluster.cli import build_parser, up_config
+
+    parser = build_parser()
+    assert up_config(parser.parse_args(["up"])).prefill_replicas == 0
+    assert up_config(parser.parse_args(["up", "--replicas", "3", "--prefill-replicas", "1"])).prefill_replicas == 1
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        up_config(parser.parse_args(["up", "--prefill-replicas", "1"]))  # one replica: none left to decode
