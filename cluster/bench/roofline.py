@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 BUFFER_MIB = 256  # far beyond the L3 of the CPUs here (32 MiB)
 REPEATS = 3
 
 
-def measure_read_gbps(buffer_mib: int = BUFFER_MIB, repeats: int = REPEATS) -> float:
-    """The best read bandwidth of ``repeats`` sums over ``buffer_mib`` MiB (GB/s), on torch's threads."""
+def measure_read_gbps(buffer_mib: int = BUFFER_MIB, repeats: int = REPEATS,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
+    """The best read bandwidth of ``repeats`` sums over ``buffer_mib`` MiB (GB/s), on torch's threads.
+
+    ``clock``: ``time.thread_time`` with torch on one thread measures the calling thread's CPU time,
+    as a kernel timed the same way on a shared machine (``scripts/bench_qgemm.py --cpu-time``)."""
     import torch
 
     buf = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)
     best = 0.0
     for _ in range(repeats):
-        begin = time.perf_counter()
+        begin = clock()
         float(buf.sum())
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - begin) / 1e9)
+        best = max(best, buf.numel() * 4 / (clock() - begin) / 1e9)
     return round(best, 2)
 
 
