@@ -31,8 +31,10 @@ class FakeDirectory:
     async def live_replicas(self) -> dict[str, int]:
         return {rid: 1 for rid in [*self.usage, "me"]}
 
+    contract = ""
+
     async def replica_contract(self, rid: str) -> str:
-        return ""
+        return self.contract
 
     async def replica_block_hashes(self, rid: str) -> set[bytes]:
         return set(self.held.get(rid, ()))
@@ -141,6 +143,63 @@ def test_hand_over_pushes_the_hottest_blocks_and_survives_failing_receivers(tiny
 
 def _raise(*args):
     raise RuntimeError("write failed")
+
+
+class ServerReceiver:
+    """A ``ReplicaServer``'s ``import_kv`` behind a handle's shape (Serve's, in production)."""
+
+    def __init__(self, server, receiver_id: str) -> None:
+        class import_kv:  # noqa: N801 - a handle's shape
+            @staticmethod
+            async def remote(export, sender_id):
+                return await server.import_kv(export, holder_id=receiver_id, sender_id=sender_id)
+
+        self.import_kv = import_kv
+
+
+def test_a_stopping_replica_server_hands_its_cache_over_in_shutdown(tiny_dir, monkeypatch):
+    from cluster.shared.directory import Directory
+    from cluster.shared.types import GenerationRequest, SamplingParams
+    from workers.replica import ReplicaServer
+
+    config = {"model": str(tiny_dir), "block_size": BS, "num_kv_blocks": 128}
+    stopping, survivor, plain = (ReplicaServer(config, replica_id=rid) for rid in ("stopping", "survivor", "plain"))
+    directory = FakeDirectory({"survivor": 0.0})
+    directory.aclose = lambda: asyncio.sleep(0)
+    monkeypatch.setattr(Directory, "from_url", staticmethod(lambda url, namespace: directory))
+    stopping._redis_url = "redis://127.0.0.1:1/0"  # the fake directory above answers instead
+    stopping.receiver_of = lambda rid: ServerReceiver(survivor, rid)
+    prompt = [random.Random(9).randrange(3, 500) for _ in range(41)]
+
+    async def serve(server, request_id):
+        tokens, final = [], None
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        async for chunk in server.generate(GenerationRequest(request_id, prompt, params)):
+            tokens, final = tokens + chunk.token_ids, chunk
+        return tokens, final.cached_prompt_tokens
+
+    try:
+        cold = asyncio.run(serve(stopping, "cold"))
+        directory.contract = "another model"
+        stopping._hand_over_cache(stopping._redis_url, "ns", stopping._contract)
+        assert stopping.handover_result.outcome == "no_receiver"  # no live replica of its contract
+        stopping.handover_result, directory.contract = None, stopping._contract
+        stopping.shutdown()  # Serve's __del__ calls it
+        stopping.shutdown()  # once only
+        result = stopping.handover_result
+        assert result.outcome == "handed_over" and result.blocks >= 10, result
+        assert stopping.handover_metrics.blocks._value.get() == result.blocks
+        after = asyncio.run(serve(survivor, "after"))
+        assert after == (cold[0], 40)
+        # A call routed back to the sender itself imports nothing.
+        export = asyncio.run(survivor.kv_transfer.export(list(survivor.kv_transfer.ledger.pool.cached_block_hashes()),
+                                                         warm_blocks=4))
+        assert asyncio.run(survivor.import_kv(export, "survivor", sender_id="survivor")) == ("error", 0)
+        plain.shutdown()  # no directory: no hand-over
+        assert plain.handover_result.outcome == "off"
+    finally:
+        for server in (stopping, survivor, plain):
+            server.shutdown()
 
 
 def test_a_negative_hand_over_budget_is_refused_by_name():

@@ -20,7 +20,7 @@ from cluster.shared.config import ClusterConfig, EngineConfig
 from cluster.shared.directory import Directory
 from cluster.shared.hashing import hash_block_chain, root_hash
 from tests.factories import make_tiny_model_dir
-from tests.integration.test_kv_transfer_serve import request, until_held
+from tests.integration.test_kv_transfer_serve import until_held
 from workers.model.loader import model_fingerprint
 from workers.replica import ReplicaServer
 
@@ -44,12 +44,17 @@ def handover_replica() -> type:
 
             return await self._front.call(check)
 
-        async def generate_here(self, only: str, req):
-            """``req`` served here if this is replica ``only``; None elsewhere."""
+        async def generate_here(self, only: str, request_id: str, prompt: list[int]):
+            """The prompt served here if this is replica ``only``; None elsewhere. Takes no
+            ``GenerationRequest``: the request router routes the call on load, ties at random,
+            not by the prefix policy (which may keep choosing one replica of a core group)."""
+            from cluster.shared.types import GenerationRequest, SamplingParams
+
             if self.replica_id != only:
                 return None
             tokens, final = [], None
-            async for chunk in self.generate(req):
+            params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+            async for chunk in self.generate(GenerationRequest(request_id, prompt, params)):
                 tokens += chunk.token_ids
                 final = chunk
             return {"tokens": tokens, "cached": final.cached_prompt_tokens}
@@ -88,29 +93,29 @@ async def live(config) -> dict[str, int]:
         await directory.aclose()
 
 
-async def served_by(handle, replica_id: str, req) -> dict:
-    """``req`` served on ``replica_id`` (calls routed elsewhere, or to a replica Serve is
+async def served_by(handle, replica_id: str, request_id: str, prompt: list[int]) -> dict:
+    """The prompt served on ``replica_id`` (calls routed elsewhere, or to a replica Serve is
     stopping or has stopped, are asked again)."""
-    for _ in range(200):
+    for _ in range(400):
         try:
-            got = await handle.options(method_name="generate_here").remote(replica_id, req)
+            got = await handle.options(method_name="generate_here").remote(replica_id, request_id, prompt)
         except Exception:  # noqa: BLE001 - a stopped replica Serve still routed to
-            await asyncio.sleep(0.05)
-            continue
+            got = None
         if got is not None:
             return got
+        await asyncio.sleep(0.05)  # the routing stats refresh every second
     raise AssertionError(f"no call reached {replica_id}")
 
 
 async def report_of(handle, replica_id: str) -> dict:
-    for _ in range(200):
+    for _ in range(400):
         try:
             got = await handle.options(method_name="report").remote()
         except Exception:  # noqa: BLE001 - as in served_by
-            await asyncio.sleep(0.05)
-            continue
-        if got["replica"] == replica_id:
+            got = None
+        if got is not None and got["replica"] == replica_id:
             return got
+        await asyncio.sleep(0.05)
     raise AssertionError(f"no report from {replica_id}")
 
 
@@ -129,7 +134,7 @@ def test_scale_down_hands_the_stopping_replicas_cache_to_the_survivor(cluster):
             prefix = [rng.randrange(3, 500) for _ in range(PREFIX)]
             prompts[rid] = prefix + [rng.randrange(3, 500)]
             chains[rid] = hash_block_chain(prefix, BLOCK, root)
-            colds[rid] = await served_by(handle, rid, request(f"cold-{i}", prompts[rid]))
+            colds[rid] = await served_by(handle, rid, f"cold-{i}", prompts[rid])
             assert colds[rid]["cached"] == 0
             await until_held(config, chains[rid], rid)
         await asyncio.to_thread(serve.run, deployment.options(num_replicas=1).bind(*args), name=APP,
@@ -144,7 +149,7 @@ def test_scale_down_hands_the_stopping_replicas_cache_to_the_survivor(cluster):
         await until_held(config, chains[stopped], survivor)  # the survivor's KV events listed them
         got = await report_of(handle, survivor)  # check_integrity ran there
         assert got["held"] == 0 and got["used"] == 0 and got["blocks_in"] >= PREFIX // BLOCK, got
-        here = await served_by(handle, survivor, request("after", prompts[stopped]))
+        here = await served_by(handle, survivor, "after", prompts[stopped])
         assert here["cached"] == PREFIX and here["tokens"] == colds[stopped]["tokens"]
 
     asyncio.run(main())
