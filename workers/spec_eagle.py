@@ -28,6 +28,7 @@ catch-up rows are batched too, a long prefill chunk alone.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Any, Callable, Optional
 
@@ -38,7 +39,8 @@ from workers.model.eagle import EagleDraft
 
 logger = logging.getLogger(__name__)
 
-BATCH_QUERY_ROWS = 8  # a sequence with more catch-up rows (a prefill chunk) is attended alone
+MAX_BACKLOG_ROWS = 64  # a sequence that proposes nothing has its rows written once it has more waiting
+PRUNE_AFTER_STEPS = 256  # a backlog untouched this many steps (its request ended or waits) is dropped
 
 
 class EagleProposer:
@@ -64,6 +66,8 @@ class EagleProposer:
                               dtype=self.dtype, device=self.device)
         self.lm_head: Callable[[torch.Tensor], torch.Tensor] = lm_head
         self.token_ids: Optional[torch.Tensor] = None  # the shortlist's ids, when scored on one
+        self._backlog = CatchUpBacklog()
+        self._num_steps = 0
         if draft.shortlist is not None:
             self._bind_shortlist(lm_head, draft.shortlist.to(self.device))
 
@@ -86,8 +90,9 @@ class EagleProposer:
     @torch.inference_mode()
     def step_proposals(self, step: tuple, reqs: list[ScheduledRequest], paths: list[list[int]],
                        sampled: list[list[int]]) -> Optional[list[Optional[list[list[int]]]]]:
-        """Catches the draft up on the step and proposes for the requests that
-        ask (``num_proposals``).
+        """Catches the draft up on the step (now for the requests that ask,
+        later for the others) and proposes for the requests that ask
+        (``num_proposals``).
 
         Args:
             step: ``(hidden, _, order, batch)`` of the runner's last ``_execute``:
@@ -101,6 +106,9 @@ class EagleProposer:
             Per request, None or ``[[d1, ..., dk]]``.
         """
         hidden, _, order, batch = step
+        self._num_steps += 1
+        if self._num_steps % PRUNE_AFTER_STEPS == 0:
+            self._backlog.prune(self._num_steps - PRUNE_AFTER_STEPS)
         start_of: dict[int, tuple[int, ScheduledRequest]] = {}
         start = 0
         for row, req in zip(order, batch):
@@ -110,37 +118,57 @@ class EagleProposer:
                 if s is not None]
         if not seqs:
             return None
-        hrows = torch.tensor([r for s in seqs for r in s["hidden_rows"]], dtype=torch.long, device=self.device)
-        next_ids = torch.tensor([t for s in seqs for t in s["next"]], dtype=torch.long, device=self.device)
-        positions = torch.tensor([p for s in seqs for p in s["positions"]], dtype=torch.long, device=self.device)
-        x, q, k, v = self.draft.qkv(self.embed(next_ids).to(self.dtype), hidden.index_select(0, hrows).to(self.dtype),
-                                    positions)
-        slots = torch.tensor([sl for s in seqs for sl in s["slots"]], dtype=torch.long, device=self.device)
-        self.kv[0].index_copy_(0, slots, k)
-        self.kv[1].index_copy_(0, slots, v)
-        attn = torch.empty(len(hrows), q.shape[1] * q.shape[2], dtype=self.dtype, device=self.device)
-        offsets, at = [], 0
+        rows = hidden.index_select(0, torch.tensor([r for s in seqs for r in s["hidden_rows"]], dtype=torch.long,
+                                                   device=hidden.device))
+        at = 0
+        writes: list[dict] = []  # the rows written now: the asking sequences' and the backlogs flushed
         for s in seqs:
-            offsets.append(at)
-            at += len(s["positions"])
-        small = [j for j, s in enumerate(seqs) if len(s["positions"]) <= BATCH_QUERY_ROWS]
-        groups = ([small] if small else []) + [[j] for j, s in enumerate(seqs) if j not in set(small)]
-        for group in groups:
-            self._catch_up_attention(group, seqs, offsets, q, attn)
-        features = self.draft.finish(x, attn)
-        asking = [j for j, s in enumerate(seqs) if s["k"] > 0]
+            n = len(s["positions"])
+            s["h"], at = rows[at: at + n], at + n
+            rid = reqs[s["index"]].request_id
+            if self._backlog.add(rid, s, self._num_steps) > MAX_BACKLOG_ROWS or s["k"] > 0:
+                writes.append(self._backlog.take(rid, s))
         out: list[Optional[list[list[int]]]] = [None] * len(reqs)
+        if not writes:
+            return out
+        x, q = self._write(writes)
+        asking = [(j, s) for j, s in enumerate(writes) if s["k"] > 0]
         if not asking:
             return out
-        last = torch.tensor([offsets[j] + len(seqs[j]["positions"]) - 1 for j in asking], device=self.device)
-        drafts = self._rounds([seqs[j] for j in asking], features.index_select(0, last))
-        for j, guess in zip(asking, drafts):
-            out[seqs[j]["index"]] = [guess]
+        ends, at = [], 0
+        for s in writes:
+            at += len(s["positions"])
+            ends.append(at - 1)
+        last = torch.tensor([ends[j] for j, _ in asking], device=self.device)
+        group = [s for _, s in asking]
+        context = self._context(group)
+        keys, values, lengths = context
+        span = torch.arange(keys.shape[1], device=self.device)
+        mask = (span[None, :] < lengths[:, None]).unsqueeze(1)
+        attn = self.draft.attend(q.index_select(0, last).unsqueeze(1), keys, values, mask)[:, 0]
+        features = self.draft.finish(x.index_select(0, last), attn)
+        for s, guess in zip(group, self._rounds(group, features, context)):
+            out[s["index"]] = [guess]
         return out
+
+    def _write(self, writes: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the draft keys and values of every row of ``writes`` to its
+        slot (the block table the sequence has now); returns the rows' layer
+        inputs and queries."""
+        hid = torch.cat([s["h"] for s in writes]).to(self.dtype)
+        next_ids = torch.tensor([t for s in writes for t in s["next"]], dtype=torch.long, device=self.device)
+        positions = torch.tensor([p for s in writes for p in s["positions"]], dtype=torch.long, device=self.device)
+        x, q, k, v = self.draft.qkv(self.embed(next_ids).to(self.dtype), hid, positions)
+        bs = self.block_size
+        slots = torch.tensor([s["table"][p // bs] * bs + p % bs for s in writes for p in s["positions"]],
+                             dtype=torch.long, device=self.device)
+        self.kv[0].index_copy_(0, slots, k)
+        self.kv[1].index_copy_(0, slots, v)
+        return x, q
 
     def _rows_of(self, i: int, req: ScheduledRequest, path: list[int], kept: list[int],
                  start_of: dict[int, tuple[int, ScheduledRequest]]) -> Optional[dict]:
-        """One sequence's catch-up rows: hidden rows, positions, the token after each, slots."""
+        """One sequence's catch-up rows: hidden rows, positions, the token after each."""
         hidden_rows: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -162,13 +190,11 @@ class EagleProposer:
             hidden_rows, positions, following = hidden_rows[:-1], positions[:-1], tokens[1:]
             if not positions:
                 return None
-        bs, table = self.block_size, req.block_ids
         return {"index": i, "hidden_rows": hidden_rows, "positions": positions, "next": following,
-                "slots": [table[p // bs] * bs + p % bs for p in positions], "table": table,
-                "k": req.num_proposals if kept else 0}
+                "table": req.block_ids, "k": req.num_proposals if kept else 0}
 
-    def _context(self, group: list[dict], extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values [B, L + extra, kv heads, d] of positions 0..last of each
+    def _context(self, group: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values [B, L, kv heads, d] of positions 0..last of each
         sequence (padded), and each one's length L_b."""
         bs = self.block_size
         lengths = [s["positions"][-1] + 1 for s in group]
@@ -183,31 +209,14 @@ class EagleProposer:
         values = self.kv[1].index_select(0, flat).view(len(group), width, *self.kv.shape[2:])
         return keys, values, torch.tensor(lengths, device=self.device)
 
-    def _catch_up_attention(self, group: list[int], seqs: list[dict], offsets: list[int], q: torch.Tensor,
-                            attn: torch.Tensor) -> None:
-        members = [seqs[j] for j in group]
-        keys, values, _ = self._context(members)
-        width_q = max(len(s["positions"]) for s in members)
-        queries = q.new_zeros(len(members), width_q, *q.shape[1:])
-        qpos = torch.full((len(members), width_q), -1, dtype=torch.long)
-        for b, (j, s) in enumerate(zip(group, members)):
-            n = len(s["positions"])
-            queries[b, :n] = q[offsets[j]: offsets[j] + n]
-            qpos[b, :n] = torch.tensor(s["positions"])
-        kpos = torch.arange(keys.shape[1])
-        mask = (kpos[None, None, :] <= qpos[:, :, None]).to(self.device)
-        mask[:, :, 0] = True  # padding query rows attend something (their output is dropped)
-        out = self.draft.attend(queries, keys, values, mask)
-        for b, (j, s) in enumerate(zip(group, members)):
-            n = len(s["positions"])
-            attn[offsets[j]: offsets[j] + n] = out[b, :n]
-
-    def _rounds(self, group: list[dict], features: torch.Tensor) -> list[list[int]]:
-        """d1 from the caught-up features, then one batched draft row per round."""
+    def _rounds(self, group: list[dict], features: torch.Tensor,
+                context: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[list[int]]:
+        """d1 from the caught-up features, then one batched draft row per round
+        over ``context`` (``_context(group)``)."""
         guesses = [self._guess(features)]
         k_max = max(s["k"] for s in group)
         if k_max > 1:
-            keys, values, lengths = self._context(group, 0)
+            keys, values, lengths = context
             width = keys.shape[1]
             base = torch.tensor([s["positions"][-1] for s in group], device=self.device)
             for r in range(1, k_max):
@@ -220,6 +229,46 @@ class EagleProposer:
                 guesses.append(self._guess(features))
         table = torch.stack(guesses, dim=1).tolist()
         return [row[: s["k"]] for row, s in zip(table, group)]
+
+
+class CatchUpBacklog:
+    """Per request, the kept rows not yet written to the draft's cache (its
+    target hidden states, positions and next tokens), in position order."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict] = {}
+
+    def add(self, request_id: str, s: dict, step: int) -> int:
+        """Appends the rows of ``s`` (``_rows_of`` with ``h``), first dropping
+        waiting rows at or after its first position (the sequence was
+        recomputed from there); returns how many rows wait."""
+        entry = self._rows.get(request_id)
+        if entry is None:
+            entry = self._rows[request_id] = {"h": [], "positions": [], "next": []}
+        cut = bisect.bisect_left(entry["positions"], s["positions"][0])
+        if cut < len(entry["positions"]):
+            entry["h"] = [torch.cat(entry["h"])[:cut]]
+            del entry["positions"][cut:], entry["next"][cut:]
+        entry["h"].append(s["h"])
+        entry["positions"] += s["positions"]
+        entry["next"] += s["next"]
+        entry["touched"] = step
+        return len(entry["positions"])
+
+    def take(self, request_id: str, s: dict) -> dict:
+        """``s`` with every waiting row of its request (its own last), which no longer wait."""
+        entry = self._rows.pop(request_id)
+        h = entry["h"][0] if len(entry["h"]) == 1 else torch.cat(entry["h"])
+        return {**s, "h": h, "positions": entry["positions"], "next": entry["next"]}
+
+    def prune(self, before: int) -> None:
+        """Drops the rows of requests untouched since step ``before``."""
+        for rid in [rid for rid, e in self._rows.items() if e["touched"] < before]:
+            del self._rows[rid]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(e["positions"]) for e in self._rows.values())
 
 
 def attach_eagle(runner: Any, folder: Optional[str], arch: Any) -> Any:
