@@ -16,15 +16,16 @@ typedef __m512 vec;
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 /* 32 bytes of k-pairs -> q of input 2kk (lo) and 2kk+1 (hi) for columns 0..15 (0) and 16..31 (1) */
+/* (each byte widened straight from memory, then its nibbles split in 32-bit lanes: two shuffles
+   per 32 bytes instead of six, the same values) */
 #define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
-    const __m256i b_ = _mm256_loadu_si256((const __m256i*)(p));                          \
-    const __m256i m_ = _mm256_set1_epi8(0x0F);                                           \
-    const __m256i l_ = _mm256_and_si256(b_, m_);                                         \
-    const __m256i h_ = _mm256_and_si256(_mm256_srli_epi16(b_, 4), m_);                   \
-    lo0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(l_)));          \
-    lo1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(l_, 1)));     \
-    hi0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(h_)));          \
-    hi1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h_, 1)));     \
+    const __m512i a_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)));       \
+    const __m512i b_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((p) + 16))); \
+    const __m512i m_ = _mm512_set1_epi32(0x0F);                                          \
+    lo0 = _mm512_cvtepi32_ps(_mm512_and_si512(a_, m_));                                  \
+    lo1 = _mm512_cvtepi32_ps(_mm512_and_si512(b_, m_));                                  \
+    hi0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(a_, 4));                                  \
+    hi1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b_, 4));                                  \
 } while (0)
 /* 5-bit: the 4-bit nibbles as LOAD_U4, plus bit 4 of inputs 2kk and 2kk+1 from NR bytes of high
    bits at ph: bit sh of each byte (sh = 2kk mod 8) for input 2kk, bit sh+1 for input 2kk+1. */
@@ -61,15 +62,14 @@ typedef __m256 vec;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
-#define LOAD_U4(p, lo0, lo1, hi0, hi1) do {                                              \
-    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
-    const __m128i m_ = _mm_set1_epi8(0x0F);                                              \
-    const __m128i l_ = _mm_and_si128(b_, m_);                                            \
-    const __m128i h_ = _mm_and_si128(_mm_srli_epi16(b_, 4), m_);                         \
-    lo0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l_));                                  \
-    lo1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l_, 8)));               \
-    hi0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h_));                                  \
-    hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h_, 8)));               \
+#define LOAD_U4(p, lo0, lo1, hi0, hi1) do {  /* as the AVX-512 one: widened from memory */  \
+    const __m256i a_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p)));      \
+    const __m256i b_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((p) + 8))); \
+    const __m256i m_ = _mm256_set1_epi32(0x0F);                                          \
+    lo0 = _mm256_cvtepi32_ps(_mm256_and_si256(a_, m_));                                  \
+    lo1 = _mm256_cvtepi32_ps(_mm256_and_si256(b_, m_));                                  \
+    hi0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(a_, 4));                                  \
+    hi1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b_, 4));                                  \
 } while (0)
 /* bit `bit` of each byte of hb moved to bit 4 (16-bit shifts: what crosses a byte is masked off) */
 static inline __m128i fifth_bit(__m128i hb, int bit) {
@@ -88,9 +88,8 @@ static inline __m128i fifth_bit(__m128i hb, int bit) {
     hi1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h_, 8)));               \
 } while (0)
 #define LOAD_S8(p, w0, w1) do {                                                          \
-    const __m128i b_ = _mm_loadu_si128((const __m128i*)(p));                             \
-    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b_));                                   \
-    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b_, 8)));                \
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))));         \
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((p) + 8))));   \
 } while (0)
 #else
 #error "the quantized GEMM needs AVX2 and FMA"
