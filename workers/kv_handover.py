@@ -64,9 +64,12 @@ class HandoverResult:
 
 
 class HandoverMetrics:
-    """``prefixserve:kv_handover_total{outcome}``, ``..._blocks_total``,
-    ``..._bytes_total`` (blocks a receiver committed) and ``..._seconds`` (a
-    gauge: the last hand-over)."""
+    """The sender's ``prefixserve:kv_handover_total{outcome}``, ``..._blocks_total``,
+    ``..._bytes_total`` (blocks its receivers committed) and ``..._seconds`` (a
+    gauge: the last hand-over); the receiver's ``..._received_blocks_total`` and
+    ``..._received_bytes_total``. A stopping replica's series leave with it (the
+    router's ``/metrics`` lists live replicas): its outcome is also logged, and
+    the survivors' received counts stay."""
 
     def __init__(self, registry: Any, labels: dict[str, str]) -> None:
         names = tuple(labels)
@@ -80,6 +83,12 @@ class HandoverMetrics:
                              registry=registry).labels(**labels)
         self.seconds = Gauge(PREFIX + "kv_handover_seconds", "Seconds the last hand-over took.", names,
                              registry=registry).labels(**labels)
+        self.received_blocks = Counter(PREFIX + "kv_handover_received_blocks",
+                                       "KV blocks imported from stopping replicas' hand-overs.", names,
+                                       registry=registry).labels(**labels)
+        self.received_bytes = Counter(PREFIX + "kv_handover_received_bytes",
+                                      "KV bytes imported from stopping replicas' hand-overs.", names,
+                                      registry=registry).labels(**labels)
         self._labels = labels
 
     def record(self, result: HandoverResult) -> None:

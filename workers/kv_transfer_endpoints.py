@@ -215,7 +215,10 @@ class KVTransferEndpoints:
         meant (any live replica that gets the call imports what fits)."""
         if sender_id and sender_id == self.replica_id:
             return "error", 0  # routed back to the stopping replica: nothing survives here
-        return await import_pushed(self.kv_transfer, export)
+        reason, num = await import_pushed(self.kv_transfer, export)
+        self.handover_metrics.received_blocks.inc(num)
+        self.handover_metrics.received_bytes.inc(num * self.kv_transfer.block_bytes)
+        return reason, num
 
     @property
     def kv_bytes_per_token(self) -> int:

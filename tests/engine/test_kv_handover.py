@@ -189,6 +189,7 @@ def test_a_stopping_replica_server_hands_its_cache_over_in_shutdown(tiny_dir, mo
         result = stopping.handover_result
         assert result.outcome == "handed_over" and result.blocks >= 10, result
         assert stopping.handover_metrics.blocks._value.get() == result.blocks
+        assert survivor.handover_metrics.received_blocks._value.get() == result.blocks
         after = asyncio.run(serve(survivor, "after"))
         assert after == (cold[0], 40)
         # A call routed back to the sender itself imports nothing.
