@@ -154,8 +154,7 @@ async def _hand_over(transfer: KVTransfer, directory: Any, receiver_of: Callable
             result.receivers += 1
             result.blocks += num
             budget -= num
-            sent.update(export.block_hashes[:num])  # what it did not keep (no room) may go to the next one
-        if not reason:
+        if not reason:  # kept or held already there; a failed receiver's blocks go to the next one
             sent.update(export.block_hashes)
     if failures:
         result.outcome = "partial" if result.blocks else failures[0]
