@@ -109,6 +109,7 @@ class DisaggregationEndpoints:
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
     _disagg_prefills: Optional[Counter] = None
     last_remote_prefill_s: float = 0.0  # the last prefill asked of a prefill replica, seconds
+    _pull_slots_of: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Serve's static per-replica metadata, read once by the request routers: the
@@ -149,7 +150,20 @@ class DisaggregationEndpoints:
                 and request.lora_request is None):
             if not await self._prefill_remotely(prefill_on, request):
                 return 0
+            # The prefill is paid: wait for a fetch slot rather than be refused at the limit (``busy``)
+            # and prefill again here. A pull takes tens of milliseconds; other fetches still race for slots.
+            async with self._pull_slots():
+                return await super().fetch_hinted(request)  # type: ignore[misc]
         return await super().fetch_hinted(request)  # type: ignore[misc]
+
+    def _pull_slots(self) -> asyncio.Semaphore:
+        """Pulls after a remote prefill, at most the replica's fetch limit at once (one
+        semaphore per event loop: Serve has one; tests run several in turn)."""
+        loop = asyncio.get_running_loop()
+        if self._pull_slots_of is None or self._pull_slots_of[0] is not loop:
+            limit = self.kv_transfer.max_concurrent_transfers  # type: ignore[attr-defined]
+            self._pull_slots_of = (loop, asyncio.Semaphore(limit))
+        return self._pull_slots_of[1]
 
     async def _prefill_remotely(self, replica_id: str, request: Any) -> bool:
         if self.prefiller_of is None:

@@ -160,3 +160,19 @@ def test_without_the_prefill_first_flag_a_hint_is_an_ordinary_fetch(trio):
         assert prefill.disagg_prefill_count("served") == served  # and it was not asked to prefill
 
     asyncio.run(main())
+
+
+def test_concurrent_pulls_after_remote_prefills_wait_for_a_slot_instead_of_prefilling_again(trio):
+    prefill, decode, single = trio
+
+    async def main():
+        prompts = [prompt_of(20 + i) for i in range(2 * decode.kv_transfer.max_concurrent_transfers + 1)]
+        busy = decode.kv_transfer.metrics.value("kv_transfer_fallbacks_total", reason="busy")
+        got = await asyncio.gather(*[run(decode, f"many-{i}", p, disagg=True) for i, p in enumerate(prompts)])
+        cold = [await run(single, f"many-cold-{i}", p) for i, p in enumerate(prompts)]
+        assert [g[0] for g in got] == [c[0] for c in cold]
+        assert [g[2] for g in got] == [24] * len(prompts)  # every one pulled: none refused at the limit
+        assert decode.kv_transfer.metrics.value("kv_transfer_fallbacks_total", reason="busy") == busy
+        await check_idle(prefill, decode)
+
+    asyncio.run(main())
