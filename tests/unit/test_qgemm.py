@@ -93,3 +93,23 @@ def test_quantized_gemm_avx2_build_is_exact_and_invariant_too():
             assert torch.equal(weight.matmul(x[2 : 2 + size]), full[2 : 2 + size]), (bits, size)
         ids = torch.tensor([0, n - 1, 17])
         assert torch.equal(weight.dequantized_rows(ids), dense[ids])
+
+
+@pytest.mark.parametrize("bits,group,n,k,mins", [CASES[0], CASES[1], (5, 32, 70, 256, True)])
+def test_rows_with_a_stride_and_a_ragged_last_strip_give_the_contiguous_bits(bits, group, n, k, mins):
+    """x's rows may sit ``ldx != K`` apart (a view into a wider buffer); the prefill path packs them in
+    strips of rows, the last one padded with zero rows it never stores: both paths, every M."""
+    rng = np.random.default_rng(7)
+    q = (rng.integers(-128, 128, (n, k)).astype(np.int8) if bits == 8
+         else rng.integers(0, 1 << bits, (n, k)).astype(np.uint8))
+    groups = -(-k // group)
+    scales = (rng.random((n, groups)) * 0.01 + 1e-4).astype(np.float32)
+    lows = (rng.standard_normal((n, groups)) * 0.05).astype(np.float32) if mins else None
+    weight = qgemm.QuantWeight(q, scales, lows, bits, group, torch.randn(n), qgemm.load())
+    wide = torch.randn(45, k + 24)
+    for m in (1, 3, 16, 25, 45):  # few rows; then strips of 12 / 6 rows, full and ragged
+        view = wide[:m, 8 : 8 + k]
+        assert view.stride(0) == k + 24
+        got = weight.matmul(view)
+        assert torch.equal(got, weight.matmul(view.contiguous())), m
+        assert torch.equal(got[-1:], weight.matmul(view[-1:].contiguous())), m  # and the row alone
