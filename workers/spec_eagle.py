@@ -36,6 +36,7 @@ import torch
 
 from workers.engine.outputs import ScheduledRequest
 from workers.model.eagle import EagleDraft
+from workers.spec_eagle_tree import expand_trees
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,34 @@ class EagleProposer:
         mask = (span[None, :] < lengths[:, None]).unsqueeze(1)
         attn = self.draft.attend(q.index_select(0, last).unsqueeze(1), keys, values, mask)[:, 0]
         features = self.draft.finish(x.index_select(0, last), attn)
-        for s, guess in zip(group, self._rounds(group, features, context)):
-            out[s["index"]] = [guess]
+        for s, candidates in zip(group, self._propose(group, features, context)):
+            out[s["index"]] = candidates
+        return out
+
+    def _propose(self, group: list[dict], features: torch.Tensor,
+                 context: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[list[list[int]]]:
+        """Per sequence, its candidates: one chain (``_rounds``), or with
+        ``num_candidates`` > 1 an EAGLE-2 dynamic tree's (``spec_eagle_tree``)."""
+        out: list[list[list[int]]] = [[] for _ in group]
+        for tree in (False, True):
+            part = [j for j, s in enumerate(group) if (s["m"] > 1) == tree]
+            if not part:
+                continue
+            members = [group[j] for j in part]
+            if len(part) < len(group):
+                rows = torch.tensor(part, device=self.device)
+                feats = features.index_select(0, rows)
+                ctx = (context[0].index_select(0, rows), context[1].index_select(0, rows), context[2][rows])
+            else:
+                feats, ctx = features, context
+            if tree:
+                found = expand_trees(self, members, feats, ctx, max(s["m"] for s in members),
+                                     max(s["k"] for s in members))
+                made = [[c[: s["k"]] for c in cands[: s["m"]]] for s, cands in zip(members, found)]
+            else:
+                made = [[guess] for guess in self._rounds(members, feats, ctx)]
+            for j, cands in zip(part, made):
+                out[j] = cands
         return out
 
     def _write(self, writes: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +218,8 @@ class EagleProposer:
             if not positions:
                 return None
         return {"index": i, "hidden_rows": hidden_rows, "positions": positions, "next": following,
-                "table": req.block_ids, "k": req.num_proposals if kept else 0}
+                "table": req.block_ids, "k": req.num_proposals if kept else 0,
+                "m": req.num_proposal_candidates}
 
     def _context(self, group: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values [B, L, kv heads, d] of positions 0..last of each

@@ -177,7 +177,6 @@ def test_tree_stats_count_depths_and_learn_from_the_positions_reached():
     ({"method": "eagle3", "model": "x"}, "not supported yet"),
     ({"method": "eagle"}, "needs model: the EAGLE draft's folder"),
     ({"method": "eagle", "model": "e", "__tp": 2}, "'eagle' runs with tensor_parallel_size 1"),
-    ({"method": "eagle", "model": "e", "num_candidates": 2}, "'eagle' proposes one chain"),
     ({"method": "medusa"}, "needs model: the heads' folder"),
     ({"method": "medusa", "model": "h", "__tp": 2}, "runs with tensor_parallel_size 1"),
     ({"method": "draft_model"}, "needs model .* or draft_num_layers"),

@@ -53,9 +53,9 @@ class SpeculativeConfig:
             to ``num_speculative_tokens`` when the proposer has that many.
         num_candidates: Candidate continuations verified together as a tree
             (SpecInfer): the n-gram proposer's distinct continuations of
-            earlier matches, the Medusa heads' likeliest top-k combinations.
-            1 (the default) verifies one chain. Trees need the ``torch``
-            attention backend (the CPU default) and ``ngram`` or ``medusa``.
+            earlier matches, the Medusa heads' likeliest top-k combinations, an EAGLE draft's
+            dynamic tree (EAGLE-2). 1 (the default) verifies one chain. Trees need the ``torch``
+            attention backend (the CPU default) and ``ngram``, ``medusa`` or ``eagle``.
     """
 
     method: str = "ngram"
@@ -92,9 +92,9 @@ class SpeculativeConfig:
                              "target's tokenizer) or draft_num_layers (a layer-truncated copy of the target)")
         if not 1 <= self.num_candidates <= 8:
             raise ValueError(f"speculative_config num_candidates must be in 1..8, got {self.num_candidates}")
-        if self.num_candidates > 1 and self.method in ("draft_model", "eagle"):
-            raise ValueError("speculative_config num_candidates > 1 (a tree of candidates) is for methods 'ngram' "
-                             f"and 'medusa'; {self.method!r} proposes one chain")
+        if self.num_candidates > 1 and self.method == "draft_model":
+            raise ValueError("speculative_config num_candidates > 1 (a tree of candidates) is for methods 'ngram', "
+                             "'medusa' and 'eagle' (EAGLE-2's dynamic trees); 'draft_model' proposes one chain")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError(f"speculative_config draft_num_layers must be >= 1, got {self.draft_num_layers}")
 
