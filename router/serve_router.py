@@ -340,9 +340,10 @@ def _rank_of(replica: RunningReplica) -> Optional[int]:
 
 
 def _export_target(pending: Optional[PendingRequest]) -> str:
-    """The replica a KV export or disaggregated-prefill call names (``ReplicaServer.export_kv``'s
-    or ``prefill_kv``'s ``holder_id``), or ""."""
-    if pending is None or getattr(pending.metadata, "call_method", "") not in ("export_kv", "prefill_kv"):
+    """The replica a KV export, disaggregated-prefill or hand-over call names
+    (``ReplicaServer.export_kv``'s, ``prefill_kv``'s or ``import_kv``'s ``holder_id``), or ""."""
+    if pending is None or getattr(pending.metadata, "call_method", "") not in ("export_kv", "prefill_kv",
+                                                                                "import_kv"):
         return ""
     return str(pending.kwargs.get("holder_id", "") or "")
 

@@ -113,13 +113,15 @@ def test_an_export_call_goes_to_the_replica_it_names():
     router = _router()
     replicas = _replicas(holder_prefill_tokens=2000)
 
-    async def route(holder_id):
+    async def route(holder_id, method="export_kv"):
         call = router_common.PendingRequest(
             args=[[b"h" * 16]], kwargs={"holder_id": holder_id},
-            metadata=serve_common.RequestMetadata(request_id="e", internal_request_id="e", call_method="export_kv"))
+            metadata=serve_common.RequestMetadata(request_id="e", internal_request_id="e", call_method=method))
         return [r.replica_id.unique_id for rank in await router.choose_replicas(replicas, call) for r in rank]
 
     for _ in range(5):  # by load alone the idle receiver would come first
         assert asyncio.run(route("holder")) == ["holder"]
+        # A hand-over's import (workers/kv_handover.py) reaches the survivor it names too.
+        assert asyncio.run(route("holder", "import_kv")) == ["holder"]
     # The holder left: any replica answers with what it holds (checked by hash), least loaded first.
     assert asyncio.run(route("gone")) == ["receiver", "holder"]
