@@ -18,8 +18,10 @@ default), and tanh soft-capping (``config.py``)::
     scores = tanh(q.k * scale / c_attn) * c_attn     before the mask and softmax
     logits = tanh(lm_head(x) / c_final) * c_final    (``compute_logits``)
 
-Only the torch attention backend caps scores (``attention/softcap.py``); the
-others are refused for such a model (``attention/__init__.py``).
+Only the torch attention backend caps scores: its decodes on the native decode
+kernel (``softcap`` of ``csrc/paged_decode.c``, which the native decoder's
+one-call step calls too), its prefill chunks in ``attention/softcap.py``; the
+other backends are refused for such a model (``attention/__init__.py``).
 
 The ``(1 + w)`` is folded into the weights at load (``weights.py``), so every
 norm is our ``RMSNorm``; in float32 the product is the same as transformers'.
