@@ -64,10 +64,11 @@ def quant_weight(rng: np.random.Generator, n: int, k: int, bits: int, group: int
 
 def timed_rounds(kernels: dict[str, Callable[[], Any]], rounds: int, reps: int,
                  clock: Callable[[], float]) -> dict[str, float]:
-    """Median ms of each kernel over ``rounds``, the kernels alternating within each round."""
+    """Median ms of each kernel over ``rounds``, the kernels alternating within each round, in reverse
+    order every other round (whichever runs first after another's data measured up to 10% slower here)."""
     times: dict[str, list[float]] = {name: [] for name in kernels}
-    for _ in range(rounds):
-        for name, run in kernels.items():
+    for i in range(rounds):
+        for name, run in list(kernels.items())[:: 1 if i % 2 == 0 else -1]:
             run()  # warm: the shape's weight and x into cache, as a prefill's next layer finds them
             begin = clock()
             for _ in range(reps):
