@@ -256,6 +256,12 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
         from cluster.bench.ttft_split import rows as split_rows
 
         lines += format_table(split_rows(summary["ttft_split"]))
+    if summary.get("kv_transfers"):
+        kv = summary["kv_transfers"]
+        fallbacks = " ".join(f"{k} {v}" for k, v in kv["fallbacks"].items()) or "0"
+        lines += format_table([("KV fetches (prefix tokens, MB in, mean ms):",
+                                f"{kv['fetches']} ({kv['prefix_tokens_fetched']}, {kv['mb_in']:.1f}, "
+                                f"{kv['fetch_ms_mean']:.0f})"), ("KV fetch fallbacks:", fallbacks)])
     return lines
 
 

@@ -311,6 +311,7 @@ async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversa
                  slos: dict[str, float], cluster: Any = None) -> tuple[dict[str, Any], list[RequestRecord]]:
     """The run; with a local ``cluster``, its replicas' side of the TTFT too (``ttft_split``)."""
     from cluster.bench import ttft_split
+    from cluster.bench.routing_transfers import transfer_figures
     from cluster.shared.directory import Directory
 
     client = make_client(args.backend, target, tokenizer, args.timeout, args.api_key, args.tls_ca)
@@ -327,6 +328,8 @@ async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversa
         if before is not None:  # the warm-up counted (settled above), then the run's requests
             after = await ttft_split.after_run(directories, before, summary["completed"])
             summary["ttft_split"] = ttft_split.split(before, after, summary["ttft_ms"]["mean"])
+            # The replicas' KV fetches (issue 33), since they started: the warm-up fetches nothing.
+            summary["kv_transfers"] = transfer_figures(await ttft_split.texts(directories))
     finally:
         await client.aclose()
         for directory in directories:

@@ -43,12 +43,17 @@ def parse(texts: Sequence[Any]) -> Snapshot:
     return {key: (total, count) for key, (total, count) in out.items()}
 
 
-async def snapshot(directories: Sequence[Any]) -> Snapshot:
-    """The replicas' histograms now, over every directory (one per served model)."""
-    texts = []
+async def texts(directories: Sequence[Any]) -> list[str]:
+    """The live replicas' exposition texts, over every directory (one per served model)."""
+    out: list[str] = []
     for directory in directories:
-        texts += list((await directory.replica_metrics()).values())
-    return parse(texts)
+        out += [t.decode() if isinstance(t, bytes) else t for t in (await directory.replica_metrics()).values()]
+    return out
+
+
+async def snapshot(directories: Sequence[Any]) -> Snapshot:
+    """The replicas' histograms now."""
+    return parse(await texts(directories))
 
 
 async def settled(directories: Sequence[Any], heartbeat_s: float = 1.5, timeout_s: float = 10.0) -> Snapshot:
