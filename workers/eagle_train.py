@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,34 +62,72 @@ def _forward(draft: EagleDraft, embeds: torch.Tensor, hidden: torch.Tensor, leng
     return draft.finish(x, attn.reshape(b * t, -1)).view(b, t, h)
 
 
+MIN_STEPS = 400  # optimizer steps of the default schedule (epochs raised until there are this many)
+
+
+def collect_eagle_data(llm: Any, num_prompts: int, prompt_len: int, gen_len: int, seed: int = 0
+                       ) -> list[tuple[torch.Tensor, list[int], int]]:
+    """The training rows: per answered prompt ``(hidden [n, H], tokens, first
+    answer row)``, the target's final hidden state of every position."""
+    prompts, outs = greedy_answers(llm, num_prompts, prompt_len, gen_len, seed)
+    data: list[tuple[torch.Tensor, list[int], int]] = []
+    for prompt, out in zip(prompts, outs):
+        if len(out.token_ids) >= 3:
+            seq = prompt + out.token_ids
+            data.append((final_hidden_states(llm, seq), seq, len(prompt) - 1))
+    llm.engine.scheduler.kv_manager.reset_prefix_cache()  # its blocks were written outside the engine
+    return data
+
+
 def train_eagle(llm: Any, output: Path, *, num_prompts: int = 512, prompt_len: int = 64, gen_len: int = 128,
-                epochs: int = 3, lr: float = 1e-3, batch_size: int = 16, seed: int = 0,
-                shortlist: int = 8192) -> dict[str, Any]:
+                epochs: Optional[int] = None, lr: float = 1e-3, batch_size: int = 16, seed: int = 0,
+                shortlist: int = 8192, min_steps: int = MIN_STEPS) -> dict[str, Any]:
     """Generates, extracts hidden states, fits the draft and writes it to
-    ``output`` (module doc; ``shortlist`` > 0: the ``shortlist`` tokens the
-    answers use most, stored as ``vocab_shortlist``).
+    ``output`` (module doc; ``fit_eagle`` for the fitting's arguments).
 
     Returns:
         What was done: sizes, seconds per phase, held-out first-guess top-1 accuracy.
     """
     from workers.model.loader import read_arch
 
+    started = time.perf_counter()
+    data = collect_eagle_data(llm, num_prompts, prompt_len, gen_len, seed)
+    collected_s = time.perf_counter() - started
+    head_weight, embedding = head_and_embedding(llm.model_dir)
+    draft, summary = fit_eagle(data, read_arch(llm.model_dir), head_weight, embedding, epochs=epochs, lr=lr,
+                               batch_size=batch_size, seed=seed, shortlist=shortlist, min_steps=min_steps)
+    from cluster.shared.fingerprint import model_fingerprint
+
+    summary = {"base_model": str(llm.model_dir), "base_model_fingerprint": model_fingerprint(llm.model_dir),
+               **summary, "data_seconds": round(collected_s, 1)}
+    draft.save(Path(output), extra_config=summary)
+    logger.info("wrote %s: held-out top-1 accuracy of the first guess %s", output, summary["held_out_top1_accuracy"])
+    return summary
+
+
+def fit_eagle(data: list[tuple[torch.Tensor, list[int], int]], arch: Any, head_weight: torch.Tensor,
+              embedding: torch.Tensor, *, epochs: Optional[int] = None, lr: float = 1e-3, batch_size: int = 16,
+              seed: int = 0, shortlist: int = 8192, min_steps: int = MIN_STEPS) -> tuple[EagleDraft, dict[str, Any]]:
+    """Fits a draft on ``collect_eagle_data``'s rows, a tenth held out.
+
+    Args:
+        epochs: Passes over the training rows; None: as many as make
+            ``min_steps`` optimizer steps (one pass at least).
+        shortlist: > 0: the ``shortlist`` tokens the answers use most, stored
+            as ``vocab_shortlist``.
+
+    Returns:
+        The draft, and a summary: sizes, steps, seconds, the held-out top-1
+        accuracy of the first guess before training (the untrained draft
+        guesses from h_p alone, as Medusa's first head) and after.
+    """
     torch.manual_seed(seed)
     started = time.perf_counter()
-    prompts, outs = greedy_answers(llm, num_prompts, prompt_len, gen_len, seed)
-    generated_s = time.perf_counter() - started
-    data: list[tuple[torch.Tensor, list[int], int]] = []  # (hidden [n, H], tokens, first answer row)
-    for prompt, out in zip(prompts, outs):
-        if len(out.token_ids) >= 3:
-            seq = prompt + out.token_ids
-            data.append((final_hidden_states(llm, seq), seq, len(prompt) - 1))
-    llm.engine.scheduler.kv_manager.reset_prefix_cache()  # its blocks were written outside the engine
-    hidden_s = time.perf_counter() - started - generated_s
+    data = list(data)
     random.Random(seed).shuffle(data)
     held, train = data[: max(1, len(data) // 10)], data[max(1, len(data) // 10):]
-    head_weight, embedding = head_and_embedding(llm.model_dir)
     vocab = embedding.shape[0]
-    draft = EagleDraft(read_arch(llm.model_dir))
+    draft = EagleDraft(arch)
     _init(draft, seed)
     column = torch.arange(vocab)
     if shortlist > 0:
@@ -101,7 +139,6 @@ def train_eagle(llm: Any, output: Path, *, num_prompts: int = 512, prompt_len: i
         column = torch.full((vocab,), -100, dtype=torch.long)
         column[draft.shortlist] = torch.arange(len(draft.shortlist))
     rms = torch.cat([h for h, _, _ in train]).pow(2).mean().sqrt()
-
     def batch_loss(items, noise: float) -> tuple[torch.Tensor, int, int]:
         n = max(len(seq) - 1 for _, seq, _ in items)
         hid = torch.zeros(len(items), n, draft.arch.hidden_size)
@@ -126,10 +163,22 @@ def train_eagle(llm: Any, output: Path, *, num_prompts: int = 512, prompt_len: i
         hits = int((logits.argmax(-1) == tok_target[answer]).sum())
         return reg + CE_WEIGHT * ce, hits, int(answer.sum())
 
+    def held_out_accuracy() -> float:
+        hits = total = 0
+        with torch.no_grad():
+            for start in range(0, len(held), batch_size):
+                _, h, t = batch_loss(held[start: start + batch_size], 0.0)
+                hits, total = hits + h, total + t
+        return round(hits / max(1, total), 4)
+
+    before = held_out_accuracy()
+    batches = -(-len(train) // batch_size)
+    epochs = epochs if epochs is not None else max(1, -(-min_steps // batches))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    steps = max(1, epochs * -(-len(train) // batch_size))
+    steps = max(1, epochs * batches)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
-    logger.info("training the EAGLE draft on %d sequences (%d held out), %d epoch(s)", len(train), len(held), epochs)
+    logger.info("training the EAGLE draft on %d sequences (%d held out): %d epoch(s), %d steps", len(train),
+                len(held), epochs, steps)
     for epoch in range(epochs):
         random.Random(seed + epoch).shuffle(train)
         for start in range(0, len(train), batch_size):
@@ -138,21 +187,9 @@ def train_eagle(llm: Any, output: Path, *, num_prompts: int = 512, prompt_len: i
             loss.backward()
             optimizer.step()
             schedule.step()
-            if (start // batch_size) % 10 == 0:
-                logger.info("epoch %d: %d of %d sequences, loss %.4f", epoch + 1, start + batch_size, len(train),
-                            loss.item())
-    with torch.no_grad():
-        hits = total = 0
-        for start in range(0, len(held), batch_size):
-            _, h, t = batch_loss(held[start: start + batch_size], 0.0)
-            hits, total = hits + h, total + t
-    from cluster.shared.fingerprint import model_fingerprint
-
-    summary = {"base_model": str(llm.model_dir), "base_model_fingerprint": model_fingerprint(llm.model_dir),
-               "num_sequences": len(data), "num_positions": sum(len(s) - 2 - f for _, s, f in data),
-               "epochs": epochs, "held_out_top1_accuracy": [round(hits / max(1, total), 4)],
-               "generate_seconds": round(generated_s, 1), "hidden_seconds": round(hidden_s, 1),
-               "train_seconds": round(time.perf_counter() - started - generated_s - hidden_s, 1)}
-    draft.save(Path(output), extra_config=summary)
-    logger.info("wrote %s: held-out top-1 accuracy of the first guess %s", output, summary["held_out_top1_accuracy"])
-    return summary
+        logger.info("epoch %d of %d: last batch's loss %.4f", epoch + 1, epochs, loss.item())
+    after = held_out_accuracy()
+    summary = {"num_sequences": len(data), "num_positions": sum(len(s) - 2 - f for _, s, f in data),
+               "epochs": epochs, "optimizer_steps": steps, "held_out_top1_accuracy": [after],
+               "held_out_top1_accuracy_untrained": [before], "train_seconds": round(time.perf_counter() - started, 1)}
+    return draft.eval(), summary

@@ -30,7 +30,8 @@ def add_train_heads_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=512, help="prompts answered for training")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens of each raw-text prompt")
     parser.add_argument("--gen-len", type=int, default=128, help="tokens of each greedy answer")
-    parser.add_argument("--epochs", type=int, default=None, help="passes over the data (medusa 2, eagle 3)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="passes over the data (medusa 2; eagle: as many as make 400 optimizer steps)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate, one cycle (medusa 2e-3, "
                         "eagle 1e-3)")
     parser.add_argument("--train-seed", type=int, default=0, help="prompt order and initialization")
@@ -56,7 +57,7 @@ def run_train_heads(args: argparse.Namespace, engine_args: dict[str, Any]) -> in
 
         with LLM(**engine_args) as llm:
             summary = train_eagle(llm, out, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                                  gen_len=args.gen_len, epochs=args.epochs or 3, lr=args.lr or 1e-3,
+                                  gen_len=args.gen_len, epochs=args.epochs, lr=args.lr or 1e-3,
                                   seed=args.train_seed, shortlist=args.shortlist)
         print(json.dumps(summary, indent=2))  # the command's output
         return 0

@@ -191,9 +191,11 @@ def test_train_eagle_on_a_tiny_model_writes_the_layout_it_loads(tiny_dir, tmp_pa
     from workers.eagle_train import train_eagle
 
     llm = LLM(str(tiny_dir), block_size=4, max_model_len=256)
-    summary = train_eagle(llm, tmp_path / "eagle", num_prompts=12, prompt_len=16, gen_len=24, epochs=4, lr=3e-3,
-                          batch_size=4, shortlist=200)
+    summary = train_eagle(llm, tmp_path / "eagle", num_prompts=12, prompt_len=16, gen_len=24, lr=3e-3,
+                          batch_size=4, shortlist=200, min_steps=12)
     assert summary["num_sequences"] == 12 and summary["num_positions"] >= 12 * 20
+    # No epochs given: as many passes over the 11 training sequences (3 batches) as make 12 steps.
+    assert summary["epochs"] == 4 and summary["optimizer_steps"] == 12
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and len(config["vocab_shortlist"]) == 200
     from safetensors import safe_open
