@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from workers.model.attention import auto_choice, get_attention_backend
+from workers.model.attention import auto_choice, cpu_decode, get_attention_backend
 
 
 @pytest.mark.parametrize("dtype, block_size, flash, triton, want", [
@@ -50,5 +50,9 @@ def test_soft_capped_models_run_on_the_torch_backend(caplog):
         with pytest.raises(ValueError, match=f"attention_backend '{name}' cannot soft-cap attention scores.*"
                                              "use attention_backend 'torch'"):
             get_attention_backend(name, "cuda", dtype=torch.bfloat16, block_size=256, attn_softcap=True)
-    with pytest.raises(ValueError, match="batch_invariant is not supported for a model with attention soft-capping"):
-        get_attention_backend("torch", "cpu", batch_invariant=True, attn_softcap=True)
+    # batch_invariant serves it: the per-query native decode kernel caps scores; still CPU float32 only.
+    if cpu_decode.load() is not None:
+        backend = get_attention_backend("auto", "cpu", batch_invariant=True, attn_softcap=True)
+        assert backend.name == "torch" and backend.batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant runs on CPU in float32"):
+        get_attention_backend("torch", "cpu", dtype=torch.bfloat16, batch_invariant=True, attn_softcap=True)

@@ -9,7 +9,8 @@
                 (``auto_choice``; the choice and its reason are logged)
 
 A model with soft-capped attention scores (Gemma 2) runs on ``torch`` only:
-``auto`` picks it, ``triton`` / ``flash_attn`` are refused with a message.
+``auto`` picks it, ``triton`` / ``flash_attn`` are refused with a message;
+``batch_invariant`` serves it (the per-query native decode kernel caps scores).
 
 Backends import their heavy dependencies (triton, flash_attn) only when built,
 so this package imports anywhere.
@@ -52,7 +53,8 @@ def get_attention_backend(
         batch_invariant: Every query through one per-query kernel, prefill
             included (``torch`` backend on CPU, float32, native kernel built).
         attn_softcap: The model soft-caps its attention scores (Gemma 2):
-            only the torch backend can.
+            only the torch backend can (with ``batch_invariant`` too: its
+            per-query kernel caps).
 
     Returns:
         A backend implementing ``AttentionBackend``.
@@ -65,10 +67,10 @@ def get_attention_backend(
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     device = torch.device(device)
-    if attn_softcap:
-        return _softcap_backend(name, batch_invariant)
-    if batch_invariant:
+    if batch_invariant:  # the torch backend only, which caps soft-capped scores too
         return _batch_invariant_backend(name, device, dtype)
+    if attn_softcap:
+        return _softcap_backend(name)
     if name == "auto":
         return _auto_backend(device, dtype, block_size)
     if name == "torch":
@@ -80,12 +82,9 @@ def get_attention_backend(
     return _flash_attn_backend(device, dtype, block_size)
 
 
-def _softcap_backend(name: str, batch_invariant: bool) -> AttentionBackend:
+def _softcap_backend(name: str) -> AttentionBackend:
     from workers.model.attention.torch_backend import TorchAttentionBackend
 
-    if batch_invariant:
-        raise ValueError("batch_invariant is not supported for a model with attention soft-capping (Gemma 2): "
-                         "its per-query native kernel cannot cap scores; drop batch_invariant")
     if name not in ("auto", "torch"):
         raise ValueError(f"attention_backend {name!r} cannot soft-cap attention scores, which this model "
                          "(Gemma 2: attn_logit_softcapping) needs; use attention_backend 'torch' or 'auto'")

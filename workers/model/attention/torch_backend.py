@@ -22,7 +22,8 @@ and uses an explicit causal mask offset by the context length.
 Layers with soft-capped scores (Gemma 2): decodes on the native decode kernel,
 which caps scores (``cpu_decode``), prefill chunks (and every row where the
 kernel is off) in ``softcap.py``: plain torch, one request at a time (neither
-SDPA nor the prefill kernel caps scores).
+SDPA nor the prefill kernel caps scores). With ``batch_invariant`` every row,
+capped or not, goes through the per-query decode kernel (``_per_query``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class TorchAttentionBackend:
         softcap: Optional[float] = None,
     ) -> torch.Tensor:
         nd = meta.num_decodes
+        if self.batch_invariant:  # every row on the per-query kernel, which caps soft-capped scores too
+            return self._per_query(q, k, v, kv_cache, meta, scale, sliding_window, softcap)
         if softcap is not None:  # decodes on the native kernel, which caps; prefill chunks in softcap.py
             if self._native_decode and self._native_ready(q, k, v, kv_cache) and nd == meta.num_requests:
                 return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens,
@@ -85,8 +88,6 @@ class TorchAttentionBackend:
             native = self._native_decode and nd > 0 and self._native_ready(q, None, None, kv_cache)
             return softcap_attention(q, k, v, kv_cache, meta, scale, sliding_window, softcap,
                                      decode_lib=self._native_lib if native else None)
-        if self.batch_invariant:
-            return self._per_query(q, k, v, kv_cache, meta, scale, sliding_window)
         if nd == meta.num_requests and self._native_decode and self._native_ready(q, k, v, kv_cache):
             # A decode-only step: the new K/V are written and attended in one native call.
             return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
@@ -117,16 +118,18 @@ class TorchAttentionBackend:
         return out
 
     def _per_query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+                   meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
+                   softcap: Optional[float] = None) -> torch.Tensor:
         """Every query token as its own decode: token t of request i attends
         positions [.., pos_t] through the decode kernel, so a token's result is
-        the same whether it came in a prefill chunk (of any size) or a decode."""
+        the same whether it came in a prefill chunk (of any size) or a decode.
+        The kernel caps soft-capped scores (``softcap``, Gemma 2) itself."""
         if not self._native_ready(q, None, None, kv_cache):
             raise ValueError("batch_invariant attention needs the native CPU kernel and a float32 cache")
         write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             return cpu_decode.paged_decode(self._native_lib, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                           sliding_window, tails=meta.tree_tails)
+                                           sliding_window, tails=meta.tree_tails, softcap=softcap)
         owner = torch.repeat_interleave(torch.arange(meta.num_requests), torch.tensor(meta.query_lens_list))
         positions = torch.cat([torch.arange(s - n, s) for s, n in zip(meta.seq_lens_list, meta.query_lens_list)])
         tables = meta.block_tables.index_select(0, owner)
@@ -135,7 +138,7 @@ class TorchAttentionBackend:
             tails = (meta.tree_tails[0].index_select(0, owner).contiguous(),
                      meta.tree_tails[1].index_select(0, owner).contiguous())
         return cpu_decode.paged_decode(self._native_lib, q, kv_cache, tables, (positions + 1).to(torch.int32),
-                                       scale, sliding_window, tails=tails)
+                                       scale, sliding_window, tails=tails, softcap=softcap)
 
     def _prefill_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor) -> Optional[object]:
         """The native prefill kernel when it serves this layout (kept per layout), else None."""
