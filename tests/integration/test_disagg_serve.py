@@ -4,7 +4,9 @@ served by the decode replica (rank 1) after the prefill replica (rank 0)
 prefilled its prompt and the decode replica pulled the blocks: the tokens of
 one engine, every full block of the prompt reported cached. With the prefill
 replica failing its prefills, the decode replica prefills the request itself:
-same tokens, nothing held anywhere. No replica is killed here."""
+same tokens, nothing held anywhere. With the prefill replica killed while it
+prefills, the decode replica prefills the request itself: same tokens (calls
+Serve still routes to the killed replica are tolerated)."""
 
 from __future__ import annotations
 
@@ -25,14 +27,19 @@ PROMPT_LEN = 81  # 20 full blocks hand over; the decode replica computes the las
 APP = "disagg-serve"
 
 
-def serve_replica(fail_path: str) -> type:
-    """The replica with a switch that fails its prefills (the file at ``fail_path``) and a
-    report of its insides. Defined in a function: Serve pickles a local class by value."""
+def serve_replica(fail_path: str, stall_path: str, stalled_path: str) -> type:
+    """The replica with switches that fail its prefills (the file at ``fail_path``) or stall
+    them (``stall_path``: say so in ``stalled_path``, never answer), and a report of its
+    insides. Defined in a function: Serve pickles a local class by value."""
 
     class SwitchableReplica(ReplicaServer):
         async def prefill_kv(self, prompt_token_ids, cache_salt="", holder_id=""):
             if os.path.exists(fail_path):
                 raise RuntimeError("prefill switched off by the test")
+            if os.path.exists(stall_path):
+                with open(stalled_path, "w") as f:
+                    f.write(self.replica_id)
+                await asyncio.sleep(3600)
             return await super().prefill_kv(prompt_token_ids, cache_salt, holder_id)
 
         async def report(self) -> dict:
@@ -57,15 +64,16 @@ def cluster(ray_local, redis_server, tmp_path_factory):
     from cluster.app.builder import replica_options
 
     model_dir = make_tiny_model_dir("llama", tmp_path_factory.mktemp("disagg-serve-llama"))
-    fail = str(tmp_path_factory.mktemp("disagg-switch") / "fail")
+    switches = tmp_path_factory.mktemp("disagg-switch")
+    fail, stall, stalled = (str(switches / name) for name in ("fail", "stall", "stalled"))
     engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK, num_kv_blocks=400, dtype="float32")
     config = ClusterConfig(replicas=2, prefill_replicas=1, redis_url=redis_server.url,
                            namespace=f"dis-{uuid.uuid4().hex[:6]}", engine=engine, replica_num_cpus=0.25)
     serve.start(proxy_location="Disabled")
-    deployment = serve.deployment(serve_replica(fail)).options(**replica_options(config))
+    deployment = serve.deployment(serve_replica(fail, stall, stalled)).options(**replica_options(config))
     handle = serve.run(deployment.bind(engine.flat(), config.redis_url, config.namespace), name=APP,
                        route_prefix=None)
-    yield handle, model_dir, fail
+    yield handle, model_dir, fail, stall, stalled
     serve.delete(APP)
 
 
@@ -108,7 +116,7 @@ def one_engine_tokens(model_dir, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_prefilled_on_the_prefill_replica_decoded_on_the_decode_replica(cluster):
-    handle, model_dir, _ = cluster
+    handle, model_dir, *_ = cluster
     prompts = [prompt_of(1), prompt_of(2)]
     expected = one_engine_tokens(model_dir, prompts)
 
@@ -130,7 +138,7 @@ def test_prefilled_on_the_prefill_replica_decoded_on_the_decode_replica(cluster)
 
 
 def test_a_prefill_replica_that_fails_costs_a_local_prefill_not_the_request(cluster):
-    handle, model_dir, fail = cluster
+    handle, model_dir, fail, *_ = cluster
     prompt = prompt_of(3)
     expected = one_engine_tokens(model_dir, [prompt])[0]
 
@@ -147,5 +155,52 @@ def test_a_prefill_replica_that_fails_costs_a_local_prefill_not_the_request(clus
         assert after[1]["error"] - before[1]["error"] == 1
         for report in after.values():  # check_integrity ran on each; nothing held or leaked
             assert report["held"] == 0 and report["used"] == 0, report
+
+    asyncio.run(main())
+
+
+async def report_of_rank(handle, rank: int) -> dict:
+    """One replica's report, asked until it answers; a call Serve still routes to a killed
+    replica (or to its replacement, still starting) fails and is asked again."""
+    for _ in range(60):
+        try:
+            answer = await asyncio.wait_for(handle.options(method_name="report").remote(), 30)
+        except Exception:  # noqa: BLE001 - routed to the killed replica
+            await asyncio.sleep(0.5)
+            continue
+        if answer["rank"] == rank:
+            return answer
+    raise AssertionError(f"rank {rank} never answered")
+
+
+def test_a_prefill_replica_killed_mid_prefill_costs_a_local_prefill_not_the_request(cluster):
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    handle, model_dir, _, stall, stalled = cluster
+    prompt = prompt_of(4)
+    expected = one_engine_tokens(model_dir, [prompt])[0]
+
+    async def main():
+        ranks = await reports(handle)
+        open(stall, "w").close()
+        try:
+            request = asyncio.ensure_future(run(handle, "disagg-kill", prompt))
+            for _ in range(600):  # the prefill replica has entered its stalled prefill
+                if os.path.exists(stalled) or request.done():
+                    break
+                await asyncio.sleep(0.1)
+            with open(stalled) as f:
+                assert f.read() == ranks[0]["replica"]
+            name = ReplicaID(ranks[0]["replica"], DeploymentID("replica", APP)).to_full_id_str()
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+        finally:
+            os.unlink(stall)
+        got = await asyncio.wait_for(request, 120)
+        assert got["tokens"] == expected and got["cached"] == 0  # prefilled on the decode replica
+        assert got["replica"] == ranks[1]["replica"]
+        decode = await report_of_rank(handle, 1)
+        assert decode["error"] - ranks[1]["error"] == 1
+        assert decode["held"] == 0 and decode["used"] == 0, decode
 
     asyncio.run(main())
