@@ -22,8 +22,16 @@ overwritten by the target's features once verified. So a prefix-cache hit
 reads the draft keys its first writer left in those blocks; after a swap or
 a KV transfer (blocks in new places, draft cache not carried) a sequence's
 draft context is stale: proposals get worse, never wrong (the target
-verifies every token). All sequences of a step run as one batch per round;
-catch-up rows are batched too, a long prefill chunk alone.
+verifies every token). All sequences of a step run as one batch per round.
+
+Lazy catch-up: only keys and values of the caught-up rows are needed, and the
+layer's attention and MLP only for each asking sequence's last row (its f).
+A sequence that asks for nothing this step (adaptive speculation turned its
+proposals off) has its rows' hidden states held (``CatchUpBacklog``) and
+written when it asks again, or once more than ``MAX_BACKLOG_ROWS`` wait, so
+a draft that proposes nothing costs a copy of a row per step. Rows still
+held when a request ends are dropped unwritten (a later prefix-cache hit on
+those blocks reads a stale draft context, as after a swap).
 """
 
 from __future__ import annotations
@@ -125,7 +133,8 @@ class EagleProposer:
         writes: list[dict] = []  # the rows written now: the asking sequences' and the backlogs flushed
         for s in seqs:
             n = len(s["positions"])
-            s["h"], at = rows[at: at + n], at + n
+            # Held rows are copied out: a view would keep the whole step's rows alive while they wait.
+            s["h"], at = (rows[at: at + n] if s["k"] > 0 else rows[at: at + n].clone()), at + n
             rid = reqs[s["index"]].request_id
             if self._backlog.add(rid, s, self._num_steps) > MAX_BACKLOG_ROWS or s["k"] > 0:
                 writes.append(self._backlog.take(rid, s))
