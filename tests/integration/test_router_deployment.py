@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 import uuid
 
@@ -15,10 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.app import ROUTER_DEPLOYMENT, app_builder, build_app
 from cluster.shared.config import ClusterConfig, EngineConfig, RouterConfig
+from cluster.shared.directory import Directory
+from cluster.shared.hashing import hash_block_chain, root_hash
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc as pb_grpc
 from tests.factories import make_tiny_model_dir
 from tests.integration.router_cluster import assert_all_hit, burst_reaches_holders, distinct_prefixes
+from workers.model.loader import model_fingerprint
 
 APP = "router-deployment"
 PREFIX = list(range(200, 248))  # 12 blocks of 4
@@ -39,7 +43,7 @@ def deployed(ray_local, redis_server, tmp_path_factory):
     serve.run(build_app(config, with_router=True), name=APP, route_prefix=None)
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP)
-        yield router.addresses.remote().result(timeout_s=30)
+        yield {**router.addresses.remote().result(timeout_s=30), "config": config, "model_dir": model_dir}
     finally:
         serve.delete(APP)
 
@@ -108,13 +112,29 @@ def test_cache_salt_isolates_tenants_end_to_end(deployed):
         request.cache_salt = salt
         return request
 
+    config, fingerprint = deployed["config"], model_fingerprint(deployed["model_dir"])
+
+    async def listed(salt: str) -> None:
+        # A repeat is routed on what the directory lists: wait for the first one's blocks (a fixed
+        # 1.5 s was not always enough while the suite ran, and the repeat went to the other replica).
+        chain = hash_block_chain(prompt, 4, root_hash(fingerprint, salt))
+        directory = Directory.from_url(config.redis_url, config.namespace)
+        try:
+            deadline = time.monotonic() + 30
+            while max((await directory.lookup(chain)).values(), default=0) < len(chain):
+                assert time.monotonic() < deadline, f"the directory never listed {salt}'s prompt"
+                await asyncio.sleep(0.1)
+        finally:
+            await directory.aclose()
+        await asyncio.sleep(0.5)  # the router's own index follows the directory's stream
+
     async def main():
         first = (await _generate(address, salted("tenant-a", [1])))[-1]
-        await asyncio.sleep(1.5)
+        await listed("tenant-a")
         assert (await _generate(address, salted("tenant-a", [2])))[-1].usage.cached_prompt_tokens == len(prompt)
         other = (await _generate(address, salted("tenant-b", [3])))[-1]
         assert other.usage.cached_prompt_tokens == 0
-        await asyncio.sleep(1.5)
+        await listed("tenant-b")
         again = (await _generate(address, salted("tenant-b", [4])))[-1]
         assert again.usage.cached_prompt_tokens == len(prompt)
         return first
