@@ -13,6 +13,10 @@ run's requests, which is set against the client's mean TTFT::
                   the replica, and the first token's way back
     replica TTFT = queue (waiting for a step) + the prefill's steps
 
+and the replicas' mean inter-token latency (``inter_token_latency_seconds``,
+timed where the replica's engine thread hands each output on), to set
+against the client's ITL the same way.
+
 Means, not medians: histograms keep sums, not samples.
 """
 
@@ -22,8 +26,9 @@ import asyncio
 import time
 from typing import Any, Sequence
 
-NAMES = {"ttft": "prefixserve:time_to_first_token_seconds", "queue": "prefixserve:request_queue_time_seconds"}
-Snapshot = dict[str, tuple[float, float]]  # {"ttft" | "queue": (sum of seconds, count)}
+NAMES = {"ttft": "prefixserve:time_to_first_token_seconds", "queue": "prefixserve:request_queue_time_seconds",
+         "itl": "prefixserve:inter_token_latency_seconds"}
+Snapshot = dict[str, tuple[float, float]]  # {"ttft" | "queue" | "itl": (sum of seconds, count)}
 
 
 def parse(texts: Sequence[Any]) -> Snapshot:
@@ -89,8 +94,11 @@ def split(before: Snapshot, after: Snapshot, client_ttft_mean_ms: float) -> dict
     replica = 1000.0 * (after["ttft"][0] - before["ttft"][0]) / count
     queued = after["queue"][1] - before["queue"][1]
     queue = 1000.0 * (after["queue"][0] - before["queue"][0]) / queued if queued > 0 else 0.0
+    gaps = after["itl"][1] - before["itl"][1]
+    itl = 1000.0 * (after["itl"][0] - before["itl"][0]) / gaps if gaps > 0 else 0.0
     return {"requests": count, "client_ttft_mean_ms": client_ttft_mean_ms, "replica_ttft_mean_ms": replica,
-            "replica_queue_mean_ms": queue, "path_mean_ms": client_ttft_mean_ms - replica}
+            "replica_queue_mean_ms": queue, "path_mean_ms": client_ttft_mean_ms - replica,
+            "replica_itl_mean_ms": itl}
 
 
 def rows(parts: dict[str, float]) -> list[tuple[str, str]]:
@@ -99,4 +107,5 @@ def rows(parts: dict[str, float]) -> list[tuple[str, str]]:
         ("TTFT mean at the replicas (ms):", f"{parts['replica_ttft_mean_ms']:.1f}"),
         ("  of which queued for a step (ms):", f"{parts['replica_queue_mean_ms']:.1f}"),
         ("TTFT mean, path (client - replicas, ms):", f"{parts['path_mean_ms']:.1f}"),
+        ("ITL mean at the replicas (ms):", f"{parts.get('replica_itl_mean_ms', 0.0):.1f}"),
     ]

@@ -154,6 +154,7 @@ def test_a_local_clusters_run_splits_its_ttft_between_the_path_and_the_replicas(
     assert 0 < parts["replica_ttft_mean_ms"] < parts["client_ttft_mean_ms"], parts
     assert 0 <= parts["replica_queue_mean_ms"] <= parts["replica_ttft_mean_ms"], parts
     assert parts["path_mean_ms"] == pytest.approx(parts["client_ttft_mean_ms"] - parts["replica_ttft_mean_ms"])
+    assert 0 < parts["replica_itl_mean_ms"] < report["e2el_ms"]["mean"]  # the replicas' gaps between tokens
     # One replica, fetches unpriced: the replicas' transfer figures are read, and zero.
     assert report["kv_transfers"]["fetches"] == 0 and report["kv_transfers"]["mb_in"] == 0.0
 
