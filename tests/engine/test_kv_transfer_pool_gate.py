@@ -37,6 +37,17 @@ def test_the_gate_lets_another_thread_in_only_while_lent():
     threading.Timer(0.1, lambda: inbox.put(7)).start()
     assert gate.get(inbox, block=True) == 7  # lent while waiting, held again after
     assert gate.run is not None and not gate._lock.acquire(blocking=False)
+    gate.pause()  # nobody waits: the engine thread keeps the gate (and the GIL)
+    waiter = threading.Thread(target=lambda: gate.run(lambda: ran.append(2)))
+    waiter.start()
+    while not gate._waiting:  # in run, blocked on the gate
+        waiter.join(0.01)
+    for _ in range(10_000):  # someone waits: each pause lends the gate a moment (as each empty step does)
+        gate.pause()
+        if len(ran) == 2:
+            break
+    waiter.join(10)
+    assert ran == [1, 2] and not gate._lock.acquire(blocking=False)
     gate.give_back(engine)
     assert engine.forward_gate is None and gate.run(lambda: 5) == 5
 

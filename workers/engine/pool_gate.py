@@ -16,10 +16,11 @@ everything else it does (schedule, the step's bookkeeping, its calls)::
     other thread:                     pin / release                        pin / release
 
 A step that schedules nothing (a waiting request whose blocks are not free)
-runs no forward, so it lends the gate for a moment instead (``pause``): the
-blocks it waits for may be the ones a transfer pinned, whose release needs
-the gate (without this the engine thread spun holding it, and the release,
-and so the request, waited for ever).
+runs no forward, so it lends the gate for a moment instead (``pause``) when
+another thread waits for it: the blocks it waits for may be the ones a
+transfer pinned, whose release needs the gate (without this the engine
+thread spun holding it, and the release, and so the request, waited for
+ever).
 
 No torch, no ray: a ``threading.Lock`` and the discipline above.
 """
@@ -42,6 +43,8 @@ class PoolGate:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self._waiting = 0  # other threads in ``run``, not yet holding the gate
 
     def take(self, engine: Any) -> None:
         """Engine thread, before its loop: holds the gate and lends it around each forward."""
@@ -63,9 +66,13 @@ class PoolGate:
             self._lock.acquire()
 
     def pause(self) -> None:
-        """Engine thread, after a step that scheduled nothing: lends the gate a moment."""
-        with self.lent():
-            time.sleep(PAUSE_S)
+        """Engine thread, after a step that scheduled nothing: lends the gate a moment
+        when another thread waits for it. Only then: a sleep here costs the engine
+        thread the GIL, and getting it back behind a busy thread took up to a switch
+        interval (5 ms) per token when decoding at batch 1 made such steps."""
+        if self._waiting:
+            with self.lent():
+                time.sleep(PAUSE_S)
 
     def get(self, inbox: "queue.Queue[T]", block: bool) -> T:
         """Engine thread: the inbox's next item, the gate lent while it waits idle
@@ -76,6 +83,15 @@ class PoolGate:
             return inbox.get()
 
     def run(self, fn: Callable[[], T]) -> T:
-        """Another thread: ``fn()`` under the gate (waits for a forward or an idle wait)."""
-        with self._lock:
+        """Another thread: ``fn()`` under the gate (waits for a forward, an idle wait or a pause)."""
+        with self._count:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+        try:
             return fn()
+        finally:
+            self._lock.release()
