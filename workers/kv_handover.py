@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from cluster.shared.metrics_format import METRIC_PREFIX as PREFIX
 from workers.kv_copy import write_blocks
 from workers.kv_transfer import KVExport, KVTransfer
+from workers.kv_transfer_metrics import MoveMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class HandoverResult:
     receivers: int = 0
 
 
-class HandoverMetrics:
+class HandoverMetrics(MoveMetrics):
     """The sender's ``prefixserve:kv_handover_total{outcome}``, ``..._blocks_total``,
     ``..._bytes_total`` (blocks its receivers committed) and ``..._seconds`` (a
     gauge: the last hand-over); the receiver's ``..._received_blocks_total`` and
@@ -72,30 +73,16 @@ class HandoverMetrics:
     the survivors' received counts stay."""
 
     def __init__(self, registry: Any, labels: dict[str, str]) -> None:
+        super().__init__(registry, labels, "kv_handover", HANDOVER_OUTCOMES,
+                         ("Cache hand-overs on scale-down by outcome.", "KV blocks handed over to survivors.",
+                          "KV bytes handed over to survivors.", "Seconds the last hand-over took."))
         names = tuple(labels)
-        self._outcomes = Counter(PREFIX + "kv_handover", "Cache hand-overs on scale-down by outcome.",
-                                 (*names, "outcome"), registry=registry)
-        for outcome in HANDOVER_OUTCOMES:
-            self._outcomes.labels(**labels, outcome=outcome)
-        self.blocks = Counter(PREFIX + "kv_handover_blocks", "KV blocks handed over to survivors.", names,
-                              registry=registry).labels(**labels)
-        self.bytes = Counter(PREFIX + "kv_handover_bytes", "KV bytes handed over to survivors.", names,
-                             registry=registry).labels(**labels)
-        self.seconds = Gauge(PREFIX + "kv_handover_seconds", "Seconds the last hand-over took.", names,
-                             registry=registry).labels(**labels)
         self.received_blocks = Counter(PREFIX + "kv_handover_received_blocks",
                                        "KV blocks imported from stopping replicas' hand-overs.", names,
                                        registry=registry).labels(**labels)
         self.received_bytes = Counter(PREFIX + "kv_handover_received_bytes",
                                       "KV bytes imported from stopping replicas' hand-overs.", names,
                                       registry=registry).labels(**labels)
-        self._labels = labels
-
-    def record(self, result: HandoverResult) -> None:
-        self._outcomes.labels(**self._labels, outcome=result.outcome).inc()
-        self.blocks.inc(result.blocks)
-        self.bytes.inc(result.bytes)
-        self.seconds.set(result.seconds)
 
 
 async def hand_over(transfer: KVTransfer, directory: Any, receiver_of: Callable[[str], Any], replica_id: str,

@@ -13,9 +13,9 @@ in the replica's own registry (``ReplicaMetrics.registry``), with its labels::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cluster.shared.metrics_format import METRIC_PREFIX as PREFIX
 
@@ -70,3 +70,28 @@ class TransferMetrics:
         """A sample's current value (tests, bench tables); 0 when absent."""
         got = self.registry.get_sample_value(PREFIX + name, {**self._labels, **labels})
         return float(got or 0.0)
+
+
+class MoveMetrics:
+    """The series of a warm start or a hand-over (``workers/kv_warm_start.py``,
+    ``workers/kv_handover.py``): ``<name>_total{outcome}`` (every outcome present
+    from the start), ``<name>_blocks_total``, ``<name>_bytes_total`` and
+    ``<name>_seconds`` (a gauge: the last one). ``docs``: the four help texts."""
+
+    def __init__(self, registry: Any, labels: dict[str, str], name: str, outcomes: Sequence[str],
+                 docs: tuple[str, str, str, str]) -> None:
+        names = tuple(labels)
+        self._outcomes = Counter(PREFIX + name, docs[0], (*names, "outcome"), registry=registry)
+        for outcome in outcomes:
+            self._outcomes.labels(**labels, outcome=outcome)
+        self.blocks = Counter(PREFIX + name + "_blocks", docs[1], names, registry=registry).labels(**labels)
+        self.bytes = Counter(PREFIX + name + "_bytes", docs[2], names, registry=registry).labels(**labels)
+        self.seconds = Gauge(PREFIX + name + "_seconds", docs[3], names, registry=registry).labels(**labels)
+        self._labels = labels
+
+    def record(self, result: Any) -> None:
+        """Counts ``result`` (its ``outcome``, ``blocks``, ``bytes`` and ``seconds``)."""
+        self._outcomes.labels(**self._labels, outcome=result.outcome).inc()
+        self.blocks.inc(result.blocks)
+        self.bytes.inc(result.bytes)
+        self.seconds.set(result.seconds)

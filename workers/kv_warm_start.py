@@ -34,11 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
-from prometheus_client import Counter, Gauge
-
-from cluster.shared.metrics_format import METRIC_PREFIX as PREFIX
 from workers.kv_copy import write_blocks
 from workers.kv_transfer import KVExport, KVTransfer
+from workers.kv_transfer_metrics import MoveMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -57,29 +55,14 @@ class WarmResult:
     holders: int = 0
 
 
-class WarmStartMetrics:
+class WarmStartMetrics(MoveMetrics):
     """``prefixserve:kv_warm_start_total{outcome}``, ``..._blocks_total``,
     ``..._bytes_total`` and ``..._seconds`` (a gauge: the last warm start)."""
 
     def __init__(self, registry: Any, labels: dict[str, str]) -> None:
-        names = tuple(labels)
-        self._outcomes = Counter(PREFIX + "kv_warm_start", "Warm starts by outcome.", (*names, "outcome"),
-                                 registry=registry)
-        for outcome in WARM_OUTCOMES:
-            self._outcomes.labels(**labels, outcome=outcome)
-        self.blocks = Counter(PREFIX + "kv_warm_start_blocks", "KV blocks imported by warm start.", names,
-                              registry=registry).labels(**labels)
-        self.bytes = Counter(PREFIX + "kv_warm_start_bytes", "KV bytes imported by warm start.", names,
-                             registry=registry).labels(**labels)
-        self.seconds = Gauge(PREFIX + "kv_warm_start_seconds", "Seconds the last warm start took.", names,
-                             registry=registry).labels(**labels)
-        self._labels = labels
-
-    def record(self, result: WarmResult) -> None:
-        self._outcomes.labels(**self._labels, outcome=result.outcome).inc()
-        self.blocks.inc(result.blocks)
-        self.bytes.inc(result.bytes)
-        self.seconds.set(result.seconds)
+        super().__init__(registry, labels, "kv_warm_start", WARM_OUTCOMES,
+                         ("Warm starts by outcome.", "KV blocks imported by warm start.",
+                          "KV bytes imported by warm start.", "Seconds the last warm start took."))
 
 
 async def warm_start(transfer: KVTransfer, directory: Any, holder_of: Optional[Callable[[str], Any]],
