@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import time
 from typing import Any
 
 from cluster.bench.datasets import Conversation, Turn, _token_sampler
@@ -75,31 +74,22 @@ def skewed_dataset(num_tenants: int, num_requests: int, system_prompt_len: int, 
 
 
 def read_transfer_figures(redis_url: str, namespace: str) -> dict[str, Any]:
-    """The replicas' ``kv_transfer_*`` series summed over them (module doc)."""
+    """The replicas' ``kv_transfer_*`` series summed over them (module doc), once two
+    reads a heartbeat or more apart agree (a loaded machine delays the heartbeats)."""
+    from cluster.bench.ttft_split import settled, texts
     from cluster.shared.directory import Directory
 
-    async def read() -> dict[str, bytes]:
+    async def figures(directories: Any) -> dict[str, Any]:
+        return transfer_figures(await texts(directories))
+
+    async def read() -> dict[str, Any]:
         directory = Directory.from_url(redis_url, namespace)
         try:
-            return await directory.replica_metrics()
+            return await settled([directory], METRICS_SETTLE_S, METRICS_WAIT_S, read=figures)
         finally:
             await directory.aclose()
 
-    def figures() -> dict[str, Any]:
-        return transfer_figures([text.decode() if isinstance(text, bytes) else text
-                                 for text in asyncio.run(read()).values()])
-
-    # Heartbeats carry the texts; a loaded machine delays them: read until two reads agree.
-    deadline = time.monotonic() + METRICS_WAIT_S
-    time.sleep(METRICS_SETTLE_S)
-    last, now = figures(), None
-    while time.monotonic() < deadline:
-        time.sleep(METRICS_SETTLE_S)
-        now = figures()
-        if now == last:
-            break
-        last = now
-    return now or last
+    return asyncio.run(read())
 
 
 def transfer_figures(texts: list[str]) -> dict[str, Any]:

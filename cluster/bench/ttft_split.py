@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 NAMES = {"ttft": "prefixserve:time_to_first_token_seconds", "queue": "prefixserve:request_queue_time_seconds",
          "itl": "prefixserve:inter_token_latency_seconds"}
@@ -61,14 +61,16 @@ async def snapshot(directories: Sequence[Any]) -> Snapshot:
     return parse(await texts(directories))
 
 
-async def settled(directories: Sequence[Any], heartbeat_s: float = 1.5, timeout_s: float = 10.0) -> Snapshot:
-    """The histograms once nothing moved over more than a heartbeat: every request
-    sent before (the warm-up, an earlier run's last ones) is counted, and none after."""
+async def settled(directories: Sequence[Any], heartbeat_s: float = 1.5, timeout_s: float = 10.0,
+                  read: Callable[[Sequence[Any]], Awaitable[Any]] = snapshot) -> Any:
+    """``read(directories)`` (the histograms by default) once it did not move over more
+    than a heartbeat: every request sent before (the warm-up, an earlier run's last
+    ones) is counted, and none after; at ``timeout_s``, the last reading."""
     deadline = time.monotonic() + timeout_s
-    last = await snapshot(directories)
+    last = await read(directories)
     while True:
         await asyncio.sleep(heartbeat_s)
-        now = await snapshot(directories)
+        now = await read(directories)
         if now == last or time.monotonic() > deadline:
             return now
         last = now
