@@ -221,7 +221,7 @@ async def _import(transfer: KVTransfer, export: KVExport) -> tuple[str, int]:
         missing = [i for i, h in enumerate(export.block_hashes) if pool.get_cached_block(h) is None]
         if not missing:
             return ()  # every block is cached here already
-        keep = missing[: pool.num_free_blocks // 2]  # reserve's bound: a transfer never starves the requests
+        keep = missing[: ledger.max_reservable]  # reserve's bound: a transfer never starves the requests
         if not keep or (transfer.ranks and keep != list(range(len(export.block_hashes)))):
             return None  # no room (a rank writes its whole shard)
         held = ledger.reserve([export.block_hashes[i] for i in keep], b"")

@@ -92,7 +92,7 @@ async def _warm(transfer: KVTransfer, directory: Any, holder_of: Callable[[str],
                 contract: str, budget: int, deadline: float, result: WarmResult) -> None:
     # An import takes at most half of the free blocks (TransferLedger.reserve): ask for no more, or a
     # small pool (the whole of it cached on the holder) would be sent everything and import nothing.
-    budget = min(budget, transfer.ledger.pool.num_free_blocks // 2)
+    budget = min(budget, transfer.ledger.max_reservable)
     held: dict[str, set[bytes]] = {}
     for rid in await directory.live_replicas():
         if rid != replica_id and (not contract or await directory.replica_contract(rid) == contract):

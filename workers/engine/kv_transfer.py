@@ -143,6 +143,12 @@ class TransferLedger:
         return held
 
     # -------------------------------------------------------------- receiver
+    @property
+    def max_reservable(self) -> int:
+        """The most blocks one reservation may take now: half of the free blocks
+        (a transfer must not starve the requests that are running). No mutation."""
+        return self.pool.num_free_blocks // 2
+
     def reserve(self, block_hashes: Seq[bytes], parent_block_hash: bytes,
                 token_ids: Optional[Seq[int]] = None) -> Optional[HeldBlocks]:
         """Takes fresh, uncached blocks for ``block_hashes`` (mutates).
@@ -158,7 +164,7 @@ class TransferLedger:
             blocks.
         """
         num = len(block_hashes)
-        if not self.pool.enable_caching or num == 0 or 2 * num > self.pool.num_free_blocks:
+        if not self.pool.enable_caching or num == 0 or num > self.max_reservable:
             return None
         assert token_ids is None or len(token_ids) == num * self.pool.block_size
         block_ids = self.pool.allocate(num)
