@@ -129,3 +129,48 @@ def test_a_think_block_then_constrained_content(cluster):
         responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
     assert "".join(r.reasoning for r in responses) == answer.model_extra["reasoning"]
     assert "".join(r.text for r in responses) == answer.content
+
+
+# The answer after the think block as JSON under a schema; the free answer is "Paris", so the
+# schema's pattern (lower case) is what the model writes only because the grammar holds it.
+SCHEMA = {"type": "object", "properties": {"capital": {"type": "string", "pattern": "^[a-z]{3,12}$"}},
+          "required": ["capital"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "name": "capital", "schema": SCHEMA, "strict": True}
+
+
+def test_a_think_block_then_json_under_a_schema_in_chat_and_responses(cluster):
+    """A closed think block, then JSON valid under a json_schema: chat completions split it into
+    reasoning / reasoning_content and content, /v1/responses into a reasoning item and a message
+    (whole and streamed). The think block is the model's free text, the JSON is not."""
+    import json
+
+    import jsonschema
+
+    api, model, _ = cluster
+    free = api.chat.completions.create(model=model, messages=FEW_SHOT, temperature=0, max_tokens=40)
+    thought = free.choices[0].message.model_extra["reasoning"]
+    assert thought == "France is a country in Europe."
+    chat = api.chat.completions.create(model=model, messages=FEW_SHOT, temperature=0, max_tokens=40,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "capital", "schema": SCHEMA, "strict": True}})
+    message = chat.choices[0].message
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == thought
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    assert "<think>" not in message.content and "</think>" not in message.content
+    held = api.responses.create(model=model, input=FEW_SHOT, temperature=0, max_output_tokens=40,
+                                text={"format": FORMAT}, store=False)
+    assert [item.type for item in held.output] == ["reasoning", "message"], held.output
+    assert held.status == "completed" and held.output[0].content[0].text == thought
+    assert held.output_text == message.content  # the same greedy JSON as the chat answer
+    jsonschema.validate(json.loads(held.output_text), SCHEMA)
+    assert 0 < held.usage.output_tokens_details.reasoning_tokens < held.usage.output_tokens
+    events = list(api.responses.create(model=model, input=FEW_SHOT, temperature=0, max_output_tokens=40,
+                                       text={"format": FORMAT}, store=False, stream=True))
+    by_kind = lambda kind: [e for e in events if e.type == kind]  # noqa: E731
+    assert "".join(e.delta for e in by_kind("response.reasoning_text.delta")) == thought
+    assert "".join(e.delta for e in by_kind("response.output_text.delta")) == held.output_text
+    assert all(e.output_index == 0 for e in by_kind("response.reasoning_text.delta"))
+    assert all(e.output_index == 1 for e in by_kind("response.output_text.delta"))
+    assert events[-1].type == "response.completed"
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
