@@ -202,6 +202,30 @@ def test_multi_turn_prompts_grow_and_hit_the_previous_turn(cluster, tmp_path, ba
         assert all(r.completion_tokens == 5 for r in turns)
 
 
+def test_a_multi_turn_run_reports_the_cached_share_of_its_continued_turns(cluster, tmp_path, capsys):
+    """``bench serve --dataset-name multi-turn`` through the CLI: every continued turn extends the
+    previous prompt and answer, so the only replica holds their KV and the run's continued-turn hit
+    rate (JSON and table) is at least every such whole block over the continued prompts: >= 0.8."""
+    first_len, question_len, output_len, turns = 40, 4, 4, 3
+    with routers(cluster) as (address, _):
+        report = bench(cluster[1], tmp_path, "--url", address, "--dataset-name", "multi-turn", "--seed", "15",
+                       "--num-prompts", "6", "--multi-turn-turns", str(turns), "--multi-turn-input-len",
+                       str(first_len), "--multi-turn-question-len", str(question_len), "--multi-turn-output-len",
+                       str(output_len), "--max-concurrency", "2")
+    assert report["failed"] == 0 and report["completed"] == 6
+    assert report["continued_turns"] == 4  # two conversations, two continued turns each
+    prompts = [first_len + t * (question_len + output_len) for t in range(turns)]
+    # A continued turn finds the previous prompt and answer's whole blocks with KV (the answer's
+    # last token has none yet): per conversation, turns 1 and 2.
+    cached = [(prev + output_len - 1) // BLOCK_SIZE * BLOCK_SIZE for prev in prompts[:-1]]
+    assert all(c >= 0.8 * prev for c, prev in zip(cached, prompts))
+    bound = round(sum(cached) / sum(prompts[1:]), 4)
+    assert report["continued_turn_hit_rate"] >= max(bound, 0.8), (report["continued_turn_hit_rate"], bound)
+    assert report["prefix_hit_rate"] < report["continued_turn_hit_rate"]  # first turns miss
+    table = capsys.readouterr().out
+    assert "Continued-turn hit rate (4 turns):" in table, table
+
+
 def test_status_lists_the_replica(cluster, capsys):
     with routers(cluster) as (address, _):
         deadline = time.monotonic() + 60
