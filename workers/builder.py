@@ -201,6 +201,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
             from workers.spec_eagle import attach_eagle
 
             proposer = attach_eagle(runner, config.speculative.model, arch)
+        elif config.speculative.method == "eagle3":
+            from workers.spec_eagle3 import attach_eagle3
+
+            proposer = attach_eagle3(runner, config.speculative.model, arch)
         speculator = Speculator(config.speculative, proposer=proposer)
     structured = make_backend(_tokenizer_file(model_dir, config.tokenizer), arch.vocab_size, eos,
                               config.structured_outputs)

@@ -174,8 +174,10 @@ def test_tree_stats_count_depths_and_learn_from_the_positions_reached():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle3", "model": "x"}, "not supported yet"),
+    ({"method": "mlp_speculator", "model": "x"}, "not supported yet"),
     ({"method": "eagle"}, "needs model: the EAGLE draft's folder"),
+    ({"method": "eagle3"}, "'eagle3' needs model: .* train-heads --method eagle3"),
+    ({"method": "eagle3", "model": "e", "__tp": 2}, "'eagle3' runs with tensor_parallel_size 1"),
     ({"method": "eagle", "model": "e", "__tp": 2}, "'eagle' runs with tensor_parallel_size 1"),
     ({"method": "medusa"}, "needs model: the heads' folder"),
     ({"method": "medusa", "model": "h", "__tp": 2}, "runs with tensor_parallel_size 1"),
@@ -255,8 +257,8 @@ def test_cluster_config_carries_speculative_config():
 
     config = build_strict(ClusterConfig, {"engine": {"speculative_config": {"num_speculative_tokens": 2}}})
     assert config.engine.speculative == SpeculativeConfig(num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="engine: speculative_config method 'eagle3' is not supported yet"):
-        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "eagle3"}}})
+    with pytest.raises(ValueError, match="engine: speculative_config method 'mlp_speculator' is not supported yet"):
+        build_strict(ClusterConfig, {"engine": {"speculative_config": {"method": "mlp_speculator"}}})
 
 
 def test_drafts_never_take_a_later_decode_s_token():

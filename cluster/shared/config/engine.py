@@ -23,8 +23,8 @@ LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "w8a8", "gptq", "awq", "gguf-a8")
 KV_CACHE_DTYPES = ("auto", "int8")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
-_SPEC_PLANNED = ("eagle3", "mlp_speculator")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+_SPEC_PLANNED = ("mlp_speculator",)
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,15 @@ class SpeculativeConfig:
             (a smaller model with the target's vocabulary proposes greedily,
             with its own paged KV cache in the same replica) or ``medusa``
             (heads on the target's last hidden state, ``model`` their folder:
-            ``prefixserve train-heads`` writes one) or ``eagle`` (an EAGLE-1
-            draft layer over the target's hidden states, ``model`` its folder
-            in vLLM's layout; ``train-heads --method eagle`` writes one).
+            ``prefixserve train-heads`` writes one) or ``eagle`` / ``eagle3`` (an EAGLE-1 draft
+            layer over the target's hidden states, EAGLE-3's over three layers' features, ``model``
+            its folder in vLLM's layout; ``train-heads --method eagle | eagle3`` writes one).
         num_speculative_tokens: Most tokens proposed per sequence and step.
         prompt_lookup_min / prompt_lookup_max: n-gram sizes matched, longest
             first (``ngram``).
         model: The draft model (folder or ``.gguf``; ``draft_model``; None
             is the target's own model, cut to ``draft_num_layers``), or the
-            Medusa heads' folder (``medusa``), or the EAGLE draft's (``eagle``).
+            Medusa heads' folder (``medusa``), or the EAGLE draft's (``eagle``, ``eagle3``).
         draft_num_layers: Keep only the first N decoder layers of the draft
             (self-speculation with a layer-truncated copy).
         adaptive: Size each proposal from the request's measured acceptance
@@ -55,7 +55,7 @@ class SpeculativeConfig:
             (SpecInfer): the n-gram proposer's distinct continuations of
             earlier matches, the Medusa heads' likeliest top-k combinations, an EAGLE draft's
             dynamic tree (EAGLE-2). 1 (the default) verifies one chain. Trees need the ``torch``
-            attention backend (the CPU default) and ``ngram``, ``medusa`` or ``eagle``.
+            attention backend (the CPU default) and ``ngram``, ``medusa``, ``eagle`` or ``eagle3``.
     """
 
     method: str = "ngram"
@@ -83,9 +83,9 @@ class SpeculativeConfig:
         if self.method == "medusa" and (self.model is None or self.draft_num_layers is not None):
             raise ValueError("speculative_config method 'medusa' needs model: the heads' folder "
                              "(prefixserve train-heads writes one); draft_num_layers is for 'draft_model'")
-        if self.method == "eagle" and (self.model is None or self.draft_num_layers is not None):
-            raise ValueError("speculative_config method 'eagle' needs model: the EAGLE draft's folder "
-                             "(prefixserve train-heads --method eagle writes one); draft_num_layers is for "
+        if self.method in ("eagle", "eagle3") and (self.model is None or self.draft_num_layers is not None):
+            raise ValueError(f"speculative_config method '{self.method}' needs model: the EAGLE draft's folder "
+                             f"(prefixserve train-heads --method {self.method} writes one); draft_num_layers is for "
                              "'draft_model'")
         if self.method == "draft_model" and self.model is None and self.draft_num_layers is None:
             raise ValueError("speculative_config method 'draft_model' needs model (a smaller model with the "
@@ -94,7 +94,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config num_candidates must be in 1..8, got {self.num_candidates}")
         if self.num_candidates > 1 and self.method == "draft_model":
             raise ValueError("speculative_config num_candidates > 1 (a tree of candidates) is for methods 'ngram', "
-                             "'medusa' and 'eagle' (EAGLE-2's dynamic trees); 'draft_model' proposes one chain")
+                             "'medusa', 'eagle' and 'eagle3' (EAGLE-2's dynamic trees); 'draft_model' proposes one chain")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError(f"speculative_config draft_num_layers must be >= 1, got {self.draft_num_layers}")
 
@@ -344,7 +344,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_mapping(self.speculative_config)
             object.__setattr__(self, "speculative_config", dataclasses.asdict(spec))  # JSON given: a dict from now
-            if spec.method in ("medusa", "eagle") and self.parallel.tensor_parallel_size > 1:
+            if spec.method in ("medusa", "eagle", "eagle3") and self.parallel.tensor_parallel_size > 1:
                 raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1: use "
                                  "'ngram' or 'draft_model' with tensor parallelism")
             if spec.num_candidates > 1 and (self.attention_backend not in ("auto", "torch")
