@@ -52,6 +52,8 @@ class Delta:
         replica_id: The replica serving the request, when the transport says.
         finish_reason: ``stop``, ``length`` or ``abort`` on the chunk that
             ends the output; empty before.
+        response_id: The stored response's id (the Responses API client),
+            on the chunk that ends it.
     """
 
     num_tokens: int
@@ -60,6 +62,7 @@ class Delta:
     usage: Optional[Usage] = None
     replica_id: str = ""
     finish_reason: str = ""
+    response_id: str = ""
 
 
 class BenchClient(Protocol):

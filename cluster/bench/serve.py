@@ -3,6 +3,7 @@
     prefixserve bench serve --url 127.0.0.1:50051 --dataset-name shared-prefix
     prefixserve bench serve --backend openai --base-url http://127.0.0.1:8000/v1
     prefixserve bench serve --dataset-name multi-turn --replicas 2   # starts a local cluster
+    prefixserve bench serve --backend openai-responses --dataset-name multi-turn   # previous_response_id
     prefixserve bench serve --url 127.0.0.1:50051 --dataset-name json-unique --structured-output-ratio 0.5
 
 It replays a seeded dataset (``cluster/bench/datasets.py``) against a running
@@ -17,6 +18,9 @@ waiting). At each tick the next ready request is sent, if fewer than
 becomes ready when the previous one's answer is complete and goes first in
 the queue (the user keeps talking), so about ``--max-concurrency``
 conversations are active at once. A failed turn ends its conversation.
+Over ``--backend openai-responses`` a later turn is sent as its new part only,
+continuing the stored previous response by ``previous_response_id``
+(``cluster/bench/clients_responses.py``).
 
 Structured-output datasets (``json``, ``json-unique``, ``regex``,
 ``choice``) send chat questions; each constrained request's whole answer is
@@ -59,10 +63,13 @@ logger = logging.getLogger(__name__)
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``bench serve`` (engine flags are added by the CLI)."""
-    parser.add_argument("--backend", default="grpc", choices=BACKENDS)
+    parser.add_argument("--backend", default="grpc", choices=BACKENDS,
+                        help="grpc, openai (completions; chat for questions) or openai-responses (/v1/responses: a "
+                             "later turn continues by previous_response_id)")
     parser.add_argument("--url", default=None, help="HOST:PORT of a running cluster's gRPC router (grpc backend)")
     parser.add_argument("--base-url", default=None,
-                        help="OpenAI API root of a running cluster, e.g. http://127.0.0.1:8000/v1 (openai backend)")
+                        help="OpenAI API root of a running cluster, e.g. http://127.0.0.1:8000/v1 (openai and "
+                             "openai-responses backends)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="Poisson arrivals per second (default inf: send as fast as allowed)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
@@ -249,9 +256,13 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     """``prefixserve bench serve``: run the benchmark, print the table, write JSON / PNG."""
     slos = parse_goodput(args.goodput)
     if args.backend == "grpc" and args.base_url:
-        raise ValueError("--base-url is for --backend openai; the grpc backend takes --url HOST:PORT")
-    if args.backend == "openai" and args.url:
-        raise ValueError("--url is for --backend grpc; the openai backend takes --base-url http://HOST:PORT/v1")
+        raise ValueError("--base-url is for the openai backends; the grpc backend takes --url HOST:PORT")
+    if args.backend != "grpc" and args.url:
+        raise ValueError(f"--url is for --backend grpc; the {args.backend} backend takes --base-url "
+                         "http://HOST:PORT/v1")
+    if args.backend == "openai-responses" and args.dataset_name in STRUCTURED_DATASETS:
+        raise ValueError("--backend openai-responses runs the token datasets (random, shared-prefix, multi-turn); "
+                         "structured outputs go over --backend openai or grpc")
     from cluster.shared.config import EngineConfig
 
     engine = EngineConfig.from_kwargs(**engine_args)
@@ -263,7 +274,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         if args.dataset_name != "random":
             raise ValueError("--engine-baseline runs the random dataset's prompts; drop it or use --dataset-name random")
         baselines.append(_engine_baseline(engine_args, conversations, args.max_concurrency))
-    cluster = None if target else start_local_cluster(args, engine, http=args.backend == "openai")
+    cluster = None if target else start_local_cluster(args, engine, http=args.backend != "grpc")
     try:
         if cluster is not None:
             target = cluster.grpc_address if args.backend == "grpc" else cluster.http_url

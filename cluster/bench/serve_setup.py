@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from cluster.bench.clients import BenchClient, GrpcClient, OpenAIClient
+from cluster.bench.clients_responses import ResponsesClient
 from cluster.bench.datasets import FIRST_USABLE_ID
 from cluster.bench.metrics import RequestRecord, plot
 
 logger = logging.getLogger(__name__)
 
 
-BACKENDS = ("grpc", "openai")
+BACKENDS = ("grpc", "openai", "openai-responses")
 # The warm-up prompt repeats an id the datasets never generate, so the blocks it
 # leaves in the prefix cache can never match a benchmark prompt.
 WARMUP_TOKENS = 8
@@ -26,11 +27,14 @@ WARMUP_TOKEN_ID = FIRST_USABLE_ID - 1
 
 def make_client(backend: str, target: str, tokenizer: Any = None, timeout: float = 600.0,
                 api_key: Optional[str] = None, tls_ca: Optional[str] = None) -> BenchClient:
-    """The transport for ``backend`` (``grpc``: ``host:port``; ``openai``: ``http(s)://…/v1``)."""
+    """The transport for ``backend`` (``grpc``: ``host:port``; ``openai``, ``openai-responses``:
+    ``http(s)://…/v1``)."""
     if backend == "grpc":
         return GrpcClient(target, timeout, api_key=api_key, tls_ca=tls_ca)
     if backend == "openai":
         return OpenAIClient(target, tokenizer=tokenizer, timeout=timeout, api_key=api_key, tls_ca=tls_ca)
+    if backend == "openai-responses":
+        return ResponsesClient(target, tokenizer=tokenizer, timeout=timeout, api_key=api_key, tls_ca=tls_ca)
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 

@@ -48,12 +48,14 @@ def cluster(ray_local, redis_server, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def routers(cluster):
+def routers(cluster, responses: bool = False):
     """The gRPC router and the OpenAI HTTP server on their own thread's loop
     (as ``prefixserve up`` runs them), so the CLI can run its own loop here.
-    Yields (grpc address, OpenAI base URL)."""
+    ``responses``: /v1/responses stores in Redis and counts its continued turns
+    in this process's router metrics. Yields (grpc address, OpenAI base URL)."""
     from router.metrics import ClusterMetrics, get_router_metrics
     from router.openai import serve_openai
+    from router.openai.response_store import RedisResponseStore
     from router.server import RouterServer
 
     handle, model_dir, redis_url, namespace = cluster
@@ -62,17 +64,22 @@ def routers(cluster):
     thread.start()
 
     async def start():
-        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", 1024))
+        backend = RouterBackend(handle, RouterTokenizer.from_model_dir(model_dir), ModelInfo("tiny", 1024),
+                                metrics=get_router_metrics(namespace, "cache_aware") if responses else None)
+        if responses:
+            backend.response_store = RedisResponseStore.from_url(redis_url, namespace)
         server = RouterServer(backend, Directory.from_url(redis_url, namespace), port=0)
         await server.start()
         metrics = ClusterMetrics(get_router_metrics(namespace, "cache_aware"), Directory.from_url(redis_url, namespace))
-        return server, await serve_openai(backend, port=0, metrics=metrics)
+        return server, await serve_openai(backend, port=0, metrics=metrics), backend
 
-    server, http = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+    server, http, backend = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
     try:
         yield server.address, http.url
     finally:
         asyncio.run_coroutine_threadsafe(http.stop(), loop).result(timeout=30)
+        if responses:
+            asyncio.run_coroutine_threadsafe(backend.response_store.aclose(), loop).result(timeout=30)
         asyncio.run_coroutine_threadsafe(server.stop(grace=1.0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
@@ -224,6 +231,62 @@ def test_a_multi_turn_run_reports_the_cached_share_of_its_continued_turns(cluste
     assert report["prefix_hit_rate"] < report["continued_turn_hit_rate"]  # first turns miss
     table = capsys.readouterr().out
     assert "Continued-turn hit rate (4 turns):" in table, table
+
+
+def test_multi_turn_over_the_responses_api_continues_by_previous_response_id(cluster):
+    """``--backend openai-responses``: each later turn sends its new part with the previous
+    response's id; it carries the previous turn's context, finds its KV (>= 0.8 of the previous
+    turn's input cached), and the client's continued-turn figures equal the router's
+    router_continued_turn_tokens_total; the responses are deleted when the client closes."""
+    import openai
+
+    from cluster.bench.metrics import summarize
+    from cluster.bench.serve import run_requests
+    from cluster.bench.serve_setup import make_client
+    from router.metrics import get_router_metrics
+
+    _, model_dir, _, namespace = cluster
+    convs = multi_turn_dataset(6, 3, 40, 4, 4, VOCAB, seed=16)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    registry = get_router_metrics(namespace, "cache_aware").registry
+
+    def continued_tokens():
+        return {s.labels["kind"]: s.value for m in registry.collect() for s in m.samples
+                if s.name == "prefixserve:router_continued_turn_tokens_total"}
+
+    async def main(base_url):
+        client = make_client("openai-responses", base_url, tokenizer)
+        try:
+            records, duration = await run_requests(client, convs, max_concurrency=2, progress=False)
+            return records, duration, list(client._created)
+        finally:
+            await client.aclose()
+
+    with routers(cluster, responses=True) as (_, base_url):
+        before = continued_tokens()
+        records, duration, created = asyncio.run(main(base_url))
+        after = continued_tokens()
+        with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as api:
+            with pytest.raises(openai.NotFoundError):  # deleted by the client's aclose
+                api.responses.retrieve(created[0])
+    assert len(records) == 6 and all(r.ok for r in records), [r.error for r in records]
+    assert len(created) == 6
+    by_conv = {}
+    for r in sorted(records, key=lambda r: (r.conversation, r.turn)):
+        by_conv.setdefault(r.conversation, []).append(r)
+    for turns in by_conv.values():
+        assert [r.turn for r in turns] == [0, 1, 2]
+        for prev, cur in zip(turns, turns[1:]):
+            assert cur.prompt_tokens >= prev.prompt_tokens + prev.completion_tokens  # the context came along
+            assert cur.cached_prompt_tokens >= 0.8 * prev.prompt_tokens, (prev, cur)
+    summary = summarize(records, duration)
+    continued = [r for r in records if r.turn > 0]
+    assert summary["continued_turns"] == 4
+    prompt = after.get("prompt", 0) - before.get("prompt", 0)
+    cached = after.get("cached_prompt", 0) - before.get("cached_prompt", 0)
+    assert prompt == sum(r.prompt_tokens for r in continued) and cached == sum(r.cached_prompt_tokens
+                                                                               for r in continued)
+    assert summary["continued_turn_hit_rate"] == round(cached / prompt, 4)
 
 
 def test_status_lists_the_replica(cluster, capsys):
