@@ -55,13 +55,41 @@ def routers(ray_local, redis_server, tmp_path_factory):
     with serve_app(APP, model_dir, redis_server.url, namespace, replicas=2, routing_policy="prefix_cost",
                    block_size=4, num_kv_blocks=256):
         with router(model_dir, redis_server.url, namespace) as a, router(model_dir, redis_server.url, namespace) as b:
-            yield a, b
+            yield a, b, (model_dir, redis_server.url, namespace)
+
+
+def wait_until_listed(client, where, messages) -> None:
+    """Until the directory lists every whole block of ``messages``' chat prompt on some replica,
+    and a moment for the routers' indexes, which follow its stream (a fixed wait was a guess)."""
+    import httpx2 as httpx
+
+    from cluster.shared.directory import Directory
+    from cluster.shared.fingerprint import model_fingerprint
+    from cluster.shared.hashing import hash_block_chain, root_hash
+
+    model_dir, redis_url, namespace = where
+    tokens = httpx.post(str(client.base_url).rstrip("/").removesuffix("/v1") + "/tokenize", timeout=60,
+                        json={"model": "tiny", "messages": messages}).json()["tokens"]
+    chain = hash_block_chain(tokens, 4, root_hash(model_fingerprint(model_dir)))
+
+    async def poll():
+        directory = Directory.from_url(redis_url, namespace)
+        try:
+            deadline = time.monotonic() + 30
+            while max((await directory.lookup(chain)).values(), default=0) < len(chain):
+                assert time.monotonic() < deadline, "the directory never listed the first turn's prompt"
+                await asyncio.sleep(0.1)
+        finally:
+            await directory.aclose()
+
+    asyncio.run(poll())
+    time.sleep(0.5)
 
 
 def test_a_conversation_continues_on_another_router_with_its_kv(routers):
-    a, b = routers
+    a, b, where = routers
     first = a.responses.create(model="tiny", input=INPUT, temperature=0, max_output_tokens=8)
-    time.sleep(1.5)  # the replica's KV events reach the directory and the other router's index
+    wait_until_listed(a, where, [{"role": "user", "content": INPUT}])  # the KV events reach b's index
     second = b.responses.create(model="tiny", input="And the next one?", previous_response_id=first.id,
                                 temperature=0, max_output_tokens=4)
     assert second.usage.input_tokens >= first.usage.input_tokens
@@ -76,7 +104,7 @@ def test_a_background_response_of_a_router_that_died_ends_failed_not_in_progress
                                                                                 tmp_path_factory, routers):
     from router.openai.responses_background import LEASE_S
 
-    _, b = routers
+    _, b, _ = routers
     model_dir = make_chat_model_dir(tmp_path_factory.mktemp("responses-dying"))
     namespace = f"rd-{uuid.uuid4().hex[:6]}"
     with router(model_dir, redis_server.url, namespace) as dying, \
