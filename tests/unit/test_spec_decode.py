@@ -279,3 +279,30 @@ def test_drafts_never_take_a_later_decode_s_token():
         sched.check_integrity()
     assert drafted > 0
     assert_all_blocks_free_or_cached(sched)
+
+
+def test_a_request_that_stopped_drafting_probes_and_resumes_when_drafts_pay_again():
+    # A request whose drafts all failed proposes nothing; without probes nothing would measure it
+    # again. It drafts one token each PROBE_EVERY tokens; once those are accepted it drafts again.
+    s = speculator()
+    for _ in range(20):  # memory-bound steps: a draft token costs 3% of a step
+        s.observe_step(1, 0, 1, 0.030)
+        s.observe_step(1, 4, 1, 0.0336)
+    for _ in range(20):
+        s.observe_result("r", 4, 0)
+    every = Speculator.PROBE_EVERY
+    assert s.depth_limit("r") == 0
+    lengths = range(100, 100 + 4 * every)
+    probes = [n for n in lengths if s.depth_limit("r", n) > 0]
+    assert probes == [n for n in lengths if n % every == 0] and len(probes) == 4
+    assert all(s.depth_limit("r", n) == 1 for n in probes)
+    drafts = s.propose_batch([("r", [7] * (every - 1), 4), ("r", [7] * every, 4)])
+    assert [len(d[0]) for d in drafts] == [0, 1]  # the probe's one token, from the n-gram match
+    resumed = None
+    for i in range(1, 12):  # the text turned predictable: each probe's draft is accepted
+        s.observe_result("r", 1, 1)
+        if s.depth_limit("r") > 0:
+            resumed = i
+            break
+    assert resumed is not None and resumed <= 3
+    assert speculator(adaptive=False).depth_limit("r", every) == 4  # not adaptive: always the most

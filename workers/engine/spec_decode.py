@@ -41,6 +41,13 @@ is worth ``alpha ** (e - 1) * (1 - alpha) * beta`` (times ``alpha`` per
 depth below), ``beta`` the measured rate at which another candidate's token
 was taken where the likeliest one's was not, and is proposed by the same
 rule.
+
+A request whose drafts stopped paying proposes nothing, so nothing would
+measure its acceptance again: text that turns predictable later (a quote, a
+list, a structured tail) would never be drafted. So it probes: every
+``PROBE_EVERY`` tokens it drafts one token (one verified row in that many
+steps, ~0.1-0.3% of the steps' time), and the probes' outcomes move its rate
+(and the rate over all requests, a new request's prior) as any draft's do.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class Speculator:
     PRIOR_BRANCH = 0.3  # prior rate at which another candidate's token is taken where the first's is not
     DECAY = 0.9  # weight of a request's past (prior included) per step that proposed
     GLOBAL_DECAY = 0.995  # the same for the rate over all requests, a new request's prior
+    PROBE_EVERY = 32  # a request proposing nothing drafts one token when its length is a multiple of this
 
     def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
         self.config = config
@@ -153,8 +161,9 @@ class Speculator:
         # plain_step.
         return per_draft * seqs / plain_step
 
-    def depth_limit(self, request_id: str) -> int:
-        """How many drafts pay for this request now (0 to ``num_speculative_tokens``)."""
+    def depth_limit(self, request_id: str, num_tokens: Optional[int] = None) -> int:
+        """How many drafts pay for this request now (0 to ``num_speculative_tokens``);
+        with its length ``num_tokens``, at least 1 on a probe (module doc)."""
         threshold = self._threshold()
         if threshold is None:
             return self.k_max
@@ -165,6 +174,8 @@ class Speculator:
             if gain <= threshold:
                 break
             depth += 1
+        if depth == 0 and num_tokens is not None and num_tokens % self.PROBE_EVERY == 0 and self.k_max:
+            return 1
         return depth
 
     @property
@@ -222,7 +233,9 @@ class Speculator:
         ``room``): ``(tokens, parents)``, ``parents`` empty for a chain
         (``build_tree``). A batching proposer (a draft model) runs them at
         once."""
-        asks = [(r[0], r[1], min(self.depth_limit(r[0]), r[2])) for r in requests]
+        # A runner proposer's guesses were asked a step earlier (runner_proposals_wanted): no probes.
+        probe = not self.from_runner
+        asks = [(r[0], r[1], min(self.depth_limit(r[0], len(r[1]) if probe else None), r[2])) for r in requests]
         wanted = [i for i, (_, _, k) in enumerate(asks) if k > 0]
         out: list[tuple[list[int], list[int]]] = [([], []) for _ in requests]
         if not wanted:
