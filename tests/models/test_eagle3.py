@@ -191,3 +191,35 @@ def test_tokens_never_change_with_eagle3(tmp_path, tiny_dir, scenario, sampling)
     per_draft = 1 if scenario == "chain_swap" else 3  # a tree: more nodes than a chain's depth
     assert stats.num_drafts >= 10 and stats.num_draft_tokens > per_draft * stats.num_drafts
     assert_all_blocks_free_or_cached(spec.engine.scheduler)
+
+
+def test_train_eagle3_on_a_tiny_model_writes_the_layout_it_loads(tiny_dir, tmp_path):
+    from safetensors import safe_open
+
+    from workers.eagle3_train import train_eagle3
+    from workers.medusa_train import training_prompts
+
+    llm = LLM(str(tiny_dir), block_size=4, max_model_len=256)
+    summary = train_eagle3(llm, tmp_path / "e3", num_prompts=12, prompt_len=16, gen_len=24, lr=1e-2,
+                           batch_size=4, draft_vocab_size=200, min_steps=40)
+    assert summary["num_sequences"] == 12 and summary["optimizer_steps"] == 42  # 14 passes of 3 batches
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and config["target_hidden_size"] == H
+    with safe_open(str(tmp_path / "e3" / "model.safetensors"), framework="pt") as f:
+        assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "norm.weight",
+                "lm_head.weight", "d2t", "t2d"} <= set(f.keys())
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * H
+        assert float(f.get_tensor("midlayer.mlp.down_proj.weight").abs().sum()) > 0  # trained from its zero start
+    # The draft vocabulary is the answers' most used tokens; t2d marks exactly the ids d2t maps to.
+    assert d2t.shape == (200,) and int(t2d.sum()) == 200 and t2d[torch.arange(200) + d2t].all()
+    spec = LLM(str(tiny_dir), block_size=4,
+               speculative_config={"method": "eagle3", "model": str(tmp_path / "e3"), "adaptive": False})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # Prompts it was trained on: a random 8-layer model's answers are too noisy to generalize from 11
+    # sequences, but a draft that learned anything from them guesses some of their tokens.
+    prompts = training_prompts(llm, 12, 16, 0)[:3] + [[7, 99, 3, 250, 41]]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [
+        o.token_ids for o in llm.generate(prompts, params)]
+    assert spec.engine.scheduler.speculator.stats.num_accepted_tokens > 0
