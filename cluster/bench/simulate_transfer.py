@@ -24,6 +24,10 @@ names a holder, the replica fetches before it prefills, as
   per holder are in flight; another is refused (fallback ``busy``) and the
   request prefills.
 
+Simulated replicas have cores of their own (no core group), so a fetch's
+receiver is charged its own queue, as ``prefix_cost`` charges a receiver
+in a core group too (``router/policies/prefix_cost.py``).
+
 Reported per run: fetches per 100 requests, GB moved, tokens served by
 transfer, fallbacks.
 """

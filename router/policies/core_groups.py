@@ -10,7 +10,10 @@ the same ``core_group``). Two consequences for routing:
   group's whole queue (queued prefill, decode tokens, sequences), not its
   own. Spreading a burst over siblings therefore buys nothing, and a
   request's choice between them is made by what differs: its prefix match
-  (its new prefill), its KV headroom, and the cost below.
+  (its new prefill), its KV headroom, and the cost below. One exception:
+  a sibling priced as fetching the prefix (``kv_fetch``) is charged its own
+  queue, since the request then waits for that sibling's steps alone and adds
+  only the prefill past the match to the shared cores (``prefix_cost``).
 - **A second running batch reads the weights again.** Each busy replica reads
   the whole model every decode step, so two batches of 2 cost about twice
   one batch of 4 (measured on 2 cores: 2 replicas at 4 concurrent requests

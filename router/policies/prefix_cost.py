@@ -86,6 +86,18 @@ Fetching the prefix from its holder (issue 33)
     than recomputing, or it has no room to import, it keeps the credit and
     recomputes, as without fetches).
 
+    A fetch into a member of a core group (below) is charged the receiver's
+    own queue, not the group's: the request then waits for the receiver's
+    steps only, and adds the prefill past the match (tens of tokens) to the
+    shared cores, where a cold prefill adds the whole prompt. Charged the
+    group's queue, as the holder is, a fetch could never beat the holder it
+    copies from (the same queue, the same prefill, plus the transfer): with
+    fetch pricing on, ``bench routing``'s two replicas sharing 2 cores made no
+    fetch at all (docs/KV_TRANSFER.md). With the receiver's own queue a fetch
+    wins once the group's queue exceeds the receiver's by the transfer and
+    the wake cost (about 270 + 128 tokens for a 512-token prefix: the hot
+    request would otherwise wait about a second behind the holder's prefills).
+
 Directory down
     No replica has a confirmed match (``matched_blocks is None``): every
     ``m_r`` is 0 and the ranking is by queued work alone.
@@ -254,7 +266,9 @@ class PrefixCostPolicy:
         block = inp.tokens_per_block
         new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
         rid = view.replica_id
-        cost = (packing.queue[rid] if rid in packing.queue else self.queue_cost(view)) \
+        # A fetch waits for its receiver's own queue, not its core group's (module doc).
+        shared = rid in packing.queue and not fetched_blocks
+        cost = (packing.queue[rid] if shared else self.queue_cost(view)) \
             + self.new_prefill_weight * new_prefill + packing.penalty.get(rid, 0.0)
         if fetched_blocks:
             cost += self.fetch.transfer_tokens(view, block * fetched_blocks)
@@ -283,7 +297,7 @@ class PrefixCostPolicy:
         for view in inp.replicas:
             own = min(view.matched_blocks or 0, inp.num_blocks)
             fetched = holder_blocks - own
-            if view.replica_id == holder_id or fetched <= 0 or not has_room_to_import(view, fetched):
+            if view.replica_id == holder_id or fetched <= 0 or not has_room_to_import(view, fetched, block):
                 continue
             # Cheaper than recomputing the blocks (which a hot-set replica, credited the
             # match, would otherwise do to warm up): priced, and hinted, as a fetch.

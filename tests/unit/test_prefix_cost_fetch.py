@@ -85,6 +85,10 @@ def test_no_fetch_into_a_replica_without_room_to_import_it():
     roomy = ReplicaView("idle", matched_blocks=0, num_kv_blocks=100, kv_cache_usage=0.4)  # 60 free
     assert policy().rank(inp(loaded_holder(600), full)) == Ranking(["holder", "idle"], {})
     assert policy().rank(inp(loaded_holder(600), roomy)) == Ranking(["idle", "holder"], {"idle": "holder"})
+    # Prefill queued there (its figures, or this router's sends since) takes blocks before the
+    # fetch asks for room: 17 tokens, 2 blocks, leave 58 free, fewer than the 60 it needs.
+    queued = ReplicaView("idle", matched_blocks=0, num_kv_blocks=100, kv_cache_usage=0.4, num_prefill_tokens=17)
+    assert policy().rank(inp(loaded_holder(600), queued)).fetch_from == {}
 
 
 def test_no_fetch_without_the_directory_or_for_an_adapter():
@@ -180,3 +184,22 @@ def test_the_decision_core_counts_its_fetch_hints_per_holder_for_a_while():
     assert third.fetch_from == {} and third.replica_ids[0] != "holder" and core.exports_in_flight("holder") == 2
     now[0] += 0.2  # past FETCH_HORIZON_S
     assert core.exports_in_flight("holder") == 0
+
+
+def test_a_fetch_into_a_core_group_sibling_waits_for_the_siblings_own_queue():
+    # Two replicas sharing one machine's cores (one core group, packing on): both are
+    # charged the group's queue, so a fetch priced with it could never beat the holder
+    # it copies from (the same queue and prefill, plus the transfer); bench routing made
+    # no fetch at all. The receiver waits for its own steps only: charged its own queue.
+    group = dict(core_group="node-1")
+    holder = loaded_holder(700, num_running=3, **group)
+    sibling = ReplicaView("idle", matched_blocks=0, **group)
+    packed = policy(pack_max_seqs=32, pack_idle_tokens=128)
+    # Holder: 700 queued + 2 * 32; the idle sibling fetching: 2 * 32 + 490 + 128 to wake it.
+    assert packed.rank(inp(holder, sibling)) == Ranking(["idle", "holder"], {"idle": "holder"})
+    # With little queued on the holder it keeps the request (the transfer and the wake cost more).
+    assert packed.rank(inp(loaded_holder(400, num_running=3, **group), sibling)).replica_ids == ["holder", "idle"]
+    # A cold prefill on the sibling is still charged the group's queue: without fetch pricing
+    # the holder keeps the request however long its queue.
+    cold = PrefixCostPolicy(decode_token_weight=0, sequence_tokens=0, pack_max_seqs=32, pack_idle_tokens=128)
+    assert cold.rank(inp(loaded_holder(5000, num_running=3, **group), sibling)) == Ranking(["holder", "idle"], {})
