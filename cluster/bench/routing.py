@@ -25,7 +25,9 @@ table, writes JSON and a PNG (latency CDFs, tokens/s over time).
 KV transfers (``cluster/bench/routing_transfers.py``): ``--transfers off,on``
 runs each policy without and with fetch pricing (``<policy>+fetch``) and
 reports the replicas' transfer figures and the TTFT ratios; ``--tenant-zipf``
-skews the tenants' shares (a few hot system prompts).
+skews the tenants' shares (a few hot system prompts). ``--transfers
+off,on,off,on`` alternates the settings in rounds (labelled ``#2``, ...): the
+ratios are then also taken over every round's requests pooled.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import logging
 import uuid
 from typing import Any
 
-from cluster.bench.routing_transfers import (add_transfer_args, read_transfer_figures, skewed_dataset,
-                                             transfer_ratios, transfer_settings, with_fetches)
+from cluster.bench.routing_transfers import (add_transfer_args, pooled_rounds, read_transfer_figures, round_label,
+                                             skewed_dataset, transfer_ratios, transfer_settings, with_fetches)
 from cluster.client.table import format_table
 from cluster.shared.sizes import cdiv
 
@@ -110,7 +112,7 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         try:
             for policy in policies:
                 for fetch in settings:
-                    label = f"{policy}+fetch" if fetch else policy
+                    label = round_label(f"{policy}+fetch" if fetch else policy, [label for label, _, _ in runs])
                     runs.append((label, *_run_policy(with_fetches(args) if fetch else args, engine, policy,
                                                      redis_server.url, conversations, label)))
         finally:
@@ -122,7 +124,9 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     report["workload"]["request_rate"] = str(args.request_rate)
     report["workload"]["num_kv_blocks"] = engine.cache.num_kv_blocks
     report["oracle"] = oracle_hit_rates(conversations, block_size)
-    report["ratios"] = {**_ratios(report["runs"], report["oracle"]), **transfer_ratios(report["runs"])}
+    report["pooled"] = pooled_rounds(runs)
+    report["ratios"] = {**_ratios(report["runs"], report["oracle"]),
+                        **transfer_ratios(report["runs"] + report["pooled"])}
     _print_table(report)
     write_outputs(args.json, report, args.plot or None, [(p, records) for p, _, records in runs],
                   f"prefixserve bench routing: {args.tenants} tenants x {args.questions_per_tenant} questions, "
@@ -213,6 +217,10 @@ def _print_table(report: dict[str, Any]) -> None:
                      " ".join(str(v) for v in r["requests_per_replica"].values()),
                      str(kv.get("fetches", 0)), f"{kv.get('mb_in', 0.0):.1f}", f"{kv.get('fetch_ms_mean', 0.0):.0f}",
                      " ".join(f"{k}={v}" for k, v in (kv.get("fallbacks") or {}).items()) or "0"))
+    for r in report.get("pooled", ()):
+        ttft = r["ttft_ms"]
+        rows.append((r["policy"], f"{r['prefix_hit_rate']:.1%}", "", f"{ttft['p50']:.0f}", f"{ttft['p95']:.0f}",
+                     f"{ttft['p99']:.0f}", *[""] * 9))
     oracle = report.get("oracle")
     if oracle:
         rows.append(("oracle", f"{oracle['prefix_hit_rate']:.1%}", f"{oracle['shared_prefix_hit_rate']:.1%}",

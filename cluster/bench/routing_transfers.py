@@ -35,7 +35,8 @@ METRICS_WAIT_S = 20.0  # at most this long for the figures to settle
 def add_transfer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfers", default="off",
                         help="comma-separated off,on: each policy without and/or with KV fetches priced "
-                             "(fetch_bytes_per_s), on a fresh cluster each")
+                             "(fetch_bytes_per_s), on a fresh cluster each, in this order; repeat them "
+                             "(off,on,off,on) to alternate rounds, also reported pooled")
     parser.add_argument("--fetch-bytes-per-s", type=float, default=DEFAULT_FETCH_BYTES_PER_S,
                         help="the fetch bandwidth prefix_cost prices with transfers on (default 1.5e9)")
     parser.add_argument("--tenant-zipf", type=float, default=0.0,
@@ -128,14 +129,45 @@ def _label(labels: str, name: str) -> str:
     return ""
 
 
+def round_label(label: str, taken: list[str]) -> str:
+    """``label``, or ``label #n`` for its n-th round (``--transfers off,on,off,on``)."""
+    n = 1 + sum(1 for t in taken if t == label or t.startswith(label + " #"))
+    return label if n == 1 else f"{label} #{n}"
+
+
+def pooled_rounds(runs: list[tuple[str, dict[str, Any], list]]) -> list[dict[str, Any]]:
+    """For each label run in several rounds, ``(label, summary, records)`` of every round
+    pooled: the policy ``<label> pooled`` with the TTFT distribution (ms) and the hit rate of
+    all its rounds' requests together."""
+    from cluster.bench.metrics import distribution
+
+    rounds: dict[str, list] = {}
+    for label, _, records in runs:
+        rounds.setdefault(label.split(" #")[0], []).append(records)
+    out = []
+    for label, lists in rounds.items():
+        if len(lists) < 2:
+            continue
+        done = [r for records in lists for r in records if r.ok]
+        prompt = sum(r.prompt_tokens for r in done)
+        out.append({"policy": f"{label} pooled", "rounds": len(lists), "completed": len(done),
+                    "prefix_hit_rate": round(sum(r.cached_prompt_tokens for r in done) / prompt, 4) if prompt else 0.0,
+                    "ttft_ms": {k: round(v * 1000.0, 3) for k, v in distribution(
+                        [r.ttft for r in done if r.ttft is not None]).items()}})
+    return out
+
+
 def transfer_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """For each policy run both ways: TTFT P50 and P99 without fetches over with."""
+    """For each policy run both ways (per round, and pooled over rounds): TTFT P50 and
+    P99 without fetches over with."""
     by = {r["policy"]: r for r in runs}
     out: dict[str, float] = {}
     for label, run in by.items():
-        if label.endswith("+fetch") and label[: -len("+fetch")] in by:
-            base = by[label[: -len("+fetch")]]
+        policy, _, suffix = label.partition("+fetch")
+        if label.partition(" ")[0].endswith("+fetch") and policy + suffix in by:
+            base = by[policy + suffix]
+            name = policy + suffix.replace(" #", "_round").replace(" ", "_")
             for q in ("p50", "p99"):
-                out[f"ttft_{q}_{base['policy']}_without_over_with_fetch"] = round(
+                out[f"ttft_{q}_{name}_without_over_with_fetch"] = round(
                     base["ttft_ms"][q] / max(run["ttft_ms"][q], 1e-9), 2)
     return out

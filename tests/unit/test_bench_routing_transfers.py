@@ -9,8 +9,9 @@ from collections import Counter
 
 import pytest
 
-from cluster.bench.routing_transfers import (skewed_dataset, transfer_figures, transfer_ratios, transfer_settings,
-                                             with_fetches)
+from cluster.bench.metrics import RequestRecord
+from cluster.bench.routing_transfers import (pooled_rounds, round_label, skewed_dataset, transfer_figures,
+                                             transfer_ratios, transfer_settings, with_fetches)
 from workers.kv_transfer_metrics import TransferMetrics
 
 
@@ -63,3 +64,30 @@ def test_ttft_ratios_pair_each_policy_with_its_fetch_run():
             {"policy": "round_robin", "ttft_ms": {"p50": 1.0, "p99": 1.0}}]
     assert transfer_ratios(runs) == {"ttft_p50_prefix_cost_without_over_with_fetch": 1.5,
                                      "ttft_p99_prefix_cost_without_over_with_fetch": 3.0}
+
+
+def test_rounds_are_labelled_paired_and_pooled():
+    # --transfers off,on,off,on: the second round of each setting is "#2".
+    taken: list[str] = []
+    for label in ("prefix_cost", "prefix_cost+fetch", "prefix_cost", "prefix_cost+fetch"):
+        taken.append(round_label(label, taken))
+    assert taken == ["prefix_cost", "prefix_cost+fetch", "prefix_cost #2", "prefix_cost+fetch #2"]
+
+    def records(*ttfts, cached=0):
+        return [RequestRecord(0, 0, 10, 1, ttft=t, prompt_tokens=10, cached_prompt_tokens=cached) for t in ttfts]
+
+    runs = [("prefix_cost", {}, records(1.0, 3.0)), ("prefix_cost+fetch", {}, records(1.0, 1.0, cached=10)),
+            ("prefix_cost #2", {}, records(2.0, 4.0)), ("prefix_cost+fetch #2", {}, records(2.0, 2.0, cached=5)),
+            ("round_robin", {}, records(9.0))]
+    pooled = pooled_rounds(runs)
+    assert [(p["policy"], p["rounds"], p["completed"], p["prefix_hit_rate"]) for p in pooled] == [
+        ("prefix_cost pooled", 2, 4, 0.0), ("prefix_cost+fetch pooled", 2, 4, 0.75)]
+    assert pooled[0]["ttft_ms"]["mean"] == pytest.approx(2500.0)  # of 1, 2, 3 and 4 s
+    summaries = [{"policy": label, "ttft_ms": {"p50": 1000.0 * r[0].ttft, "p99": 1000.0 * r[-1].ttft}}
+                 for label, _, r in runs]
+    ratios = transfer_ratios(summaries + pooled)
+    assert ratios["ttft_p99_prefix_cost_without_over_with_fetch"] == 3.0
+    assert ratios["ttft_p99_prefix_cost_round2_without_over_with_fetch"] == 2.0
+    assert ratios["ttft_p99_prefix_cost_pooled_without_over_with_fetch"] == pytest.approx(
+        pooled[0]["ttft_ms"]["p99"] / pooled[1]["ttft_ms"]["p99"], abs=0.01)
+    assert not any("round_robin" in key for key in ratios)
