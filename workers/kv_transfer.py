@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from cluster.shared.hashing import lora_fingerprint
 from workers.engine.kv_transfer import HeldBlocks, TransferLedger
 from workers.engine.sequence import Sequence as EngineSequence
 from workers.kv_copy import KVLayout, layout_of, read_blocks, write_blocks
@@ -205,17 +206,33 @@ class KVTransfer:
         task.add_done_callback(self._posted.discard)
 
     # -------------------------------------------------------------- receiver
-    def prefix_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> tuple[list[bytes], bytes]:
+    def prefix_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str = "",
+                      model_fingerprint: Optional[str] = None) -> tuple[list[bytes], bytes]:
         """The hashes of the prompt's full blocks that a request could hit
         (never the last token's block: one token is always computed), and
-        the chain's root. No engine state read."""
+        the chain's root; ``model_fingerprint``: a LoRA adapter's
+        (``fingerprint_for``; default the base model's). No engine state read."""
         seq = EngineSequence("kv-transfer", prompt_token_ids, block_size=self.ledger.pool.block_size,
-                             model_fingerprint=self.engine.model_fingerprint, cache_salt=cache_salt,
+                             model_fingerprint=model_fingerprint or self.engine.model_fingerprint,
+                             cache_salt=cache_salt,
                              long_rope_after=self.engine.long_rope_after)
         max_blocks = (len(seq.prompt_token_ids) - 1) // seq.block_size
         return seq.block_hashes[:max_blocks], seq.hash_root
 
-    async def fetch(self, holder: Any, prompt_token_ids: Sequence[int], cache_salt: str = "") -> int:
+    def fingerprint_for(self, lora_request: Any) -> Optional[str]:
+        """What the blocks of a request with ``lora_request`` hash on: the base
+        model's fingerprint (None: no adapter), or the adapter's content's
+        (``cluster.shared.hashing.lora_fingerprint``), known once the adapter
+        is loaded or read ahead here; None when it is not (nothing to fetch
+        by: the request prefills)."""
+        if lora_request is None:
+            return self.engine.model_fingerprint
+        manager = getattr(self.engine, "lora", None)
+        content = manager.content_hash(lora_request) if manager is not None else None
+        return lora_fingerprint(self.engine.model_fingerprint, content) if content else None
+
+    async def fetch(self, holder: Any, prompt_token_ids: Sequence[int], cache_salt: str = "",
+                    lora_request: Any = None) -> int:
         """Imports from ``holder`` the cached blocks of the prompt's prefix
         that this replica lacks.
 
@@ -224,6 +241,8 @@ class KVTransfer:
                 awaitable ``KVExport`` (a Ray actor handle of a replica).
             prompt_token_ids: The request's prompt.
             cache_salt: The request's cache salt (part of the hashes).
+            lora_request: The request's LoRA adapter (its content is part
+                of the hashes; ``fingerprint_for``).
 
         Returns:
             Prompt tokens whose KV was imported (0: the request prefills
@@ -236,7 +255,11 @@ class KVTransfer:
             self.metrics.fallback("busy")
             return 0
         try:
-            hashes, root = self.prefix_hashes(prompt_token_ids, cache_salt)
+            fingerprint = self.fingerprint_for(lora_request)
+            if fingerprint is None:
+                self.metrics.fallback("no_adapter")
+                return 0
+            hashes, root = self.prefix_hashes(prompt_token_ids, cache_salt, fingerprint)
             # Read off the engine thread (a dict lookup per hash): a stale answer costs a few blocks
             # fetched twice or not at all; reserve and commit re-check on the engine thread.
             start = self.ledger.num_cached_leading(hashes)

@@ -242,10 +242,11 @@ class KVTransferEndpoints:
     async def fetch_hinted(self, request: Any) -> int:
         """Fetches the request's prefix from the holder the request router named for
         this replica (``request.kv_fetch_from``); returns the tokens imported (0: no hint,
-        no way to reach the holder, an adapter, or any fallback: the request prefills)."""
+        no way to reach the holder, or any fallback: the request prefills). A LoRA request's
+        blocks hash on its adapter's content, read ahead by then (``_start_request``)."""
         hints = getattr(request, "kv_fetch_from", None)
         holder_id = hints.get(self.replica_id, "") if hints else ""
-        if not holder_id or holder_id == self.replica_id or request.lora_request is not None:
+        if not holder_id or holder_id == self.replica_id:
             return 0
         holder = self.holder_of(holder_id) if self.holder_of is not None else None
         if holder is None:
@@ -253,12 +254,14 @@ class KVTransferEndpoints:
                            "under Serve); the request prefills", holder_id)
             self.kv_transfer.metrics.fallback("unreachable")
             return 0
-        return await self.kv_transfer.fetch(holder, request.prompt_token_ids, request.cache_salt)
+        return await self.kv_transfer.fetch(holder, request.prompt_token_ids, request.cache_salt,
+                                            request.lora_request)
 
     async def fetch_and_generate(self, request: Any, holder: Any) -> Any:
         """``generate(request)`` after fetching its prefix from ``holder``
         (a failed fetch only means a longer prefill)."""
-        if request.lora_request is None:  # an adapter's blocks hash on its content: not fetched yet
-            await self.kv_transfer.fetch(holder, request.prompt_token_ids, request.cache_salt)
+        if request.lora_request is not None and self.engine.lora is not None:  # hashes on its content
+            await asyncio.to_thread(self.engine.lora.prefetch, request.lora_request)
+        await self.kv_transfer.fetch(holder, request.prompt_token_ids, request.cache_salt, request.lora_request)
         async for chunk in self.generate(request):  # type: ignore[attr-defined]
             yield chunk

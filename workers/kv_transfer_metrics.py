@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cluster.shared.metrics_format import METRIC_PREFIX as PREFIX
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-FALLBACK_REASONS = ("busy", "error", "timeout", "not_held", "no_room", "mismatch", "unreachable")
+FALLBACK_REASONS = ("busy", "error", "timeout", "not_held", "no_room", "mismatch", "unreachable", "no_adapter")
 
 
 class TransferMetrics:

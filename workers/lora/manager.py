@@ -146,6 +146,17 @@ class LoRAManager:
                 self._read_ahead.pop(next(iter(self._read_ahead)))
             self._read_ahead[key] = adapter
 
+    def content_hash(self, request: LoRARequest) -> Optional[str]:
+        """The content hash of ``request``'s adapter where it is loaded or read
+        ahead here (any thread), else None: what its KV blocks hash on."""
+        key = (request.lora_name, self._path(request), request.lora_int_id)
+        held = self._loaded.get(key)
+        if held is not None:
+            return held[0].content_hash
+        with self._read_lock:
+            read = self._read_ahead.get(key)
+        return read.content_hash if read is not None else None
+
     def _path(self, request: LoRARequest) -> str:
         """Where the request's adapter is read from ("" when nothing says)."""
         name = request.lora_name
