@@ -100,6 +100,29 @@ def test_langchain_chat_openai_with_the_responses_api_answers(client):
     assert reply.text == whole.output_text and reply.text
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_a_function_tool_round_trip_with_the_openai_client(client):
+    """function_call -> function_call_output -> answer, by previous_response_id: tool_choice
+    required makes the first turn a call (a grammar), none makes the second one text."""
+    import json
+
+    call = client.responses.create(input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                   temperature=0, max_output_tokens=48)
+    calls = [item for item in call.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", call.output
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    answer = client.responses.create(previous_response_id=call.id, tools=[WEATHER], tool_choice="none",
+                                     temperature=0, max_output_tokens=16, input=[
+                                         {"type": "function_call_output", "call_id": calls[0].call_id,
+                                          "output": "Sunny, 21 C."}])
+    assert [item.type for item in answer.output] == ["message"] and answer.output_text, answer.output
+    assert answer.usage.input_tokens >= call.usage.input_tokens + call.usage.output_tokens  # the call came along
+    assert [i.type for i in client.responses.input_items.list(answer.id).data] == ["function_call_output"]
+
+
 def test_json_schema_delete_background_cancel_and_refusals(client):
     """The rest of the openai client's surface through the cluster: text.format json_schema gives
     valid JSON, delete forgets, a background response completes when polled and a long one cancels,
