@@ -235,12 +235,12 @@ async def open_models(handles: dict[str, Any], models: list[ServedModel], redis_
             presence=ReplicaPresence(directory) if directory is not None else None)
         directories[model.model_name] = directory
         metrics[model.model_name] = ClusterMetrics(router_metrics, directory)
-    from router.openai.response_store import MemoryResponseStore, RedisResponseStore
+    from router.openai.response_store import open_response_store
 
     front = ModelBackends(backends)
     # Stored /v1/responses: in Redis, shared by every router; without Redis in this router's memory.
-    front.response_store = RedisResponseStore.from_url(redis_url, models[0].namespace) if redis_url \
-        else MemoryResponseStore()
+    front.response_store = open_response_store(redis_url, models[0].namespace, router.responses_ttl_s,
+                                               router.responses_max_record_bytes)
     if len(models) == 1:
         return front, directories[models[0].model_name], metrics[models[0].model_name]
     return front, ModelDirectories(directories), ModelMetrics(metrics)

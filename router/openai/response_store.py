@@ -150,6 +150,16 @@ class RedisResponseStore:
                                    "previous_response_id") from None
 
 
+def open_response_store(redis_url: Optional[str], namespace: str, ttl_s: float = DEFAULT_TTL_S,
+                        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Any:
+    """The routers' store: in the cluster's Redis (shared by every router), or this
+    process's memory without one; the TTL and size cap are the config's
+    (``router.responses_ttl_s``, ``router.responses_max_record_bytes``)."""
+    if redis_url:
+        return RedisResponseStore.from_url(redis_url, namespace, ttl_s=ttl_s, max_record_bytes=max_record_bytes)
+    return MemoryResponseStore(ttl_s=ttl_s, max_record_bytes=max_record_bytes)
+
+
 def _encode(record: dict, limit: int) -> str:
     text = json.dumps(record, separators=(",", ":"))
     if len(text) > limit:

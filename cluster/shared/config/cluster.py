@@ -103,6 +103,12 @@ class RouterConfig:
             a mounted Secret; usable with or without ``api_key_file``.
         auth_health: Require a token for health checks too.
         auth_metrics: Require a token for ``GET /metrics`` too.
+        responses_ttl_s: Seconds a stored ``/v1/responses`` response (and its
+            input items) lives after its last write, in Redis or a router's
+            memory (``router/openai/response_store.py``); 7 days by default.
+        responses_max_record_bytes: Largest stored response with its input
+            and conversation (its JSON); a larger one is a 400 that says the
+            size (``store: false`` still answers). 8 MiB by default.
     """
 
     host: str = "127.0.0.1"
@@ -128,8 +134,13 @@ class RouterConfig:
     tenants_file: Optional[str] = None
     auth_health: bool = False
     auth_metrics: bool = False
+    responses_ttl_s: float = 7 * 24 * 3600.0
+    responses_max_record_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:
+        if self.responses_ttl_s <= 0 or self.responses_max_record_bytes <= 0:
+            raise ValueError(f"responses_ttl_s and responses_max_record_bytes must be > 0, got "
+                             f"{self.responses_ttl_s} and {self.responses_max_record_bytes}")
         for name in ("grpc_port", "http_port", "health_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
