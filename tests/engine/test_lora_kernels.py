@@ -229,7 +229,10 @@ def test_16_bit_side_paths_are_the_widened_values_exactly(arch, dtype):
     assert half_layer.grouped is not None and {p[0].dtype for p in half_layer.grouped.slots.values()} == {dtype}
     weights = {name: sum(t.numel() * t.element_size() for p in layer.grouped.slots.values() for t in p[:2])
                for name, (_, layer) in layers.items() if name != "pair"}
-    assert weights["half"] * 2 == weights["widened"]
+    if dtype == torch.bfloat16:  # half the bytes but for the pad of an odd rank's last pair (rank 5 here)
+        assert weights["widened"] < weights["half"] * 2 <= weights["widened"] * 1.05
+    else:
+        assert weights["half"] * 2 == weights["widened"]
     gen = torch.Generator().manual_seed(5)
     for slots in (SLOTS, SMALL_GROUPS):
         x, out = torch.randn(len(slots), K, generator=gen), torch.randn(len(slots), N, generator=gen)
@@ -246,3 +249,49 @@ def test_16_bit_side_paths_are_the_widened_values_exactly(arch, dtype):
         for row, slot in enumerate(slots):
             assert torch.equal(run(half_layer, layers["half"][0], x[row : row + 1], out[row : row + 1], [slot])[0],
                                got[row]), (row, slot)
+
+
+def test_co_located_panels_compute_the_same_bits():
+    """An adapter's panels moved into one buffer (on huge pages from 2 MiB, so a step streams it as one
+    run) hold the same values, so the kernel adds the same bits."""
+    from workers.lora.layers import co_locate
+
+    batch, layer = make_layer(native=True)
+    gen = torch.Generator().manual_seed(3)
+    x, out = torch.randn(len(SLOTS), K, generator=gen), torch.randn(len(SLOTS), N, generator=gen)
+    scattered = run(layer, batch, x, out, SLOTS)
+    moved = co_locate({slot: layer.prepare(a, b) for slot, (a, b) in ADAPTERS.items()})
+    for slot, prepared in moved.items():
+        layer.install(slot, prepared)
+    at, bt = moved[0][1][2][:2]
+    assert at.data_ptr() % kernels.ALIGN == 0 and bt.data_ptr() >= at.data_ptr() + at.numel() * 4
+    assert torch.equal(run(layer, batch, x, out, SLOTS), scattered)
+
+
+def test_arena_is_zeroed_and_huge_page_aligned():
+    import mmap
+
+    big = kernels.arena(3 * kernels.HUGE_PAGE + 5)
+    assert big.numel() == 3 * kernels.HUGE_PAGE + 5 and not big.any()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big.data_ptr() % kernels.HUGE_PAGE == 0
+    assert kernels.arena(100).numel() == 100
+
+
+@pytest.mark.parametrize("k", [K, K - 1])  # bfloat16 panels pair up the reduction index: an odd k pads one
+@pytest.mark.parametrize("slots", [SLOTS, SMALL_GROUPS])
+def test_bfloat16_panels_compute_the_float32_bits(slots, k):
+    """A bfloat16 adapter (its own panel layout, widened in registers) adds exactly what the float32 path
+    adds on the same values, odd ranks (5) and odd k included."""
+    layers = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        batch, layer = LoRABatch(), None
+        layer = LoRALayer(batch, native=True)
+        for slot, (a, b) in ADAPTERS.items():
+            layer.set_slot(slot, a[:, :k].bfloat16().to(dtype), b.bfloat16().to(dtype), 0.75)
+        layers[dtype] = (batch, layer)
+    gen = torch.Generator().manual_seed(4)
+    x, out = torch.randn(len(slots), k, generator=gen), torch.randn(len(slots), N, generator=gen)
+    got = {dtype: run(layer, batch, x, out, slots) for dtype, (batch, layer) in layers.items()}
+    assert torch.equal(got[torch.bfloat16], got[torch.float32])
+    assert not torch.equal(got[torch.float32], out)

@@ -138,6 +138,20 @@ class LoRALayer:
         return out
 
 
+def co_locate(prepared: dict[str, tuple[str, object]]) -> dict[str, tuple[str, object]]:
+    """One adapter's ``prepare`` results (in the order a step runs its layers)
+    with every grouped side path's panels in one buffer (``kernels.co_locate``)."""
+    grouped = [m for m, (kind, _) in prepared.items() if kind == "grouped"]
+    if not grouped:
+        return prepared
+    moved = kernels.co_locate([prepared[m][1][2] for m in grouped])
+    out = dict(prepared)
+    for m, panels in zip(grouped, moved, strict=True):
+        in_features, out_features, _ = prepared[m][1]
+        out[m] = ("grouped", (in_features, out_features, panels))
+    return out
+
+
 def _scaled(kernel: Kernel, scale: float) -> Kernel:
     return lambda x: kernel(x).mul_(scale)
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from workers.lora.adapter import TARGETS, LayerDelta, LoRAAdapter, load_adapter
-from workers.lora.layers import LoRABatch, LoRALayer
+from workers.lora.layers import LoRABatch, LoRALayer, co_locate
 from workers.model.linear import Linear
 from workers.model.tp import shard_checkpoint_tensor
 
@@ -100,7 +100,9 @@ class AdapterSlots:
         logger.info("LoRA adapter %s read from %s: rank %d, %d layers, %.1f MiB%s", name, path, adapter.rank,
                     len(deltas), sum(LoRAAdapter.delta_bytes(d) for d in deltas.values()) / 2**20,
                     f" on rank {self.tp.rank}" if self.tp is not None else "")
-        prepared = {m: self.layers[m].prepare(d.a, d.b, d.scale) for m, d in deltas.items()}  # packed here, not at commit
+        # Packed here, not at commit; in the model's layer order, the order a step reads them (co_locate).
+        prepared = co_locate({m: self.layers[m].prepare(deltas[m].a, deltas[m].b, deltas[m].scale)
+                              for m in self.layers if m in deltas})
         return dataclasses.replace(adapter, deltas=deltas, prepared=prepared)
 
     def stage_read(self, adapter: LoRAAdapter) -> LoRAAdapter:

@@ -11,7 +11,11 @@ Layout, per layer and adapter slot (built once, at load)::
 
 A slot's A and B keep the adapter's saved format: float32, or bfloat16 /
 float16, widened to float32 in the kernel's registers (exact), so a 16-bit
-adapter is read at half the bytes with the float32 path's arithmetic. B is
+adapter is read at half the bytes with the float32 path's arithmetic.
+bfloat16 panels interleave pairs of their reduction index (``_paired``: A's
+rows k, k + 1 and B's ranks j, j + 1 element by element, an odd count padded
+with zeros the kernel never multiplies), so the kernel widens two vectors from
+one load with a shift and a mask. B is
 stored without the scaling; the kernel multiplies the expand's chain by it
 (PEFT's ``lora_B(lora_A(x)) * scaling``).
 
@@ -19,6 +23,15 @@ A fused layer's B is block-diagonal (q/k/v, gate/up: ``adapter.py``), so an
 output panel holds only its part's ranks and a step reads no zero block; the
 products skipped are exact zeros (adding them leaves an FMA chain's value as
 it is).
+
+One adapter's panels, every layer's A and B, lie in one buffer in the order a
+decode step reads them (:func:`co_locate`), on transparent huge pages where
+Linux offers them (``madvise``): a step then streams each adapter as one run of
+memory instead of hundreds of 10-100 KB allocations, and pays no TLB miss per
+4 KB page (measured on a loaded 2-core machine, one thread, thread CPU time:
+the kernel's 120 calls of a batch-8 decode step on 8 bfloat16 adapters of the
+default model took 5.6-6.0 ms on scattered 4 KB pages, 4.2-4.6 ms co-located
+on huge pages).
 
 A step (:class:`StepRows`): the flat batch's rows grouped by slot, built once
 per step and shared by every layer. The kernel runs each group's shrink
@@ -31,6 +44,7 @@ computes it, so a row's result never depends on its batch-mates.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Optional, Sequence
 
 import torch
@@ -44,6 +58,45 @@ MAX_RPAD = 1024  # ranks of one layer's side path (fused parts summed); larger o
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each panel array starts on a cache line
+
+
+def arena(num_bytes: int) -> torch.Tensor:
+    """A zeroed uint8 buffer of ``num_bytes``; from ``HUGE_PAGE`` up, a private
+    anonymous mapping advised for transparent huge pages and aligned to them
+    (where the platform has ``MADV_HUGEPAGE``; the tensor keeps the mapping alive)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if num_bytes < HUGE_PAGE or advice is None or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(num_bytes, dtype=torch.uint8)
+    size = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to align the start
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(advice)
+    except OSError:  # THP off in this kernel: plain pages, still one run
+        pass
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = (-whole.data_ptr()) % HUGE_PAGE
+    return whole[start : start + num_bytes]
+
+
+def co_locate(packs: list[tuple]) -> list[tuple]:
+    """``pack``'s results with their A and B panels copied, in the given order,
+    into one :func:`arena` (same values, same layout: the kernel reads the same bits)."""
+    sizes = [[-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in packed[:2]] for packed in packs]
+    buffer = arena(sum(map(sum, sizes)))
+    out, offset = [], 0
+    for packed, size in zip(packs, sizes, strict=True):
+        moved = []
+        for t, n in zip(packed[:2], size, strict=True):
+            view = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype)
+            view.copy_(t.reshape(-1))
+            moved.append(view)
+            offset += n
+        out.append((*moved, *packed[2:]))
+    return out
+
+
 def load(flags: Sequence[str] = native.FLAGS) -> Optional[ctypes.CDLL]:
     """The built kernel, or None (no compiler, no AVX2 + FMA, or a failed build)."""
     lib = native.build("lora_f32", native.source("lora_f32.c"), flags=flags, signatures=_SIGNATURES)
@@ -51,6 +104,15 @@ def load(flags: Sequence[str] = native.FLAGS) -> Optional[ctypes.CDLL]:
         lib.lora_vector_width.restype = ctypes.c_int
         lib.lora_block_width.restype = ctypes.c_int
     return lib
+
+
+def _paired(panel: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """``panel`` [reduction (even with pairs), width] as the kernel reads it: with
+    ``pairs``, rows 2i and 2i + 1 interleaved element by element ([n / 2][width][2])."""
+    if not pairs:
+        return panel.contiguous()
+    n, width = panel.shape
+    return panel.reshape(n // 2, 2, width).transpose(1, 2).contiguous()
 
 
 class _LayerC(ctypes.Structure):
@@ -113,9 +175,11 @@ class NativeLayer:
             raise ValueError(f"LoRA A {a.dtype} and B {b.dtype}: both float32, bfloat16 or float16")
         rank, k, bw, dtype = a.shape[0], self.k, self.bw, a.dtype
         rpad = -(-rank // self.vl) * self.vl
-        padded = torch.zeros(rpad, k, dtype=dtype)
-        padded[:rank] = a
-        at = torch.cat([padded[c0 : c0 + bw].t().reshape(-1) for c0 in range(0, rpad, bw)])
+        pairs = dtype == torch.bfloat16  # the reduction index interleaved in pairs (module doc)
+        kpad = k + (k % 2 if pairs else 0)
+        padded = torch.zeros(rpad, kpad, dtype=dtype)
+        padded[:rank, :k] = a
+        at = torch.cat([_paired(padded[c0 : c0 + bw].t(), pairs).reshape(-1) for c0 in range(0, rpad, bw)])
         bp = torch.zeros(self.npad, rank, dtype=dtype)
         bp[: self.n] = b
         panels = bp.view(-1, bw, rank)  # [blocks, BW, rank]
@@ -124,14 +188,19 @@ class NativeLayer:
         lo = torch.where(has, nonzero.argmax(dim=1), 0)
         hi = torch.where(has, rank - nonzero.flip(1).argmax(dim=1), 0)
         ranges = torch.stack([lo, hi], dim=1).to(torch.int32).contiguous()
-        sizes = (hi - lo) * bw
+        sizes = ((hi - lo + 1) // 2 * 2 if pairs else hi - lo) * bw
         offs = torch.cumsum(sizes, 0) - sizes
         pieces, bounds = [], list(zip(lo.tolist(), hi.tolist()))
         start = 0
         for i in range(1, len(bounds) + 1):  # runs of panels with the same ranks (a fused layer's parts)
             if i == len(bounds) or bounds[i] != bounds[start]:
                 r0, r1 = bounds[start]
-                pieces.append(panels[start:i, :, r0:r1].transpose(1, 2).reshape(-1))
+                run = panels[start:i, :, r0:r1].transpose(1, 2)  # [panels, ranks, BW]
+                if pairs and (r1 - r0) % 2:
+                    run = torch.cat([run, torch.zeros(i - start, 1, bw, dtype=dtype)], dim=1)
+                if pairs:  # each panel's ranks in pairs, as _paired lays out one panel
+                    run = run.reshape(i - start, -1, 2, bw).transpose(2, 3)
+                pieces.append(run.reshape(-1))
                 start = i
         bt = torch.cat(pieces + [torch.zeros(1, dtype=dtype)])  # one past the end: a layer whose B is all zero
         return at.contiguous(), bt.contiguous(), ranges, offs.contiguous(), rpad, FORMATS[dtype], float(scale)

@@ -8,11 +8,16 @@
    bfloat16 / float16 as the adapter was saved: 16-bit weights are widened to
    float32 in registers (exact: every bf16 and fp16 value is a float32 value), so
    the arithmetic is the float32 path's on the same values and a step reads half
-   the bytes. The chains of a row
+   the bytes. bfloat16 panels interleave pairs of the reduction index (k in A,
+   the rank in B: lora_kernels.py), so one load of VL 32-bit words gives two
+   vectors in place, the even index's by a shift and the odd one's by a mask,
+   instead of a widening shuffle per vector; each chain still runs in ascending
+   order. The chains of a row
    never read another row, and the row, column and thread blocking only decides
    which chains run together, so a row's result is the same whatever its
    batch-mates (batch invariance). Threads: with many small groups (a decode step
-   of several adapters) each thread takes whole groups; otherwise phase 1 (every
+   of several adapters) each thread takes whole groups, the same ones each call
+   (static), so it streams its adapters' co-located panels on; otherwise phase 1 (every
    shrink) and phase 2 (every expand) split their blocks over the threads, t
    passing between them in scratch. No software prefetch: the weights stream in
    order, and prefetching 16 or 32 steps ahead measured no faster. */
@@ -33,6 +38,11 @@ typedef __m512 vec;
 /* VL 16-bit values widened to float32: bf16 is the float's top half, fp16 the F16C conversion */
 #define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
 #define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+/* VL pairs of bf16 (2 VL values) split in place: the even values, then the odd ones, as float32 */
+typedef __m512i ivec;
+#define VLOADI(p) _mm512_loadu_si512((const void*)(p))
+#define BF16_EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
+#define BF16_ODD(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)))
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VL 8
 typedef __m256 vec;
@@ -45,6 +55,10 @@ typedef __m256 vec;
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 #define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+typedef __m256i ivec;
+#define VLOADI(p) _mm256_loadu_si256((const __m256i*)(p))
+#define BF16_EVEN(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+#define BF16_ODD(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)))
 #else
 #error "the native LoRA kernel needs AVX2, FMA and F16C"
 #endif
@@ -107,6 +121,34 @@ INLINE void shrink_rows(const void* at, long k, const float* x, long ldx, const 
     vec acc[RB][CB];
     for (int r = 0; r < rb; ++r)
         for (int v = 0; v < cb; ++v) acc[r][v] = VZERO();
+    if (fmt == FMT_BF16) {  /* k in pairs (the header): one load, two vectors */
+        const unsigned short* ap = (const unsigned short*)at;
+        long kk = 0;
+        for (; kk + 1 < k; kk += 2) {
+            vec w0[CB], w1[CB];
+            for (int v = 0; v < cb; ++v) {
+                const ivec raw = VLOADI(ap + kk * cb * VL + 2 * v * VL);
+                w0[v] = BF16_EVEN(raw);
+                w1[v] = BF16_ODD(raw);
+            }
+            for (int r = 0; r < rb; ++r) {
+                const vec xv = VSET1(x[rows[r] * ldx + kk]);
+                for (int v = 0; v < cb; ++v) acc[r][v] = VFMA(w0[v], xv, acc[r][v]);
+            }
+            for (int r = 0; r < rb; ++r) {
+                const vec xv = VSET1(x[rows[r] * ldx + kk + 1]);
+                for (int v = 0; v < cb; ++v) acc[r][v] = VFMA(w1[v], xv, acc[r][v]);
+            }
+        }
+        if (kk < k)  /* k odd: the last pair's odd half is padding */
+            for (int v = 0; v < cb; ++v) {
+                const vec w0 = BF16_EVEN(VLOADI(ap + kk * cb * VL + 2 * v * VL));
+                for (int r = 0; r < rb; ++r) acc[r][v] = VFMA(w0, VSET1(x[rows[r] * ldx + kk]), acc[r][v]);
+            }
+        for (int r = 0; r < rb; ++r)
+            for (int v = 0; v < cb; ++v) VSTORE(t + r * ldt + v * VL, acc[r][v]);
+        return;
+    }
     for (long kk = 0; kk < k; ++kk) {
         vec w[CB];
         for (int v = 0; v < cb; ++v) w[v] = load_w(at, kk * cb * VL + v * VL, fmt);
@@ -123,7 +165,7 @@ INLINE void shrink_rows(const void* at, long k, const float* x, long ldx, const 
 
 INLINE void shrink_block_as(const lora_layer_t* L, long s, const float* x, long ldx, const long* rows, int rb,
                             long c0, float* t, long ldt, const int fmt) {
-    const void* at = (const char*)L->at[s] + fmt_bytes(fmt) * L->k * c0;
+    const void* at = (const char*)L->at[s] + fmt_bytes(fmt) * (fmt == FMT_BF16 ? (L->k + 1) / 2 * 2 : L->k) * c0;
     const long rp = L->rpad[s];
     if (rp - c0 >= BW) {
         switch (rb) {
@@ -157,6 +199,31 @@ INLINE void expand_rows(const void* bt, int lo, int hi, const float* t, long ldt
     vec acc[RB][CB];
     for (int r = 0; r < rb; ++r)
         for (int v = 0; v < CB; ++v) acc[r][v] = VZERO();
+    if (fmt == FMT_BF16) {  /* ranks in pairs (the header) */
+        const unsigned short* bp = (const unsigned short*)bt;
+        int j = lo;
+        for (; j + 1 < hi; j += 2) {
+            vec w0[CB], w1[CB];
+            for (int v = 0; v < CB; ++v) {
+                const ivec raw = VLOADI(bp + (long)(j - lo) * BW + 2 * v * VL);
+                w0[v] = BF16_EVEN(raw);
+                w1[v] = BF16_ODD(raw);
+            }
+            for (int r = 0; r < rb; ++r) {
+                const vec tv = VSET1(t[r * ldt + j]);
+                for (int v = 0; v < CB; ++v) acc[r][v] = VFMA(w0[v], tv, acc[r][v]);
+            }
+            for (int r = 0; r < rb; ++r) {
+                const vec tv = VSET1(t[r * ldt + j + 1]);
+                for (int v = 0; v < CB; ++v) acc[r][v] = VFMA(w1[v], tv, acc[r][v]);
+            }
+        }
+        if (j < hi)  /* an odd count: the last pair's odd half is padding */
+            for (int v = 0; v < CB; ++v) {
+                const vec w0 = BF16_EVEN(VLOADI(bp + (long)(j - lo) * BW + 2 * v * VL));
+                for (int r = 0; r < rb; ++r) acc[r][v] = VFMA(w0, VSET1(t[r * ldt + j]), acc[r][v]);
+            }
+    } else
     for (int j = lo; j < hi; ++j) {
         vec w[CB];
         for (int v = 0; v < CB; ++v) w[v] = load_w(bt, (j - lo) * BW + v * VL, fmt);
@@ -243,7 +310,7 @@ void lora_add_f32(const lora_layer_t* L, const lora_batch_t* B, const float* x, 
             bytes += fmt_bytes(L->fmt[B->group_slot[g]]) * L->rpad[B->group_slot[g]] * (L->k + L->npad);
     const int parallel = bytes > PAR_BYTES;
     if (active >= 2 * omp_get_max_threads() && max_rows <= RB) {  /* many small groups: a thread per group */
-        #pragma omp parallel for schedule(dynamic, 1) if (parallel)
+        #pragma omp parallel for schedule(static) if (parallel)  /* a thread keeps its adapters step after step: their co-located panels stream on */
         for (long g = 0; g < G; ++g)
             if (targets(L, B->group_slot[g])) run_group(L, B, g, x, ldx, y, ldy);
         return;
