@@ -57,9 +57,8 @@ def collect_eagle3_data(llm: Any, num_prompts: int, prompt_len: int, gen_len: in
     prompts, outs = greedy_answers(llm, num_prompts, prompt_len, gen_len, seed)
     model = llm.runner.model
     ids = tuple(layer_ids or default_aux_layer_ids(len(model.model.layers)))
-    capture = AuxHiddenCapture(model.model.layers, ids)
-    fast = (model.compiled, model.native_decoder)
-    model.compiled = model.native_decoder = None  # the hooks need the module path (spec_eagle3.py)
+    compiled, model.compiled = model.compiled, None  # it runs no Python per layer (spec_eagle3.py)
+    capture = AuxHiddenCapture(model, ids)
     data: list[tuple[torch.Tensor, list[int], int]] = []
     try:
         for prompt, out in zip(prompts, outs):
@@ -69,7 +68,7 @@ def collect_eagle3_data(llm: Any, num_prompts: int, prompt_len: int, gen_len: in
                 data.append((capture.take().float().clone(), seq, len(prompt) - 1))
     finally:
         capture.remove()
-        model.compiled, model.native_decoder = fast
+        model.compiled = compiled
     llm.engine.scheduler.kv_manager.reset_prefix_cache()  # its blocks were written outside the engine
     return data, ids
 

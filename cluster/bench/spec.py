@@ -261,14 +261,15 @@ def _extra_proposer(llm: Any, config: Any) -> tuple[Any, Any]:
 
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
-    if config.method not in ("medusa", "eagle"):
-        raise ValueError(f"--also takes ngram, medusa and eagle configs, got {config.method!r}")
+    if config.method not in ("medusa", "eagle", "eagle3"):
+        raise ValueError(f"--also takes ngram, medusa, eagle and eagle3 configs, got {config.method!r}")
     from workers.builder import attach_medusa_heads
     from workers.model.loader import read_arch
     from workers.spec_eagle import attach_eagle
+    from workers.spec_eagle3 import attach_eagle3
 
     runner, kept = llm.runner, llm.runner.medusa
-    attach = attach_eagle if config.method == "eagle" else attach_medusa_heads
+    attach = {"eagle": attach_eagle, "eagle3": attach_eagle3, "medusa": attach_medusa_heads}[config.method]
     proposer = attach(runner, config.model, read_arch(llm.model_dir))
     slot, runner.medusa = runner.medusa, kept
     return proposer, slot

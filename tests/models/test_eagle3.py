@@ -131,15 +131,21 @@ def reference_proposal(draft: Eagle3Draft, embed, aux: torch.Tensor, tokens: lis
     return out
 
 
-@pytest.mark.parametrize("own_embed", [False, True])
-def test_every_proposal_equals_the_draft_run_from_scratch(tmp_path, tiny_dir, own_embed):
+@pytest.mark.parametrize("path", ["native_decoder", "module_path_own_embedding"])
+def test_every_proposal_equals_the_draft_run_from_scratch(tmp_path, tiny_dir, path):
+    """The target's features taken in the native decoder's per-layer loop (the CPU default) and by the
+    module path's hooks; a draft with its own embedding and ``layers.0.`` names on the second."""
     from transformers import AutoModelForCausalLM
 
+    own_embed = path != "native_decoder"
     folder = write_vllm_eagle3(tmp_path / "e3", seed=3, own_embed=own_embed, midlayer=not own_embed)
     config = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3, "adaptive": False}
     # Chunked prefill (8 tokens a step), several sequences batched, arriving at different steps.
     llm = LLM(str(tiny_dir), block_size=4, max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False,
               speculative_config=config)
+    assert llm.runner.model.native_decoder is not None  # the default here: the capture must reach it
+    if own_embed:
+        llm.runner.model.native_decoder = None
     engine = llm.engine
     seen: list[tuple[str, int, list[int]]] = []
     proposer = engine.scheduler.speculator.proposer
@@ -223,3 +229,28 @@ def test_train_eagle3_on_a_tiny_model_writes_the_layout_it_loads(tiny_dir, tmp_p
     assert [o.token_ids for o in spec.generate(prompts, params)] == [
         o.token_ids for o in llm.generate(prompts, params)]
     assert spec.engine.scheduler.speculator.stats.num_accepted_tokens > 0
+
+
+def test_bench_spec_measures_eagle3_beside_eagle_and_the_capture_follows_the_runners_draft(tiny_dir, tmp_path):
+    import argparse
+
+    from cluster.bench.spec import run_spec
+
+    eagle3 = write_vllm_eagle3(tmp_path / "e3", seed=2)
+    llm = LLM(str(tiny_dir), block_size=4, speculative_config={"method": "eagle3", "model": str(eagle3)})
+    native, runner = llm.runner.model.native_decoder, llm.runner
+    assert native.aux_capture() is not None  # EAGLE-3's draft in the runner: features taken, no one-call step
+    kept, runner.medusa = runner.medusa, None
+    assert native.aux_capture() is None  # speculation off (bench spec's off mode): the one-call step again
+    runner.medusa = kept
+    # The tiny model's hidden size is TINY's; an EAGLE-1 draft of the same model goes beside it.
+    eagle1 = write_vllm_eagle(tmp_path / "e1", seed=2)
+    args = argparse.Namespace(batch_sizes=[2], workloads=["random"], input_len=12, output_len=6, fixed=False,
+                              chain=False, rounds=1, json=str(tmp_path / "spec.json"),
+                              also=[json.dumps({"method": "eagle", "model": str(eagle1), "adaptive": False})])
+    engine = {"model": str(tiny_dir), "block_size": 4,
+              "speculative_config": {"method": "eagle3", "model": str(eagle3), "adaptive": False}}
+    assert run_spec(args, engine) == 0
+    for case in json.loads((tmp_path / "spec.json").read_text())["cases"]:
+        for mode in ("eagle3-fixed", "eagle-fixed"):
+            assert case[mode]["identical_to_off"] and case[mode]["draft_tokens"] > 0, (mode, case)

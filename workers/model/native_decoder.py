@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -135,6 +135,9 @@ class NativeDecoder:
         self.hidden_size = model.arch.hidden_size
         self._backend = model.model.layers[0].self_attn.attn_backend
         self.timers: Optional[dict[str, float]] = None  # set by bench latency --profile
+        # EAGLE-3 (spec_eagle3.py): per step, None or a callback taking (i, the stream entering layer i) in
+        # the per-layer loop (such a step never takes the one-call step).
+        self.aux_capture: Optional[Callable[[], Optional[Callable[[int, torch.Tensor], None]]]] = None
         # The tensors the pointers point into stay alive with the model.
         self._keep = [p for p in model.parameters()] + [
             getattr(m, "packed", None) or getattr(m, "quant", None) for m in model.modules()]
@@ -264,13 +267,17 @@ class NativeDecoder:
                     meta.seq_lens.data_ptr(), meta.num_requests,
                     *((tails[0].data_ptr(), tails[1].data_ptr(), tails[1].shape[1]) if tails else (None, None, 0)))
         ropes = (cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr())
-        if decode_only and self._driver is not None and self.timers is None and self._lora_in_driver():
+        capture = self.aux_capture() if self.aux_capture is not None else None
+        if (decode_only and self._driver is not None and self.timers is None and capture is None
+                and self._lora_in_driver()):
             return self._decode_step(x, kv_caches, decode_fn, ropes, step)
         residual = x
         hidden = self._add_norm(None, residual, self.layers[0].norm1, self.layers[0].eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i:
-                hidden = self._add_norm(hidden, residual, layer.norm1, layer.eps)
+                hidden = self._add_norm(hidden, residual, layer.norm1, layer.eps)  # residual += hidden
+            if capture is not None:
+                capture(i, residual)
             qkv = self._linear(hidden, layer.qkv, layer.linears[0].lora)
             hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
             ld = qkv.stride(0)
