@@ -254,3 +254,47 @@ def test_bench_spec_measures_eagle3_beside_eagle_and_the_capture_follows_the_run
     for case in json.loads((tmp_path / "spec.json").read_text())["cases"]:
         for mode in ("eagle3-fixed", "eagle-fixed"):
             assert case[mode]["identical_to_off"] and case[mode]["draft_tokens"] > 0, (mode, case)
+
+
+def test_eagle3_tree_candidates_are_the_drafts_beam_from_scratch(tmp_path, tiny_dir):
+    """EAGLE-2's trees over an EAGLE-3 draft: the beam of its confidence over the draft vocabulary,
+    recomputed from scratch with the draft's scores spread over the target's ids (-inf elsewhere, as
+    vLLM's compute_logits does), so ids and order are the target's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_eagle_tree import reference_tree
+
+    folder = write_vllm_eagle3(tmp_path / "e3", seed=5, scale=0.5)
+    config = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3, "num_candidates": 3,
+              "adaptive": False}
+    llm = LLM(str(tiny_dir), block_size=4, max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False,
+              speculative_config=config)
+    seen: list[tuple[str, int, list[list[int]]]] = []
+    proposer = llm.engine.scheduler.speculator.proposer
+    receive = proposer.receive
+    proposer.receive = lambda rid, n, cands: (seen.append((rid, n, cands)), receive(rid, n, cands))[1]
+    prompts = [[5 + i, 17, 33, 9 + i, 61, 12, 40, 8, 90 + i, 3, 44, 7][: 5 + 3 * i] for i in range(3)]
+    reqs = [llm.make_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
+    tokens = {r.request_id: list(p) for r, p in zip(reqs, prompts)}
+    for r in reqs:
+        llm.engine.add_request(r)
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), torch_dtype=torch.float32).eval()
+    draft = Eagle3Draft.load(folder, read_arch(tiny_dir))
+
+    def spread_logits(f: torch.Tensor) -> torch.Tensor:
+        out = torch.full((f.shape[0], V), float("-inf"))
+        out[:, draft.token_ids] = draft.logits(f)
+        return out
+
+    assert len(seen) >= 6
+    with torch.no_grad():
+        for rid, n, cands in seen:
+            full = tokens[rid][:n]
+            states = hf(torch.tensor([full]), output_hidden_states=True).hidden_states
+            g = draft.fc(torch.cat([states[j][0] for j in draft.aux_layer_ids], dim=-1))  # H wide: used as is
+            assert len(cands) == 3 and len({tuple(c) for c in cands}) == 3
+            expected = reference_tree(draft, hf.get_input_embeddings(), spread_logits, g, full, 3, len(cands[0]))
+            assert cands == expected, (rid, n)
