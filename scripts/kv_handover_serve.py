@@ -15,10 +15,15 @@ tenants alone. Runs with the hand-over (``kv_handover_bytes`` 64 MiB, the
 default) and without (0) alternate, one deployment after the other,
 ``--rounds`` times each.
 
+``--scale up`` is the warm start's figure the same way: two replicas, then
+three while the clients send (the new replica pulls the directory's hottest
+prefixes before it takes traffic, ``kv_warm_start_bytes`` 64 MiB, or not, 0);
+of the next 100 requests, those the new replica served and their hit rate.
+
 The tiny random-init model: a hit rate depends on the hashes and the
 routing, not on the weights. Run (inside ``unshare --net``, loopback only)::
 
-    .venv/bin/python scripts/kv_handover_serve.py --systems 24 --json out.json
+    .venv/bin/python scripts/kv_handover_serve.py --systems 24 [--scale up] --json out.json
 """
 import argparse
 import asyncio
@@ -88,19 +93,20 @@ async def clients(handle, prompts: list[list[int]], tag: str, concurrency: int) 
     return out
 
 
-async def one_run(handle, deployment, args_, config, systems: list[list[int]], seed: int) -> dict:
+async def one_run(handle, deployment, args_, config, systems: list[list[int]], seed: int, start: int,
+                  end: int) -> dict:
     from ray import serve
 
     rng = random.Random(seed)
     question = lambda: [rng.randrange(3, 500) for _ in range(32)]  # noqa: E731
     deadline = time.monotonic() + 120
-    while len(replicas := sorted(await live(config))) < 3 and time.monotonic() < deadline:
+    while len(replicas := sorted(await live(config))) < start and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
-    assert len(replicas) == 3, replicas
+    assert len(replicas) == start, replicas
     home = balanced_homes(len(systems), replicas)
     for s, system in enumerate(systems):  # each tenant's first request on its home
         await served_by(handle, home[s], f"place{s}", system + question())
-    logger.info("placed %d system prompts on 3 replicas", len(systems))
+    logger.info("placed %d system prompts on %d replicas", len(systems), start)
     await clients(handle, [systems[s] + question() for s in zipf(len(systems), 150, rng)], "warm", 4)
     stop_load = asyncio.Event()
 
@@ -113,22 +119,25 @@ async def one_run(handle, deployment, args_, config, systems: list[list[int]], s
 
     loaders = [asyncio.ensure_future(load()) for _ in range(4)]
     began = time.monotonic()
-    await asyncio.to_thread(serve.run, deployment.options(num_replicas=2).bind(*args_), name=APP,
+    # Scale-up: serve.run returns once the new replica runs (its warm start is in its start-up).
+    await asyncio.to_thread(serve.run, deployment.options(num_replicas=end).bind(*args_), name=APP,
                             route_prefix=None)
-    while len(left := await live(config)) > 2 and time.monotonic() - began < 180:
+    while len(now := await live(config)) != end and time.monotonic() - began < 180:
         await asyncio.sleep(0.2)
     scaled_s = time.monotonic() - began
     stop_load.set()
     await asyncio.gather(*loaders)
-    assert len(left) == 2, left
-    stopped = next(r for r in replicas if r not in left)
-    logger.info("scaled 3 -> 2 in %.1f s under load; %s stopped", scaled_s, stopped)
+    assert len(now) == end, now
+    changed = next(iter(set(replicas) ^ set(now)))
+    logger.info("scaled %d -> %d in %.1f s under load; %s %s", start, end, scaled_s, changed,
+                "stopped" if end < start else "joined")
     picks = zipf(len(systems), 100, rng)
     got = await clients(handle, [systems[s] + question() for s in picks], "after", 4)
-    moved = [g for s, g in zip(picks, got) if home[s] == stopped]
+    # Scale-down: the stopped replica's tenants; scale-up: the requests the new replica served.
+    mine = [g for s, g in zip(picks, got) if home.get(s) == changed or g["replica"] == changed]
     share = lambda rows: sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows))  # noqa: E731
-    return {"hit_rate": share(got), "stopped_tenants_hit_rate": share(moved), "stopped_tenant_requests": len(moved),
-            "scale_down_s": scaled_s}
+    return {"hit_rate": share(got), "changed_hit_rate": share(mine), "changed_requests": len(mine),
+            "scale_s": scaled_s}
 
 
 def main() -> int:
@@ -136,6 +145,8 @@ def main() -> int:
     parser.add_argument("--systems", type=int, default=24, help="system prompts (tenants)")
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternated")
+    parser.add_argument("--scale", choices=["down", "up"], default="down",
+                        help="down: 3 -> 2, hand-over on and off; up: 2 -> 3, warm start on and off")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -154,28 +165,33 @@ def main() -> int:
         model_dir = make_tiny_model_dir("llama", Path(tmp) / "tiny")
         init_local_ray(num_cpus=4)
         serve.start(proxy_location="Disabled")
+        start, end, name, knob = (3, 2, "hand-over", "kv_handover_bytes") if args.scale == "down" else (
+            2, 3, "warm-start", "kv_warm_start_bytes")
         for key, budget in [(f"{m} {i + 1}", b) for i in range(args.rounds)
-                            for m, b in (("hand-over", 64 * 2**20), ("none", 0))]:
+                            for m, b in ((name, 64 * 2**20), ("none", 0))]:
             mode = key.split()[0]
-            engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK, num_kv_blocks=2048,
-                                              kv_warm_start_bytes=0, kv_handover_bytes=budget)
-            config = ClusterConfig(replicas=3, redis_url=redis.url, namespace=f"kvhb-{uuid.uuid4().hex[:6]}",
+            engine = EngineConfig.from_kwargs(model=str(model_dir), block_size=BLOCK, num_kv_blocks=2048, **{
+                "kv_warm_start_bytes": 0, "kv_handover_bytes": 0, knob: budget})
+            config = ClusterConfig(replicas=start, redis_url=redis.url, namespace=f"kvhb-{uuid.uuid4().hex[:6]}",
                                    engine=engine, replica_num_cpus=0.25, routing_policy="prefix_cost")
             deployment = serve.deployment(handover_replica()).options(
                 **replica_options(config), version=f"bench-{mode}", _internal=True)
             args_ = (engine.flat(), config.redis_url, config.namespace)
             handle = serve.run(deployment.bind(*args_), name=APP, route_prefix=None)
             try:
-                results[key] = asyncio.run(one_run(handle, deployment, args_, config, systems, args.seed + len(results)))
+                results[key] = asyncio.run(one_run(handle, deployment, args_, config, systems,
+                                                   args.seed + len(results), start, end))
             finally:
                 serve.delete(APP)
             logger.info("%s: %s", key, results[key])
-    print(f"{'run':<12} {'hit rate, next 100':>20} {'stopped tenants':>16} {'their requests':>15} {'scale-down s':>13}")
+    which = "stopped tenants" if args.scale == "down" else "new replica"
+    print(f"{'run':<13} {'hit rate, next 100':>20} {which:>16} {'its requests':>13} {'scaling s':>10}")
     for mode, r in results.items():
-        print(f"{mode:<12} {r['hit_rate']:>20.3f} {r['stopped_tenants_hit_rate']:>16.3f} "
-              f"{r['stopped_tenant_requests']:>15d} {r['scale_down_s']:>13.1f}")
+        print(f"{mode:<13} {r['hit_rate']:>20.3f} {r['changed_hit_rate']:>16.3f} "
+              f"{r['changed_requests']:>13d} {r['scale_s']:>10.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"systems": args.systems, "runs": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"systems": args.systems, "scale": args.scale, "runs": results},
+                                              indent=2))
     return 0
 
 
