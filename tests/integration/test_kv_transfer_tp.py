@@ -86,3 +86,43 @@ def test_tensor_parallel_replicas_transfer_rank_to_rank(model_dir):
     finally:
         holder.close()
         receiver.close()
+
+
+def test_tensor_parallel_warm_start_and_hand_over_move_rank_to_rank(model_dir):
+    """A joining TP replica's warm start pulls the holder's blocks rank to rank, and a
+    stopping TP replica's hand-over pushes them: each receiver then serves the prompt
+    as a local hit (tokens and logprobs), and every pool stays consistent."""
+    from tests.engine.test_kv_handover import FakeDirectory as Survivors
+    from tests.engine.test_kv_handover import LocalReceiver
+    from tests.engine.test_kv_warm_start import FakeDirectory as Holders
+    from workers.kv_handover import hand_over
+    from workers.kv_warm_start import warm_start
+
+    holder, joining, survivor = Side(model_dir, 2), Side(model_dir, 2), Side(model_dir, 2)
+    try:
+        rng = random.Random(8)
+        prompt = [rng.randrange(3, 500) for _ in range(27)]
+
+        async def main():
+            cold = await holder.run("c", prompt)
+            local_hit = await holder.run("h", prompt)
+            held = set(holder.pool.cached_block_hashes())
+            assert local_hit[2] == 24 and len(held) >= 6
+            warmed = await warm_start(joining.transfer, Holders({"h": held}), lambda rid: LocalHolder(holder.transfer),
+                                      "me", "", 10**9, 30.0)
+            assert warmed.outcome == "warmed" and warmed.blocks == len(held), warmed
+            handed = await hand_over(holder.transfer, Survivors({"s": 0.0}), lambda rid: LocalReceiver(survivor),
+                                     "me", "", 10**9, 30.0)
+            assert handed.outcome == "handed_over" and handed.blocks == len(held), handed
+            for side in (joining, survivor):
+                got = await side.run(f"after-{id(side)}", prompt)
+                assert got == local_hit and got[0] == cold[0]  # 24 cached tokens, the local hit's logprobs
+            for side in (holder, joining, survivor):
+                await asyncio.sleep(0.05)  # the holder's release is posted
+                await side.front.call(lambda e, s=side: s.transfer.ledger.check_integrity(list(e.scheduler.queue)))
+                assert side.pool.num_used_blocks == 0
+
+        asyncio.run(main())
+    finally:
+        for side in (holder, joining, survivor):
+            side.close()
