@@ -30,8 +30,8 @@ Linux offers them (``madvise``): a step then streams each adapter as one run of
 memory instead of hundreds of 10-100 KB allocations, and pays no TLB miss per
 4 KB page (measured on a loaded 2-core machine, one thread, thread CPU time:
 the kernel's 120 calls of a batch-8 decode step on 8 bfloat16 adapters of the
-default model took 5.6-6.0 ms on scattered 4 KB pages, 4.2-4.6 ms co-located
-on huge pages).
+default model took 5.9-6.4 ms on scattered 4 KB pages, 4.3-4.8 ms co-located
+on huge pages; docs/BENCHMARKS.md).
 
 A step (:class:`StepRows`): the flat batch's rows grouped by slot, built once
 per step and shared by every layer. The kernel runs each group's shrink
