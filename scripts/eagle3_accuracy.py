@@ -55,14 +55,17 @@ def main() -> None:
     norm = model.model.norm.weight.detach().float().cpu()
     report = {"model": str(llm.model_dir), "num_sequences": len(rows1), "data_seconds": round(data_s, 1),
               "torch_threads": torch.get_num_threads()}
-    _, report["eagle"] = fit_eagle(rows1, arch, head, embedding, shortlist=args.vocab, min_steps=args.steps)
-    _, report["eagle3"] = fit_eagle3(rows3, arch, ids, head, embedding, norm, draft_vocab_size=args.vocab,
-                                     min_steps=args.steps)
-    print(f"{'draft':8} {'untrained':>10} {'trained':>8} {'steps':>6} {'fit s':>7}")
-    for name in ("eagle", "eagle3"):
-        r = report[name]
+    print(f"{len(rows1)} sequences in {data_s:.0f} s", flush=True)
+    print(f"{'draft':8} {'untrained':>10} {'trained':>8} {'steps':>6} {'fit s':>7}", flush=True)
+    for name in ("eagle", "eagle3"):  # each row printed as soon as its fit ends
+        if name == "eagle":
+            _, r = fit_eagle(rows1, arch, head, embedding, shortlist=args.vocab, min_steps=args.steps)
+        else:
+            _, r = fit_eagle3(rows3, arch, ids, head, embedding, norm, draft_vocab_size=args.vocab,
+                              min_steps=args.steps)
+        report[name] = r
         print(f"{name:8} {r['held_out_top1_accuracy_untrained'][0]:>10.3f} {r['held_out_top1_accuracy'][0]:>8.3f} "
-              f"{r['optimizer_steps']:>6} {r['train_seconds']:>7.0f}")
+              f"{r['optimizer_steps']:>6} {r['train_seconds']:>7.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
