@@ -44,9 +44,6 @@ Which holder
 When a fetch is not priced
     - ``fetch_bytes_per_s`` is 0 (the default, see below) or the directory did
       not answer.
-    - The request has a LoRA adapter: its blocks hash on the adapter's
-      content, which the fetch does not compute yet (``fetch_and_generate``
-      skips it).
     - r would take more than half of its free blocks for the fetched ones:
       the receiver refuses such an import (``no_room``,
       ``workers/engine/kv_transfer.py``); r is then priced as a cold prefill.

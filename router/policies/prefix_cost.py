@@ -287,7 +287,7 @@ class PrefixCostPolicy:
         """``{replica: (holder, blocks matched after the fetch, blocks fetched)}`` for the
         replicas priced as fetching (``kv_fetch`` module doc): where a fetch costs less than
         recomputing (for a hot prefix's set too: credited the match, it would recompute it)."""
-        if not self.fetch.enabled or not inp.prefix_key or inp.adapter:
+        if not self.fetch.enabled or not inp.prefix_key:
             return {}
         holder = best_holder(inp, lambda rid: rendezvous(inp.prefix_key, rid), self.fetch_max_exports)
         if holder is None:

@@ -91,11 +91,20 @@ def test_no_fetch_into_a_replica_without_room_to_import_it():
     assert policy().rank(inp(loaded_holder(600), queued)).fetch_from == {}
 
 
-def test_no_fetch_without_the_directory_or_for_an_adapter():
+def test_no_fetch_without_the_directory():
     views = (ReplicaView("holder", num_prefill_tokens=600), ReplicaView("idle"))  # matched None: Redis down
     assert policy().rank(inp(*views)) == Ranking(["idle", "holder"], {})
+
+
+def test_an_adapted_request_is_fetched_as_a_base_one_and_a_missing_adapter_priced_on_top():
+    # The replica hashes an adapted request's blocks on the adapter's content and fetches them
+    # (workers/kv_transfer.py fingerprint_for): priced as any fetch, plus the adapter's load where
+    # the fetching replica does not hold it.
     with_adapter = (loaded_holder(600, holds_adapter=True), ReplicaView("idle", matched_blocks=0, holds_adapter=True))
-    assert policy().rank(inp(*with_adapter, adapter="a")).fetch_from == {}
+    assert policy().rank(inp(*with_adapter, adapter="a")) == Ranking(["idle", "holder"], {"idle": "holder"})
+    lacking = (loaded_holder(600, holds_adapter=True),
+               ReplicaView("idle", matched_blocks=0, holds_adapter=False, adapter_load_tokens=200.0))
+    assert policy().rank(inp(*lacking, adapter="a")) == Ranking(["holder", "idle"], {"idle": "holder"})
 
 
 def test_a_hot_prefix_is_replicated_by_copying():
