@@ -38,10 +38,17 @@ ENABLE_CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # application takes as long (2.1-2.3 s / 3.0 s either way). Ray's metrics
 # agent exports metrics nothing here reads (our series are the replicas' and
 # routers' own, Serve's autoscaling gets pushed figures): 8.5 ms/s, 2.5 off.
-# Set either variable to keep Ray's default.
+# Ray also starts every worker process (a replica, its tensor-parallel ranks)
+# at nice 15 below its raylet, so on cores it shares with the router, Redis
+# and Ray's own daemons a replica's forward threads lose every contention and
+# a 2-thread step stalls while one thread waits: one replica at c = 16 gave
+# 0.93x / 0.88x of the engine's throughput at Ray's default and 0.98x / 0.95x
+# at the raylet's niceness (quiet 2-core machine, alternated pairs, issue 38).
+# Set any variable to keep Ray's default.
 QUIET_RAY = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_enable_metrics_collection": "0",
+    "RAY_worker_niceness": "0",
 }
 
 
