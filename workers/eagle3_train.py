@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from workers.eagle_train import run_fit
 from workers.medusa_train import final_hidden_states, greedy_answers, head_and_embedding
 from workers.model.eagle3 import Eagle3Draft, default_aux_layer_ids
 from workers.spec_eagle3 import AuxHiddenCapture
@@ -176,33 +177,6 @@ def fit_eagle3(data: list[tuple[torch.Tensor, list[int], int]], arch: Any, layer
         total = sum(max(0, len(seq) - 2 - first) for _, seq, first in items)
         return ce1 + STEP2_WEIGHT * ce2, hits, total
 
-    def held_out_accuracy() -> float:
-        hits = total = 0
-        with torch.no_grad():
-            for start in range(0, len(held), batch_size):
-                _, h, t = batch_loss(held[start: start + batch_size])
-                hits, total = hits + h, total + t
-        return round(hits / max(1, total), 4)
-
-    before = held_out_accuracy()
-    batches = -(-len(train) // batch_size)
-    epochs = epochs if epochs is not None else max(1, -(-min_steps // batches))
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    steps = max(1, epochs * batches)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
-    logger.info("training the EAGLE-3 draft on %d sequences (%d held out), a draft vocabulary of %d tokens: "
-                "%d epoch(s), %d steps", len(train), len(held), len(kept), epochs, steps)
-    for epoch in range(epochs):
-        random.Random(seed + epoch).shuffle(train)
-        for start in range(0, len(train), batch_size):
-            loss, _, _ = batch_loss(train[start: start + batch_size])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        logger.info("epoch %d of %d: last batch's loss %.4f", epoch + 1, epochs, loss.item())
-    after = held_out_accuracy()
-    summary = {"num_sequences": len(data), "num_positions": sum(len(s) - 2 - f for _, s, f in data),
-               "epochs": epochs, "optimizer_steps": steps, "held_out_top1_accuracy": [after],
-               "held_out_top1_accuracy_untrained": [before], "train_seconds": round(time.perf_counter() - started, 1)}
-    return draft.eval(), summary
+    return run_fit(draft, data, train, held, lambda items, training: batch_loss(items), batch_size=batch_size,
+                   epochs=epochs, min_steps=min_steps, lr=lr, seed=seed, started=started,
+                   what=f"the EAGLE-3 draft (a draft vocabulary of {len(kept)} tokens)")
