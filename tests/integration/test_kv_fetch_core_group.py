@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 
 import pytest
 
 from cluster.shared.config import ClusterConfig, EngineConfig
-from cluster.shared.directory import Directory
 from cluster.shared.hashing import hash_block_chain, root_hash
-from cluster.shared.types import GenerationRequest, SamplingParams
 from tests.factories import make_tiny_model_dir
+from tests.integration.test_kv_transfer_serve import reports, request, run, until_held
 from workers.model.loader import model_fingerprint
 from workers.replica import ReplicaServer
 
@@ -71,45 +69,6 @@ def cluster(ray_local, redis_server, tmp_path_factory):
     serve.delete(APP)
 
 
-def request(request_id: str, prompt: list[int], max_tokens: int = 6) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                ignore_eos=True, logprobs=2))
-
-
-async def run(handle, req: GenerationRequest, started: asyncio.Event = None) -> dict:
-    tokens, logprobs, final = [], [], None
-    async for chunk in handle.options(stream=True, method_name="generate").remote(req):
-        tokens += chunk.token_ids
-        logprobs += [lp.logprob for lp in chunk.logprobs or []]
-        final = chunk
-        if started is not None:
-            started.set()
-    return {"tokens": tokens, "logprobs": logprobs, "cached": final.cached_prompt_tokens,
-            "replica": final.replica_id}
-
-
-async def until_held(config: ClusterConfig, chain: list[bytes], replica_id: str) -> None:
-    directory = Directory.from_url(config.redis_url, config.namespace)
-    try:
-        deadline = time.monotonic() + 20
-        while (await directory.lookup(chain)).get(replica_id, 0) < len(chain) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert (await directory.lookup(chain)).get(replica_id, 0) == len(chain), "the directory never listed it"
-    finally:
-        await directory.aclose()
-
-
-async def reports(handle, want: set[str]) -> dict[str, dict]:
-    """Each replica's report (routed on load, ties at random: asked until ``want`` answered)."""
-    got: dict[str, dict] = {}
-    for _ in range(40):
-        answer = await handle.options(method_name="report").remote()
-        got[answer["replica"]] = answer
-        if want <= set(got):
-            break
-    return got
-
-
 def test_a_fetch_priced_past_a_busy_sibling_moves_the_blocks(cluster):
     handle, model_dir, config = cluster
 
@@ -117,16 +76,17 @@ def test_a_fetch_priced_past_a_busy_sibling_moves_the_blocks(cluster):
         rng = random.Random(7)
         prefix = [rng.randrange(3, 500) for _ in range(PREFIX)]
         prompt = prefix + [rng.randrange(3, 500)]
-        cold = await run(handle, request("cold", prompt))
+        cold = await run(handle, request("cold", prompt), "grpc")
         chain = hash_block_chain(prefix, BLOCK, root_hash(model_fingerprint(model_dir)))
         await until_held(config, chain, cold["replica"])
         # Until the holder's routing stats (1 s period) postdate the cold request, the router
         # counts its prompt as queued there, which alone would send the next request past it.
         await asyncio.sleep(2.5)
         started = asyncio.Event()
-        busy = asyncio.ensure_future(run(handle, request("busy", prefix + [7, 8, 9], max_tokens=250), started))
+        busy = asyncio.ensure_future(run(handle, request("busy", prefix + [7, 8, 9], max_tokens=250), "grpc",
+                                         started))
         await asyncio.wait_for(started.wait(), 60)
-        again = await run(handle, request("again", prompt))
+        again = await run(handle, request("again", prompt), "grpc")
         busy = await busy
         assert busy["replica"] == cold["replica"] and busy["cached"] == PREFIX  # the holder, hit
         got = await reports(handle, {cold["replica"], again["replica"]})
