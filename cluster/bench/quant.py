@@ -17,10 +17,16 @@ block bytes column shows what each block costs). Speed figures use the
 same steps as ``bench latency`` (fresh random prompts, nothing from the prefix
 cache); with ``--rounds`` N the speed part runs N times over all methods and
 peers in turn and reports medians, so drift of a shared machine hits every
-column alike. Ratios are against the float run of the same round. The
-roofline column sets the first batch size's step against one read of the
-row's weights (llama.cpp: its file) at the read bandwidth measured right
-before that row's steps (``roofline.py``).
+column alike. Ratios are the median over rounds of each round's ratio
+against the float run of that round. The roofline column sets the first
+batch size's step against one read of the row's weights (llama.cpp: its
+file) at the read bandwidth measured right before that row's steps
+(``roofline.py``). The llama.cpp columns set each row against llama.cpp on
+the file of its kind (``PEER_OF``: ``gguf`` / ``gguf-a8`` run the very Q4_1
+file llama.cpp runs; ``w8a8`` / ``int8`` are set against its Q8_0,
+``int4-g*`` against its Q4_1), per round as well. Prefill: the median of
+``--prefill-reps`` fresh prompts (llama.cpp's side: the median of 3 after a
+warm-up).
 
 Prints a table and writes JSON (``--json``).
 """
@@ -45,6 +51,9 @@ METHODS = ("none", "w8a8", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf", 
 CHECKPOINT_GROUP = 128  # gptq / awq checkpoints written for the table (their usual group size)
 KV_PPL_CHUNK = 64  # prefill chunk of kv-int8's perplexity: tokens attend to cached (quantized) keys
 PEERS = ("q8_0", "q4_1")
+# The llama.cpp file each method is set against: the same file (gguf), or the same bits a weight.
+PEER_OF = {"gguf": "q4_1", "gguf-a8": "q4_1", "int4-g32": "q4_1", "int4-g64": "q4_1", "int4-g128": "q4_1",
+           "w8a8": "q8_0", "int8": "q8_0"}
 
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +66,7 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=24, help="decode steps timed per batch size")
     parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-reps", type=int, default=3, help="prefills timed per round (median)")
     parser.add_argument("--rounds", type=int, default=1, help="speed rounds over every method (medians)")
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens of the perplexity")
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts of the greedy agreement")
@@ -100,8 +110,8 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 if workloads[-1] is None:
                     vocab, skip = llm.engine.vocab_size, set(llm.engine.scheduler.eos_token_ids) | {0, 1, 2}
                     workloads[-1] = ({b: make_prompts(b, args.input_len, vocab, skip, rng) for b in args.batch_sizes},
-                                     make_prompts(1, args.prefill_len, vocab, skip, rng)[0])
-                decode_sets, prefill_prompt = workloads[-1]
+                                     make_prompts(max(1, args.prefill_reps), args.prefill_len, vocab, skip, rng))
+                decode_sets, prefill_prompts = workloads[-1]
                 if round_index == 0:
                     row = results.setdefault(method, {})
                     row["weight_bytes"] = int(llm.runner.weight_bytes)
@@ -127,12 +137,15 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 for batch, prompts in decode_sets.items():
                     speed[f"decode_b{batch}"] = batch / statistics.median(
                         engine_decode_steps(llm, prompts, args.output_len))
-                speed["prefill"] = args.prefill_len / engine_prefill_seconds(llm, prefill_prompt)
+                # fresh prompts: a repeated one would be served from the prefix cache
+                speed["prefill"] = args.prefill_len / statistics.median(
+                    engine_prefill_seconds(llm, prompt) for prompt in prefill_prompts)
                 speed_rounds[method].append(speed)
                 logger.info("%s: %s", method, {k: round(v, 1) for k, v in speed.items()})
             gc.collect()
         for peer in peers:
-            speed_rounds[peer].append(_peer_speed(peer, *workloads[-1], args.output_len))
+            decode_sets, prefill_prompts = workloads[-1]
+            speed_rounds[peer].append(_peer_speed(peer, decode_sets, prefill_prompts[0], args.output_len))
     for method in args.methods:
         tokens = results[method].pop("_tokens")
         if reference is not None:
@@ -140,6 +153,7 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     for name, rounds in speed_rounds.items():
         row = results.setdefault(name, {"quantization": f"llama.cpp {name.upper()}"})
         row.update({k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]})
+    add_ratios(results, speed_rounds, peers)
     report = {"rounds": max(1, args.rounds), "engine_args": {k: str(v) for k, v in base.items()},
               "batch_sizes": args.batch_sizes, "results": results}
     print("\n".join(format_report(report)))  # the table is the program's output, not a log
@@ -148,6 +162,23 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     path.write_text(json.dumps(report, indent=2))
     logger.info("wrote %s", path)
     return 0
+
+
+def add_ratios(results: dict[str, dict[str, Any]], speed_rounds: dict[str, list[dict[str, Any]]],
+               peers: list[str]) -> None:
+    """Each row's ``vs_float32`` and (with its llama.cpp file measured) ``vs_llama_cpp``, paired by round."""
+    for name, rounds in speed_rounds.items():
+        if name != "none" and "none" in speed_rounds:
+            results[name]["vs_float32"] = paired_ratios(rounds, speed_rounds["none"])
+        peer = PEER_OF.get(name)
+        if peer in peers:
+            results[name]["vs_llama_cpp"] = {"peer": peer, **paired_ratios(rounds, speed_rounds[peer])}
+
+
+def paired_ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per speed figure (``decode_b*``, ``prefill``): the median over rounds of ours / theirs in that round."""
+    keys = [k for k in ours[0] if (k.startswith("decode_b") or k == "prefill") and k in theirs[0]]
+    return {k: round(statistics.median(a[k] / b[k] for a, b in zip(ours, theirs, strict=True)), 3) for k in keys}
 
 
 def _checkpoint(method: str) -> Path:
@@ -201,15 +232,18 @@ def format_report(report: dict[str, Any]) -> list[str]:
     results = report["results"]
     base = results.get("none", {})
     header = ["method", "perplexity", "greedy agreement", "weights MiB", "KV block KiB",
-              *[f"decode b{b} tok/s" for b in batches], f"b{batches[0]} roofline", "prefill tok/s"]
+              *[f"decode b{b} tok/s" for b in batches], f"b{batches[0]} roofline", "prefill tok/s",
+              "vs llama.cpp: " + " / ".join([*[f"b{b}" for b in batches], "prefill"])]
     rows = [tuple(header)]
 
     def with_ratio(row: dict[str, Any], key: str) -> str:
         value = row.get(key)
         if value is None:
             return "-"
+        ratio = row.get("vs_float32", {}).get(key)  # paired per round; else the medians' ratio
         ref = base.get(key)
-        return f"{value:.1f} ({value / ref:.2f}x)" if ref else f"{value:.1f}"
+        ratio = ratio if ratio is not None else (value / ref if ref else None)
+        return f"{value:.1f} ({ratio:.2f}x)" if ratio is not None else f"{value:.1f}"
 
     for name, row in results.items():
         agree = row.get("agreement")
@@ -223,13 +257,24 @@ def format_report(report: dict[str, Any]) -> list[str]:
             *[with_ratio(row, f"decode_b{b}") for b in batches],
             roofline_cell(row, batches[0]),
             with_ratio(row, "prefill"),
+            peer_cell(row, batches),
         ))
     lines = format_table(rows)
     lines.append(f"speed: median of {report['rounds']} round(s); (x) = against float32 in the same run; "
                  "agreement = mean greedy tokens before the first divergence from float32 (prompts in full); "
                  "roofline = the weights' read time at the read bandwidth measured before that row's steps "
-                 "(GB/s in brackets) over the step")
+                 "(GB/s in brackets) over the step; vs llama.cpp = ours / llama.cpp on the file named, "
+                 "median of the rounds' ratios")
     return lines
+
+
+def peer_cell(row: dict[str, Any], batches: list[int]) -> str:
+    """``Q4_1 1.37x / 1.73x / 0.95x``: the row against its llama.cpp file, per batch size and prefill."""
+    vs = row.get("vs_llama_cpp")
+    if not vs:
+        return "-"
+    keys = [*[f"decode_b{b}" for b in batches], "prefill"]
+    return vs["peer"].upper() + " " + " / ".join(f"{vs[k]:.2f}x" if k in vs else "-" for k in keys)
 
 
 def roofline_cell(row: dict[str, Any], batch: int) -> str:
