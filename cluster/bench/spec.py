@@ -26,6 +26,10 @@ against the run without it. With ``--rounds`` N every case runs N times in turn 
 kept (odd rounds run the modes in reverse order), so a machine's drift hits
 all modes alike.
 
+Per mode it reports tokens per drafting step (accepted drafts + 1) and the
+acceptance by draft position: of the drafts that reached position i, the share
+whose tokens up to i were all accepted, counts pooled over the rounds.
+
 Prints a table and writes JSON (``--json``).
 """
 
@@ -106,6 +110,7 @@ def random_prompts(llm: Any, n: int, length: int, rng: random.Random) -> list[li
 
 GROUPED = ("grounded", "chat")  # workloads whose prompts differ in kind: several groups below batch 8
 SPEC_COUNTS = ("num_draft_tokens", "num_accepted_tokens", "num_drafts", "num_branch_trials", "num_branch_hits")
+PER_POSITION = ("accepted_per_position", "proposed_per_position")  # counts per draft position (lists)
 
 
 def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: bool = False,
@@ -130,9 +135,10 @@ def decode_run(llm: Any, prompts: list[list[int]], output_len: int, sampled: boo
         drafted, accepted, drafts = total["num_draft_tokens"], total["num_accepted_tokens"], total["num_drafts"]
         trials, wins = total["num_branch_trials"], total["num_branch_hits"]
         result.update(branch_trials=trials, branch_win_rate=wins / trials if trials else 0.0)
-        result.update(draft_tokens=drafted, accepted_tokens=accepted,
+        result.update(draft_tokens=drafted, accepted_tokens=accepted, drafts=drafts,
                       acceptance_rate=accepted / drafted if drafted else 0.0,
                       mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
+        result.update({key: [sum(col) for col in zip(*(g["spec"][key] for g in groups))] for key in PER_POSITION})
     return result
 
 
@@ -167,6 +173,7 @@ def _decode_group(llm: Any, prompts: list[list[int]], output_len: int, sampled: 
     if speculator is not None and before is not None:
         after = speculator.stats.as_dict()
         group["spec"] = {key: after[key] - before[key] for key in SPEC_COUNTS}
+        group["spec"].update({key: [a - b for a, b in zip(after[key], before[key])] for key in PER_POSITION})
     return group
 
 
@@ -236,9 +243,10 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                      "step_ms": statistics.median(1e3 * r["seconds"] / max(1, r["steps"]) for r in results)}
             if mode != "off":
                 entry["identical_to_off"] = all(r["outputs"] == reference for r in results)
-                for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens", "branch_trials",
+                for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens", "drafts", "branch_trials",
                             "branch_win_rate"):
                     entry[key] = statistics.median(r[key] for r in results)
+                entry.update(acceptance_by_position(results))
             row[mode] = entry
         report["cases"].append(row)
     print("\n".join(format_report(report, list(modes))))  # the table is the program's output
@@ -248,6 +256,18 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logger.info("wrote %s", path)
     llm.shutdown()
     return 0
+
+
+def acceptance_by_position(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per draft position i, over every round (counts pooled): of the drafts
+    that proposed a token at i, the share whose tokens up to i were all
+    accepted (vLLM's accepted-per-position / drafts when every draft is full
+    length; adaptive drafts vary in length, so each position counts only the
+    drafts that reached it)."""
+    accepted = [sum(col) for col in zip(*(r["accepted_per_position"] for r in results))]
+    proposed = [sum(col) for col in zip(*(r["proposed_per_position"] for r in results))]
+    return {"accepted_per_position": accepted, "proposed_per_position": proposed,
+            "acceptance_per_position": [a / p if p else None for a, p in zip(accepted, proposed)]}
 
 
 def _mode_name(config: Any) -> str:
@@ -300,6 +320,11 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
         costs = ", ".join(f"{mode} {case[mode]['schedule_ms_per_step']:.2f}" for mode in modes)
         lines.append(f"{case['workload']} batch {case['batch_size']}: schedule() ms per step (proposals included): "
                      f"{costs}; off step {case['off']['step_ms']:.1f} ms")
+    for case in report["cases"]:  # acceptance by draft position, of the drafts that reached it
+        shares = [f"{mode} " + " ".join("-" if share is None else f"{share:.0%}"
+                                       for share in case[mode].get("acceptance_per_position", []))
+                  + f" (of {sum(case[mode].get('proposed_per_position', [])[:1])} drafts)" for mode in modes[1:]]
+        lines.append(f"{case['workload']} batch {case['batch_size']}: acceptance by position: {'; '.join(shares)}")
     grouped = [f"{c['workload']} batch {c['batch_size']}: {c['groups']} groups"
                for c in report["cases"] if c.get("groups", 1) > 1]
     also = "".join(f", {json.dumps(config)}" for config in report.get("also", []))
@@ -307,6 +332,7 @@ def format_report(report: dict[str, Any], modes: list[str]) -> list[str]:
                  f"{report['output_len']} tokens per "
                  f"sequence; {'; '.join(grouped) + ' one after another; ' if grouped else ''}"
                  f"median of {report['rounds']} round(s); tokens/step: accepted drafts + 1 per "
-                 "drafting step; other branch won: where a tree's first candidate was rejected at a node with "
-                 "others, how often another candidate's token was taken")
+                 "drafting step; acceptance by position: of the drafts with a token at position i, the share "
+                 "whose tokens 1..i were all accepted (rounds pooled); other branch won: where a tree's first "
+                 "candidate was rejected at a node with others, how often another candidate's token was taken")
     return lines

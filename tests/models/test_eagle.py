@@ -234,5 +234,10 @@ def test_bench_spec_measures_eagle_medusa_and_ngram_side_by_side(tiny_dir, tmp_p
         for mode in ("eagle-fixed", "medusa-fixed", "ngram-fixed"):
             assert case[mode]["identical_to_off"], (mode, case)
         assert case["eagle-fixed"]["draft_tokens"] > 0 and case["medusa-fixed"]["draft_tokens"] > 0
+        # Chains of up to 4 (eagle's default; shorter only near max_tokens): a position is drafted only
+        # after the ones before it, and counted per position.
+        proposed = case["eagle-fixed"]["proposed_per_position"]
+        assert len(proposed) == 4 and proposed[0] > 0 and proposed == sorted(proposed, reverse=True)
+        assert len(case["eagle-fixed"]["acceptance_per_position"]) == 4
     header = capsys.readouterr().out.splitlines()[0]
     assert "eagle-fixed tok/s" in header and "medusa-fixed tok/s" in header and "ngram-fixed tok/s" in header
