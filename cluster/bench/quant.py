@@ -146,22 +146,34 @@ def run_quant(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         for peer in peers:
             decode_sets, prefill_prompts = workloads[-1]
             speed_rounds[peer].append(_peer_speed(peer, decode_sets, prefill_prompts[0], args.output_len))
-    for method in args.methods:
-        tokens = results[method].pop("_tokens")
-        if reference is not None:
-            results[method]["agreement"] = agreement(tokens, reference)
-    for name, rounds in speed_rounds.items():
-        row = results.setdefault(name, {"quantization": f"llama.cpp {name.upper()}"})
-        row.update({k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]})
-    add_ratios(results, speed_rounds, peers)
-    report = {"rounds": max(1, args.rounds), "engine_args": {k: str(v) for k, v in base.items()},
-              "batch_sizes": args.batch_sizes, "results": results}
+        agreements = {m: agreement(results[m]["_tokens"], reference) for m in args.methods} if reference else {}
+        report = build_report(results, agreements, speed_rounds, peers)
+        report.update(engine_args={k: str(v) for k, v in base.items()}, batch_sizes=args.batch_sizes)
+        _write(report, Path(args.json))  # after every round: a run cut short keeps the rounds it finished
     print("\n".join(format_report(report)))  # the table is the program's output, not a log
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    logger.info("wrote %s", path)
     return 0
+
+
+def build_report(results: dict[str, dict[str, Any]], agreements: dict[str, Any],
+                 speed_rounds: dict[str, list[dict[str, Any]]], peers: list[str]) -> dict[str, Any]:
+    """The report of the rounds so far (``results`` untouched): per row its round-1 figures, its agreement,
+    the medians of its speed rounds and the paired ratios."""
+    out = {name: {k: v for k, v in row.items() if k != "_tokens"} for name, row in results.items()}
+    for method, agree in agreements.items():
+        out[method]["agreement"] = agree
+    for name, rounds in speed_rounds.items():
+        row = out.setdefault(name, {"quantization": f"llama.cpp {name.upper()}"})
+        row.update({k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]})
+    add_ratios(out, speed_rounds, peers)
+    return {"rounds": len(next(iter(speed_rounds.values()))), "results": out}
+
+
+def _write(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
+    logger.info("wrote %s (%d round(s))", path, report["rounds"])
 
 
 def add_ratios(results: dict[str, dict[str, Any]], speed_rounds: dict[str, list[dict[str, Any]]],

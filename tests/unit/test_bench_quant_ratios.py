@@ -1,6 +1,6 @@
 """bench quant's paired ratios: each row against float32 and against llama.cpp's file of its kind, per round."""
 
-from cluster.bench.quant import add_ratios, format_report, paired_ratios
+from cluster.bench.quant import add_ratios, build_report, format_report, paired_ratios
 
 
 def _rounds(*b1: float) -> list[dict[str, float]]:
@@ -41,3 +41,15 @@ def test_the_table_shows_the_llama_cpp_ratios_and_the_paired_float_ratio():
     assert "vs llama.cpp: b1 / b8 / prefill" in text
     assert "Q4_1 1.37x / 1.73x / 0.82x" in text
     assert "130.0 (3.10x)" in text and "95.0 (0.97x)" in text  # the paired ratio, not 130 / 40
+
+
+def test_the_report_of_the_rounds_so_far_leaves_the_results_as_they_are():
+    results = {"none": {"perplexity": 13.9, "_tokens": [[1, 2]]}, "gguf": {"perplexity": 13.9, "_tokens": [[1, 3]]}}
+    speed = {"none": _rounds(40.0, 50.0, 30.0), "gguf": _rounds(120.0, 100.0, 60.0), "q4_1": _rounds(100.0, 50.0, 50.0)}
+    report = build_report(results, {"gguf": {"mean_tokens_to_divergence": 1.0}}, speed, peers=["q4_1"])
+    assert report["rounds"] == 3
+    assert "_tokens" in results["gguf"] and "_tokens" not in report["results"]["gguf"]  # a later round needs them
+    gguf = report["results"]["gguf"]
+    assert gguf["decode_b1"] == 100.0 and gguf["perplexity"] == 13.9 and gguf["agreement"]
+    assert gguf["vs_llama_cpp"]["decode_b1"] == 1.2 and gguf["vs_float32"]["decode_b1"] == 2.0  # per round
+    assert report["results"]["q4_1"]["quantization"] == "llama.cpp Q4_1"
