@@ -97,6 +97,12 @@ Fetching the prefix from its holder (issue 33)
     wins once the group's queue exceeds the receiver's by the transfer and
     the wake cost (about 270 + 128 tokens for a 512-token prefix: the hot
     request would otherwise wait about a second behind the holder's prefills).
+    With fetch pricing on, a member that holds the longest confirmed match is
+    charged its own queue too, for the same reason: a hit there waits for its
+    steps alone. Charged the group's, a sibling that had fetched a hot prefix
+    cost more for holding it than it had for fetching it, and the next request
+    of that prefix went back behind the busy holder's prefill: the copy was
+    never used (docs/KV_TRANSFER.md). Fetch pricing off, packing is unchanged.
 
 Directory down
     No replica has a confirmed match (``matched_blocks is None``): every
@@ -247,27 +253,31 @@ class PrefixCostPolicy:
         homes = self.adapter_home_ids(inp)
         packing = self.packing(inp)
         plans = self.fetch_plans(inp, matched)
+        own = self.own_queue_holders(inp)
         keys = {}
         for r in inp.replicas:
             plan = plans.get(r.replica_id)
             keys[r.replica_id] = (self.sort_key(inp, r, plan[1], homes, packing, plan[2]) if plan
-                                  else self.sort_key(inp, r, matched[r.replica_id], homes, packing))
+                                  else self.sort_key(inp, r, matched[r.replica_id], homes, packing,
+                                                     own_queue=r.replica_id in own))
         ranked = sorted(keys, key=keys.__getitem__)
         return Ranking(ranked, {rid: plan[0] for rid, plan in plans.items()})
 
     def sort_key(self, inp: RoutingInput, view: ReplicaView, matched_blocks: int,
                  adapter_homes: frozenset = frozenset(), packing: Packing = Packing(),
-                 fetched_blocks: int = 0) -> tuple[int, float, int, bytes]:
+                 fetched_blocks: int = 0, own_queue: bool = False) -> tuple[int, float, int, bytes]:
         """``(tier, cost, pack order, rendezvous)`` of one replica (module doc);
         ``adapter_homes``: the ids of the request's adapter's homes among ``inp.replicas``;
         ``packing``: the core groups' terms (``router/policies/core_groups.py``);
         ``fetched_blocks``: blocks of ``matched_blocks`` it would fetch (priced by
-        ``kv_fetch``; they need room as its new blocks do)."""
+        ``kv_fetch``; they need room as its new blocks do); ``own_queue``: charged its
+        own queue even in a core group (``own_queue_holders``)."""
         block = inp.tokens_per_block
         new_prefill = max(0, inp.num_prompt_tokens - block * matched_blocks)
         rid = view.replica_id
-        # A fetch waits for its receiver's own queue, not its core group's (module doc).
-        shared = rid in packing.queue and not fetched_blocks
+        # A fetch, or a hit on a holder of the longest match with fetches priced, waits for
+        # the replica's own queue, not its core group's (module doc).
+        shared = rid in packing.queue and not fetched_blocks and not own_queue
         cost = (packing.queue[rid] if shared else self.queue_cost(view)) \
             + self.new_prefill_weight * new_prefill + packing.penalty.get(rid, 0.0)
         if fetched_blocks:
@@ -282,6 +292,16 @@ class PrefixCostPolicy:
         """The work queued on a replica, in prefill tokens (module doc)."""
         return (view.num_prefill_tokens + self.decode_token_weight * view.num_decode_tokens
                 + self.sequence_tokens * num_seqs(view))
+
+    def own_queue_holders(self, inp: RoutingInput) -> frozenset:
+        """With fetch pricing on, the replicas whose confirmed match is the longest (> 0):
+        charged their own queue in a core group, as a replica fetching that match would be
+        (module doc). Empty with fetch pricing off (the packing rule alone)."""
+        if not self.fetch.enabled:
+            return frozenset()
+        confirmed = {r.replica_id: min(r.matched_blocks or 0, inp.num_blocks) for r in inp.replicas}
+        best = max(confirmed.values(), default=0)
+        return frozenset(rid for rid, m in confirmed.items() if best and m == best)
 
     def fetch_plans(self, inp: RoutingInput, credited: dict[str, int]) -> dict[str, tuple[str, int, int]]:
         """``{replica: (holder, blocks matched after the fetch, blocks fetched)}`` for the

@@ -212,3 +212,27 @@ def test_a_fetch_into_a_core_group_sibling_waits_for_the_siblings_own_queue():
     # the holder keeps the request however long its queue.
     cold = PrefixCostPolicy(decode_token_weight=0, sequence_tokens=0, pack_max_seqs=32, pack_idle_tokens=128)
     assert cold.rank(inp(loaded_holder(5000, num_running=3, **group), sibling)) == Ranking(["holder", "idle"], {})
+
+
+def test_a_core_group_sibling_that_holds_the_prefix_costs_no_more_than_fetching_it():
+    # After a fetch the sibling holds the hot prefix. Charged the group's queue as a holder
+    # (where as a receiver it was charged its own), the next request of the prefix went back
+    # behind the busy holder's prefill and the copy was never used. With fetch pricing on, a
+    # holder of the longest match is charged its own queue, as its fetching self was.
+    group = dict(core_group="node-1")
+    busy = loaded_holder(700, blocks=32, num_running=3, **group)
+    packed = policy(pack_max_seqs=32, pack_idle_tokens=128)
+    lacking = ReplicaView("idle", matched_blocks=0, **group)
+    holding = ReplicaView("idle", matched_blocks=32, **group)
+    assert packed.rank(inp(busy, lacking)) == Ranking(["idle", "holder"], {"idle": "holder"})
+    assert packed.rank(inp(busy, holding)) == Ranking(["idle", "holder"], {})
+    # Busy too (open, two sequences), the sibling still waits only for its own 100 queued tokens.
+    open_sibling = ReplicaView("idle", matched_blocks=32, num_running=2, num_prefill_tokens=100, **group)
+    assert packed.rank(inp(busy, open_sibling)).replica_ids == ["idle", "holder"]
+    # A short queue on the holder: the idle sibling's wake cost keeps the batch packed.
+    assert packed.rank(inp(loaded_holder(100, blocks=32, num_running=3, **group), holding)).replica_ids == [
+        "holder", "idle"]
+    # Fetch pricing off: packing alone, the fuller member first, as before.
+    off = PrefixCostPolicy(decode_token_weight=0, sequence_tokens=0, pack_max_seqs=32, pack_idle_tokens=128)
+    assert off.rank(inp(busy, holding)).replica_ids == ["holder", "idle"]
+    assert off.rank(inp(busy, open_sibling)).replica_ids == ["holder", "idle"]
