@@ -27,7 +27,9 @@ runs each policy without and with fetch pricing (``<policy>+fetch``) and
 reports the replicas' transfer figures and the TTFT ratios; ``--tenant-zipf``
 skews the tenants' shares (a few hot system prompts). ``--transfers
 off,on,off,on`` alternates the settings in rounds (labelled ``#2``, ...): the
-ratios are then also taken over every round's requests pooled.
+ratios are then also taken over every round's requests pooled. ``--warm-tenants``
+sends each system prompt once before the timed requests, so the hot prompts
+have holders when the skewed load starts.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import uuid
 from typing import Any
 
 from cluster.bench.routing_transfers import (add_transfer_args, pooled_rounds, read_transfer_figures, round_label,
-                                             skewed_dataset, transfer_ratios, transfer_settings, with_fetches)
+                                             skewed_dataset, transfer_ratios, transfer_settings, warm_tenants,
+                                             with_fetches)
 from cluster.client.table import format_table
 from cluster.shared.sizes import cdiv
 
@@ -120,10 +123,10 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     report = {"workload": {k: getattr(args, k) for k in (
         "replicas", "tenants", "questions_per_tenant", "prefix_len", "question_len", "output_len",
         "request_rate", "max_concurrency", "workload_seed", "prefixes_per_replica", "transfers", "tenant_zipf",
-        "fetch_bytes_per_s")}, "runs": [{"policy": p, **s} for p, s, _ in runs]}
+        "fetch_bytes_per_s", "warm_tenants")}, "runs": [{"policy": p, **s} for p, s, _ in runs]}
     report["workload"]["request_rate"] = str(args.request_rate)
     report["workload"]["num_kv_blocks"] = engine.cache.num_kv_blocks
-    report["oracle"] = oracle_hit_rates(conversations, block_size)
+    report["oracle"] = oracle_hit_rates(conversations, block_size, warm=getattr(args, "warm_tenants", False))
     report["pooled"] = pooled_rounds(runs)
     report["ratios"] = {**_ratios(report["runs"], report["oracle"]),
                         **transfer_ratios(report["runs"] + report["pooled"])}
@@ -163,17 +166,20 @@ async def _replay(address: str, conversations: list, args: argparse.Namespace, p
     client = make_client("grpc", address)
     try:
         await warm_up(client)
+        if getattr(args, "warm_tenants", False):
+            logger.info("%s: %d tenants' system prompts sent once", policy, await warm_tenants(client, conversations))
         return await run_requests(client, conversations, args.request_rate, args.max_concurrency,
                                   args.workload_seed, desc=policy)
     finally:
         await client.aclose()
 
 
-def oracle_hit_rates(conversations: list, block_size: int) -> dict[str, float]:
+def oracle_hit_rates(conversations: list, block_size: int, warm: bool = False) -> dict[str, float]:
     """The hit rates of a router that knows the future and has room for
-    everything: every request after its tenant's first reuses the whole
-    shared prefix (its full blocks); nothing else hits."""
-    seen: set = set()
+    everything: every request after its tenant's first (every request, with
+    the tenants warmed: ``--warm-tenants``) reuses the whole shared prefix
+    (its full blocks); nothing else hits."""
+    seen: set = {c.group for c in conversations} if warm else set()
     cached = prompt = shared_hit = shared_total = 0
     for conversation in conversations:
         turn = conversation.turns[0]

@@ -91,3 +91,34 @@ def test_rounds_are_labelled_paired_and_pooled():
     assert ratios["ttft_p99_prefix_cost_pooled_without_over_with_fetch"] == pytest.approx(
         pooled[0]["ttft_ms"]["p99"] / pooled[1]["ttft_ms"]["p99"], abs=0.01)
     assert not any("round_robin" in key for key in ratios)
+
+
+def test_warm_tenants_sends_each_system_prompt_once_in_first_seen_order(monkeypatch):
+    import asyncio
+
+    import cluster.bench.routing_transfers as rt
+
+    monkeypatch.setattr(rt, "WARM_SETTLE_S", 0.0)
+    sent = []
+
+    class Client:
+        async def stream(self, prompt_token_ids, max_tokens):
+            sent.append((list(prompt_token_ids), max_tokens))
+            yield None
+
+    conversations = skewed_dataset(3, 40, 32, 4, 2, 1000, seed=2, zipf=1.5)
+    order = list(dict.fromkeys(c.group for c in conversations))
+    assert asyncio.run(rt.warm_tenants(Client(), conversations)) == 3
+    prompts = {c.group: list(c.turns[0].new_token_ids[:32]) for c in conversations}
+    # The system prompt alone (no question: every timed request still has its own), once per tenant.
+    assert sent == [(prompts[g], 1) for g in order]
+
+
+def test_the_oracle_of_warmed_tenants_hits_every_request():
+    from cluster.bench.routing import oracle_hit_rates
+
+    conversations = skewed_dataset(3, 10, 32, 8, 2, 1000, seed=3, zipf=1.5)  # 40-token prompts
+    assert oracle_hit_rates(conversations, 16, warm=True) == {"prefix_hit_rate": 0.8, "shared_prefix_hit_rate": 1.0}
+    cold = oracle_hit_rates(conversations, 16)
+    tenants = len({c.group for c in conversations})
+    assert cold["shared_prefix_hit_rate"] == pytest.approx((10 - tenants) / 10)
