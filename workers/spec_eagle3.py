@@ -11,9 +11,10 @@ differs:
   layers (``Eagle3Draft.aux_layer_ids``), concatenated [T, 3H], not the final
   hidden state. ``AuxHiddenCapture`` takes them, only while EAGLE-3 is on,
   with forward pre-hooks on those layers of the module path and, where the
-  native decoder runs (the CPU float32 default), its ``aux_capture`` callback
-  in its per-layer loop: decode steps then skip its one-call step (about 2 ms
-  of a 30 ms batch-1 step by its own doc). The compiled stack and CUDA graphs
+  native decoder runs (the CPU float32 default), its ``aux_capture``: the
+  one-call decode step copies the three streams in C (``decoder_step.c``),
+  the per-layer loop (prefill, mixed steps) hands each to
+  ``native_layer``. The compiled stack and CUDA graphs
   run no Python per layer, so they are turned off (module path instead);
 - guesses come from the draft's own LM head over its draft vocabulary,
   mapped to target ids by ``d2t``.
@@ -48,7 +49,7 @@ class AuxHiddenCapture:
         self._handles = [layers[i].register_forward_pre_hook(self._hook(j)) for j, i in enumerate(self.layer_ids)]
         self._native = model.native_decoder
         if self._native is not None:
-            self._native.aux_capture = lambda: self._native_hook if self.active() else None
+            self._native.aux_capture = lambda: self if self.active() else None
 
     def _hook(self, j: int) -> Callable:
         def hook(module: Any, args: tuple) -> None:
@@ -59,10 +60,15 @@ class AuxHiddenCapture:
             self._parts[j] = x.clone() if residual is None else x + residual
         return hook
 
-    def _native_hook(self, i: int, stream: torch.Tensor) -> None:
+    def native_layer(self, i: int, stream: torch.Tensor) -> None:
+        """The native decoder's per-layer loop: ``stream`` enters layer ``i``."""
         for j, layer in enumerate(self.layer_ids):
             if layer == i:
                 self._parts[j] = stream.clone()  # the decoder adds to it in place
+
+    def native_step(self, features: torch.Tensor) -> None:
+        """The native one-call decode step copied the streams into ``features`` [len(layer_ids), T, H]."""
+        self._parts = list(features.unbind(0))
 
     def take(self) -> torch.Tensor:
         """The last pass's features [T, 3H] (low, middle, high); held until the next pass overwrites them."""

@@ -133,8 +133,9 @@ def reference_proposal(draft: Eagle3Draft, embed, aux: torch.Tensor, tokens: lis
 
 @pytest.mark.parametrize("path", ["native_decoder", "module_path_own_embedding"])
 def test_every_proposal_equals_the_draft_run_from_scratch(tmp_path, tiny_dir, path):
-    """The target's features taken in the native decoder's per-layer loop (the CPU default) and by the
-    module path's hooks; a draft with its own embedding and ``layers.0.`` names on the second."""
+    """The target's features taken by the native decoder (the CPU default: its one-call decode step copies
+    them in C, its per-layer loop takes the prefill's) and by the module path's hooks; a draft with its own
+    embedding and ``layers.0.`` names on the second."""
     from transformers import AutoModelForCausalLM
 
     own_embed = path != "native_decoder"
@@ -144,8 +145,12 @@ def test_every_proposal_equals_the_draft_run_from_scratch(tmp_path, tiny_dir, pa
     llm = LLM(str(tiny_dir), block_size=4, max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False,
               speculative_config=config)
     assert llm.runner.model.native_decoder is not None  # the default here: the capture must reach it
+    native, captured_in_c = llm.runner.model.native_decoder, []
     if own_embed:
         llm.runner.model.native_decoder = None
+    else:  # every decode-only step is the one-call step, the capture passed in
+        one_call = native._decode_step
+        native._decode_step = lambda *a: (captured_in_c.append(a[5] is not None), one_call(*a))[1]
     engine = llm.engine
     seen: list[tuple[str, int, list[int]]] = []
     proposer = engine.scheduler.speculator.proposer
@@ -165,6 +170,7 @@ def test_every_proposal_equals_the_draft_run_from_scratch(tmp_path, tiny_dir, pa
     draft = Eagle3Draft.load(folder, read_arch(tiny_dir))
     embed = (lambda ids: draft.embed[ids]) if own_embed else hf.get_input_embeddings()
     assert len(seen) >= 10
+    assert own_embed or (len(captured_in_c) >= 5 and all(captured_in_c)), captured_in_c
     with torch.no_grad():
         for rid, n, guess in seen:
             full = tokens[rid][:n]
@@ -239,9 +245,9 @@ def test_bench_spec_measures_eagle3_beside_eagle_and_the_capture_follows_the_run
     eagle3 = write_vllm_eagle3(tmp_path / "e3", seed=2)
     llm = LLM(str(tiny_dir), block_size=4, speculative_config={"method": "eagle3", "model": str(eagle3)})
     native, runner = llm.runner.model.native_decoder, llm.runner
-    assert native.aux_capture() is not None  # EAGLE-3's draft in the runner: features taken, no one-call step
+    assert native.aux_capture() is not None  # EAGLE-3's draft in the runner: features taken
     kept, runner.medusa = runner.medusa, None
-    assert native.aux_capture() is None  # speculation off (bench spec's off mode): the one-call step again
+    assert native.aux_capture() is None  # speculation off (bench spec's off mode): no features taken
     runner.medusa = kept
     # The tiny model's hidden size is TINY's; an EAGLE-1 draft of the same model goes beside it.
     eagle1 = write_vllm_eagle(tmp_path / "e1", seed=2)

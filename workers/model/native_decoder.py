@@ -105,7 +105,7 @@ class _LayerC(ctypes.Structure):
 
 
 _DRIVER_SIGNATURES = {"decoder_decode": [_P, _P, _L, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _L,
-                                         _P, _L, _L, _P, _P, _P, _L]}
+                                         _P, _L, _L, _P, _P, _P, _L, _P, _L, _P]}
 
 
 class NativeDecoder:
@@ -135,9 +135,10 @@ class NativeDecoder:
         self.hidden_size = model.arch.hidden_size
         self._backend = model.model.layers[0].self_attn.attn_backend
         self.timers: Optional[dict[str, float]] = None  # set by bench latency --profile
-        # EAGLE-3 (spec_eagle3.py): per step, None or a callback taking (i, the stream entering layer i) in
-        # the per-layer loop (such a step never takes the one-call step).
-        self.aux_capture: Optional[Callable[[], Optional[Callable[[int, torch.Tensor], None]]]] = None
+        # EAGLE-3 (spec_eagle3.py): per step, None or the capture that keeps the stream entering its
+        # ``layer_ids``: ``native_layer(i, stream)`` in the per-layer loop, ``native_step(features)`` after
+        # the one-call step, which copies them into ``features`` [len(layer_ids), T, hidden] itself.
+        self.aux_capture: Optional[Callable[[], Any]] = None
         # The tensors the pointers point into stay alive with the model.
         self._keep = [p for p in model.parameters()] + [
             getattr(m, "packed", None) or getattr(m, "quant", None) for m in model.modules()]
@@ -268,16 +269,15 @@ class NativeDecoder:
                     *((tails[0].data_ptr(), tails[1].data_ptr(), tails[1].shape[1]) if tails else (None, None, 0)))
         ropes = (cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr())
         capture = self.aux_capture() if self.aux_capture is not None else None
-        if (decode_only and self._driver is not None and self.timers is None and capture is None
-                and self._lora_in_driver()):
-            return self._decode_step(x, kv_caches, decode_fn, ropes, step)
+        if decode_only and self._driver is not None and self.timers is None and self._lora_in_driver():
+            return self._decode_step(x, kv_caches, decode_fn, ropes, step, capture)
         residual = x
         hidden = self._add_norm(None, residual, self.layers[0].norm1, self.layers[0].eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i:
                 hidden = self._add_norm(hidden, residual, layer.norm1, layer.eps)  # residual += hidden
             if capture is not None:
-                capture(i, residual)
+                capture.native_layer(i, residual)
             qkv = self._linear(hidden, layer.qkv, layer.linears[0].lora)
             hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
             ld = qkv.stride(0)
@@ -341,8 +341,9 @@ class NativeDecoder:
         return True
 
     def _decode_step(self, x: torch.Tensor, kv_caches: list[torch.Tensor], decode_fn: Any, ropes: tuple,
-                     step: tuple) -> torch.Tensor:
-        """A decode-only step in one C call (module doc); same kernels, same order, same bits."""
+                     step: tuple, capture: Any = None) -> torch.Tensor:
+        """A decode-only step in one C call (module doc); same kernels, same order, same bits.
+        With an EAGLE-3 ``capture``, the call also copies the stream entering its layers."""
         caches = (address(decode_fn), tuple(c.data_ptr() for c in kv_caches))
         if caches != self._driver_caches:  # the first step, or a new cache
             self._fns.decode = caches[0]
@@ -355,8 +356,16 @@ class NativeDecoder:
         scratch = torch.empty(tokens * self._scratch_per_token)
         layer = self.layers[0]
         slots, tables, width, lens, num_reqs, tail_lo, tail_slots, tail_width = step
+        cap_layers, features = None, None
+        if capture is not None:
+            cap_layers = (ctypes.c_long * len(capture.layer_ids))(*capture.layer_ids)
+            features = torch.empty(len(capture.layer_ids), tokens, self.hidden_size)
         self._driver(ctypes.byref(self._fns), self._layers_c, len(self.layers), tokens, self.hidden_size,
                      layer.num_heads, layer.num_kv_heads, layer.head_dim, x.data_ptr(), out.data_ptr(),
                      self.final_norm, self.final_eps, *ropes, slots, tables, width, lens, num_reqs,
-                     kv_caches[0].shape[2], scratch.data_ptr(), tail_lo, tail_slots, tail_width)
+                     kv_caches[0].shape[2], scratch.data_ptr(), tail_lo, tail_slots, tail_width,
+                     cap_layers, len(capture.layer_ids) if capture is not None else 0,
+                     features.data_ptr() if features is not None else None)
+        if capture is not None:
+            capture.native_step(features)
         return out

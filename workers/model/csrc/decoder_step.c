@@ -1,4 +1,5 @@
 #include <stddef.h>
+#include <string.h>
 
 #include "decoder_types.h"
 
@@ -17,13 +18,16 @@ typedef struct { const float* norm1; const float* norm2; lin_t qkv, o, gate_up, 
    [T, hidden] holds the embeddings and is the residual stream; out receives
    the final norm. scratch: T * (3 hidden + qkv + heads * dim + 3 inter) floats, inter the widest
    dense layer's (0 when every layer is MoE: the MoE layer allocates its own). cos_local / sin_local:
-   the local layers' table (the same pointers as cos / sin where there is one table). */
+   the local layers' table (the same pointers as cos / sin where there is one table).
+   cap_layers / num_cap / cap_out: EAGLE-3's features (workers/spec_eagle3.py): the residual stream entering
+   layer cap_layers[j] (the embeddings for layer 0) is copied to cap_out + j * T * hidden; num_cap 0: none. */
 void decoder_decode(const fns_t* f, const layer_t* layers, long num_layers, long T, long hidden,
                     long hq, long hkv, long d, float* residual, float* out, const float* final_norm,
                     float final_eps, const float* cos, const float* sin, const float* cos_local,
                     const float* sin_local, const long* slots, const int* tables,
                     long width, const int* lens, long num_reqs, long block_size, float* scratch,
-                    const int* tail_lo, const long* tail_slots, long tail_width) {
+                    const int* tail_lo, const long* tail_slots, long tail_width,
+                    const long* cap_layers, long num_cap, float* cap_out) {
     const long nqkv = layers[0].qkv.n;
     long inter = 0;
     for (long i = 0; i < num_layers; ++i) if (!layers[i].moe && layers[i].down.k > inter) inter = layers[i].down.k;
@@ -38,6 +42,8 @@ void decoder_decode(const fns_t* f, const layer_t* layers, long num_layers, long
     for (long i = 0; i < num_layers; ++i) {
         const layer_t* L = layers + i;
         if (i) f->norm(down, residual, L->norm1, h, T, hidden, L->eps);
+        for (long j = 0; j < num_cap; ++j)  /* residual now holds the stream entering layer i */
+            if (cap_layers[j] == i) memcpy(cap_out + j * T * hidden, residual, sizeof(float) * T * hidden);
         linear(f, &L->qkv, h, T, qkv);
         if (L->q_norm) {  /* in place, before the rotation */
             f->head_norm(qkv, T, hq, d, nqkv, L->q_norm, L->qk_eps);
