@@ -240,7 +240,9 @@ def run_spec(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             entry = {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in results),
                      "steps": statistics.median(r["steps"] for r in results),
                      "schedule_ms_per_step": statistics.median(r["schedule_ms_per_step"] for r in results),
-                     "step_ms": statistics.median(1e3 * r["seconds"] / max(1, r["steps"]) for r in results)}
+                     "step_ms": statistics.median(1e3 * r["seconds"] / max(1, r["steps"]) for r in results),
+                     # Each round's figure, in round order (odd rounds ran the modes in reverse): drift shows.
+                     "decode_tokens_per_s_by_round": [round(r["decode_tokens_per_s"], 2) for r in results]}
             if mode != "off":
                 entry["identical_to_off"] = all(r["outputs"] == reference for r in results)
                 for key in ("acceptance_rate", "mean_acceptance_length", "draft_tokens", "drafts", "branch_trials",

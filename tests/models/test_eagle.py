@@ -239,5 +239,6 @@ def test_bench_spec_measures_eagle_medusa_and_ngram_side_by_side(tiny_dir, tmp_p
         proposed = case["eagle-fixed"]["proposed_per_position"]
         assert len(proposed) == 4 and proposed[0] > 0 and proposed == sorted(proposed, reverse=True)
         assert len(case["eagle-fixed"]["acceptance_per_position"]) == 4
+        assert len(case["off"]["decode_tokens_per_s_by_round"]) == 1  # one round: its figure
     header = capsys.readouterr().out.splitlines()[0]
     assert "eagle-fixed tok/s" in header and "medusa-fixed tok/s" in header and "ngram-fixed tok/s" in header
