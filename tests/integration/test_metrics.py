@@ -134,7 +134,25 @@ def with_router(cluster, body: Callable[[Client], Any]) -> Any:
             await server.stop()
             await directory.aclose()
 
-    return asyncio.run(main())
+    return run_then_cancel(main())
+
+
+def run_then_cancel(coro: Any, grace_s: float = 10.0) -> Any:
+    """``asyncio.run``, but the tasks still pending at the end (Serve's handle
+    keeps some on this loop) get ``grace_s`` to finish their cancellation
+    instead of forever: after a replica is killed one of them once never did,
+    and the suite hung in ``asyncio.run``'s clean-up."""
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(coro)
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=grace_s))
+        return result
+    finally:
+        loop.close()
 
 
 def test_token_request_and_latency_counters_match_the_traffic(cluster):
