@@ -6,22 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 
 from cluster.shared.types import GenerationRequest, SamplingParams, StreamChunk
 from router import direct
 from router.direct import DirectSink, direct_attempt
-from tests.unit.engine_fakes import FINGERPRINT, VOCAB, FakeRunner, make_scheduler
+from tests.unit.engine_fakes import FINGERPRINT, VOCAB, FakeRunner, make_scheduler, next_token
 from workers.engine.direct_stream import DirectStreamError
 from workers.engine.engine import LLMEngine
 from workers.replica import ReplicaServer
 
 
-def make_replica(stream_interval: int = 1) -> ReplicaServer:
+def make_replica(stream_interval: int = 1, token_s: float = 0.0) -> ReplicaServer:
+    """``token_s``: seconds the fake model takes per token (a request that must still be running later)."""
     scheduler = make_scheduler(64, 0, max_num_seqs=4, max_model_len=256)
-    engine = LLMEngine(scheduler, FakeRunner.for_scheduler(scheduler), None, vocab_size=VOCAB, max_model_len=256,
-                       model_fingerprint=FINGERPRINT)
+
+    def model(token_ids):
+        time.sleep(token_s)
+        return next_token(token_ids)
+
+    runner = FakeRunner.for_scheduler(scheduler, model if token_s else next_token)
+    engine = LLMEngine(scheduler, runner, None, vocab_size=VOCAB, max_model_len=256, model_fingerprint=FINGERPRINT)
     return ReplicaServer({"stream_interval": stream_interval}, engine=engine, replica_id="r0")
 
 
@@ -99,7 +106,8 @@ def test_direct_chunks_are_the_streamed_chunks(interval):
 
 
 def test_closing_an_attempt_cancels_the_call_and_frees_the_blocks():
-    replica = make_replica()
+    # 2 ms a token: its 200 tokens outlast the close (instant tokens once all ran before it, under load).
+    replica = make_replica(token_s=0.002)
 
     async def main():
         sink = await DirectSink("127.0.0.1").start()
