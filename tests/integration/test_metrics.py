@@ -29,7 +29,7 @@ from router.metrics import ClusterMetrics, get_router_metrics
 from router.openai import serve_openai
 from router.tokenizer import RouterTokenizer
 from tests.factories import make_tiny_model_dir
-from tests.integration.router_cluster import serve_app
+from tests.integration.router_cluster import run_bounded, serve_app
 from workers.model.loader import model_fingerprint
 
 APP = "metrics-test"
@@ -134,25 +134,8 @@ def with_router(cluster, body: Callable[[Client], Any]) -> Any:
             await server.stop()
             await directory.aclose()
 
-    return run_then_cancel(main())
-
-
-def run_then_cancel(coro: Any, grace_s: float = 10.0) -> Any:
-    """``asyncio.run``, but the tasks still pending at the end (Serve's handle
-    keeps some on this loop) get ``grace_s`` to finish their cancellation
-    instead of forever: after a replica is killed one of them once never did,
-    and the suite hung in ``asyncio.run``'s clean-up."""
-    loop = asyncio.new_event_loop()
-    try:
-        result = loop.run_until_complete(coro)
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending, timeout=grace_s))
-        return result
-    finally:
-        loop.close()
+    # Serve's handle leaves tasks on this loop; one once ignored its cancellation after a replica was killed.
+    return run_bounded(main())
 
 
 def test_token_request_and_latency_counters_match_the_traffic(cluster):
