@@ -105,6 +105,10 @@ def load_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int) -> 
     if rank > max_lora_rank:
         raise ValueError(f"{where}: rank {rank} is above max_lora_rank {max_lora_rank}; "
                          f"start the engine with --max-lora-rank {rank} or more")
+    if config.get("target_parameters"):  # PEFT >= 0.17 targets an MoE's fused experts by parameter
+        raise ValueError(f"{where}: {CONFIG_FILE} sets target_parameters={config['target_parameters']!r}: "
+                         "adapters on MoE experts are not supported; target the attention projections or a "
+                         "dense MLP's gate/up/down")
     for key, neutral in _REFUSED.items():
         if config.get(key, neutral) not in (neutral, None, [], {}, False):
             raise ValueError(f"{where}: {CONFIG_FILE} sets {key}={config[key]!r}, which is not supported; "
