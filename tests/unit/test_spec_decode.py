@@ -22,7 +22,7 @@ from tests.unit.engine_fakes import (
     run_to_completion,
     step,
 )
-from workers.engine.proposers import NgramProposer
+from workers.engine.proposers import NgramProposer, RunnerProposer
 from workers.engine.spec_cost import StepCostModel
 from workers.engine.spec_decode import Speculator
 
@@ -82,6 +82,23 @@ def test_cost_model_separates_draft_tokens_and_keeps_priors_where_steps_did_not_
             fresh.observe(x1, x2, y)
     assert windowed.num_steps == 32 and windowed.fit() == pytest.approx(fresh.fit(), rel=1e-6)
     assert windowed.fit() == pytest.approx((0.04, 0.003, 0.005), rel=0.02)
+
+
+def test_three_uneven_first_steps_do_not_make_drafts_free():
+    """EAGLE at batch 8, as measured: a prefill with the runner's first
+    guesses, the other prefills with more, one decode. The unfloored fit put
+    the drafts' cost on the tokens and solved b to zero, so the next step asked
+    every sequence for its longest draft."""
+    cost = StepCostModel()
+    for step in [(39, 4, 0.0543), (155, 27, 0.137), (8, 0, 0.0158)]:
+        cost.observe(*step)
+    base, a, b = cost.fit()
+    assert b >= 0.005 * (0.0543 + 0.137 + 0.0158) / 3
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), RunnerProposer())
+    for step in [(39, 4, 1, 0.0543, 4), (155, 27, 8, 0.137, 24), (8, 0, 8, 0.0158, 0)]:
+        spec.observe_step(*step[:4], num_guesses=step[4])
+    spec.observe_result("r", 3, 0)  # its one draft: nothing accepted
+    assert spec._threshold() is not None and spec.runner_proposals_wanted("r") == 0
 
 
 def speculator(adaptive: bool = True) -> Speculator:

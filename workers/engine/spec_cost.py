@@ -15,15 +15,22 @@ class StepCostModel:
     so a direction the steps have not varied in stays at its prior: ``a`` at
     0 (every step the same size: ``base`` is the step), ``b`` at
     ``prior_draft_fraction`` of the mean step (cheap drafts, as on a
-    memory-bound decode) until drafts have been tried and measured.
+    memory-bound decode) until drafts have been tried and measured. ``b``
+    never falls below ``min_draft_fraction`` of the mean step: over the first
+    few steps (prefill chunks and drafts both varying) the fit can put a
+    draft's whole cost on ``a`` and solve ``b`` to zero or below, which would
+    read as "drafts are free" and have every sequence ask for its longest
+    draft (seen with EAGLE at batch 8: the guesses asked, then dropped).
     """
 
     RIDGE = 1.0
 
-    def __init__(self, window: int = 256, prior_draft_fraction: float = 0.02) -> None:
+    def __init__(self, window: int = 256, prior_draft_fraction: float = 0.02,
+                 min_draft_fraction: float = 0.005) -> None:
         self._steps: deque[tuple[int, int, float]] = deque()
         self.window = window
         self.prior_draft_fraction = prior_draft_fraction
+        self.min_draft_fraction = min_draft_fraction
         # Running sums of the normal equations of [1, x1, x2] -> y over the window.
         self._s = [[0.0] * 3 for _ in range(3)]
         self._r = [0.0] * 3
@@ -71,7 +78,7 @@ class StepCostModel:
         if solved is None:
             return mean_y, 0.0, prior[2]
         base, a, b = solved
-        return max(base, 0.0), max(a, 0.0), max(b, 0.0)
+        return max(base, 0.0), max(a, 0.0), max(b, self.min_draft_fraction * mean_y)
 
 
 def _solve3(m: list[list[float]], v: list[float]) -> Optional[tuple[float, float, float]]:
