@@ -78,3 +78,30 @@ def test_table_prints_acceptance_by_position_per_mode():
     lines = format_report(report, ["off", "eagle", "ngram"])
     row = next(line for line in lines if "acceptance by position" in line and line.startswith("chat"))
     assert "eagle 40% 25% - (of 20 drafts)" in row and "ngram  (of 0 drafts)" in row
+
+
+def test_ratios_pair_each_round_with_off_and_counts_pool_over_rounds():
+    from cluster.bench.spec import paired_and_pooled
+
+    off = [{"decode_tokens_per_s": 100.0, "steps": 40}, {"decode_tokens_per_s": 50.0, "steps": 40}]
+    # The machine halved its speed between the rounds: the ratio of medians (75 / 82.5) hides that each
+    # round ran 1.1x and 1.0x.
+    mode = [{"decode_tokens_per_s": 110.0, "steps": 30, "draft_tokens": 12, "drafts": 4, "accepted_tokens": 6},
+            {"decode_tokens_per_s": 50.0, "steps": 40, "draft_tokens": 0, "drafts": 0, "accepted_tokens": 0}]
+    got = paired_and_pooled(off, mode)
+    assert got["ratio_by_round"] == [1.1, 1.0] and got["ratio_per_round_median"] == 1.05
+    assert got["pooled_acceptance_rate"] == 0.5 and got["pooled_tokens_per_drafting_step"] == 2.5
+    assert got["pooled_tokens_per_step"] == 80 / 70
+
+
+def test_table_shows_the_per_round_ratio_and_its_range():
+    spec = {"acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "draft_tokens": 0, "identical_to_off": True,
+            "ratio_by_round": [0.94, 1.0, 1.05], "ratio_per_round_median": 1.0, "pooled_draft_tokens": 12,
+            "pooled_acceptance_rate": 0.25, "pooled_tokens_per_drafting_step": 1.5}
+    report = {"speculative_config": {"method": "eagle"}, "output_len": 8, "rounds": 3, "cases": [{
+        "workload": "chat", "batch_size": 8, "off": {"decode_tokens_per_s": 50.0, "schedule_ms_per_step": 0.1,
+                                                      "step_ms": 20.0},
+        "eagle": {"decode_tokens_per_s": 49.0, "schedule_ms_per_step": 0.1, "step_ms": 20.0, **spec}}]}
+    row = next(line for line in format_report(report, ["off", "eagle"]) if line.startswith("| chat")
+               or line.startswith("chat  "))
+    assert "1.00x [0.94-1.05]" in row and "25%" in row and "1.50" in row
