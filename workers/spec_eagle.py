@@ -127,14 +127,20 @@ class EagleProposer:
                 if s is not None]
         if not seqs:
             return None
-        rows = hidden.index_select(0, torch.tensor([r for s in seqs for r in s["hidden_rows"]], dtype=torch.long,
-                                                   device=hidden.device))
-        at = 0
+        # Two gathers, the asking sequences' rows and the held ones: a held row's view then keeps alive only
+        # rows that are themselves held (not a prefill's written now), with no copy per sequence.
+        for asking in (True, False):
+            part = [s for s in seqs if (s["k"] > 0) == asking]
+            if not part:
+                continue
+            rows = hidden.index_select(0, torch.tensor([r for s in part for r in s["hidden_rows"]],
+                                                       dtype=torch.long, device=hidden.device))
+            at = 0
+            for s in part:
+                n = len(s["positions"])
+                s["h"], at = rows[at: at + n], at + n
         writes: list[dict] = []  # the rows written now: the asking sequences' and the backlogs flushed
         for s in seqs:
-            n = len(s["positions"])
-            # Held rows are copied out: a view would keep the whole step's rows alive while they wait.
-            s["h"], at = (rows[at: at + n] if s["k"] > 0 else rows[at: at + n].clone()), at + n
             rid = reqs[s["index"]].request_id
             if self._backlog.add(rid, s, self._num_steps) > MAX_BACKLOG_ROWS or s["k"] > 0:
                 writes.append(self._backlog.take(rid, s))
@@ -217,11 +223,12 @@ class EagleProposer:
         if not positions:
             return None
         after = positions[-1] + 1
-        full = list(req.prompt_token_ids) + list(req.output_token_ids)
+        num_prompt = len(req.prompt_token_ids)
         if kept:
             following = tokens[1:] + [kept[-1]]
-        elif after < len(full):  # a prefill chunk that samples nothing: the next token is known
-            following = tokens[1:] + [full[after]]
+        elif after < num_prompt + len(req.output_token_ids):  # a prefill chunk that samples nothing: known next
+            following = tokens[1:] + [req.prompt_token_ids[after] if after < num_prompt
+                                      else req.output_token_ids[after - num_prompt]]
         else:  # nothing follows the last row yet: it waits for the next step
             hidden_rows, positions, following = hidden_rows[:-1], positions[:-1], tokens[1:]
             if not positions:
