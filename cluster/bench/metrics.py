@@ -266,13 +266,15 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[str]:
 
 
 def _baseline_rows(base: dict[str, Any]) -> list[tuple[str, str]]:
+    from cluster.bench.serve_baseline import ratio_text
+
     return [
         ("Engine alone, batch-1 step (ms):", f"{base['step_ms']:.1f}"),
         ("Engine alone, prefill of the prompt (ms):", f"{base['prefill_ms']:.1f}"),
         (f"Engine alone, output tok/s (max_num_seqs {base['max_num_seqs']}):", f"{base['output_throughput']:.1f}"),
-        ("ITL p50 / engine step:", f"{base['itl_p50_over_step']:.2f}x"),
-        ("TTFT p50 / (prefill + step):", f"{base['ttft_p50_over_prefill_and_step']:.2f}x"),
-        ("Output tok/s / engine's:", f"{base['output_throughput_over_engine']:.2f}x"),
+        ("ITL p50 / engine step:", ratio_text(base, "itl_p50_over_step")),
+        ("TTFT p50 / (prefill + step):", ratio_text(base, "ttft_p50_over_prefill_and_step")),
+        ("Output tok/s / engine's:", ratio_text(base, "output_throughput_over_engine")),
     ]
 
 

@@ -40,7 +40,6 @@ import asyncio
 import collections
 import logging
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from cluster.bench.datasets import (
     next_prompt,
 )
 from cluster.bench.metrics import RequestRecord, format_summary, parse_goodput, summarize
+from cluster.bench.serve_baseline import against_baseline, against_rounds, engine_run
 from cluster.bench.serve_setup import BACKENDS, make_client, model_vocab, start_local_cluster, warm_up, write_outputs
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="also run the same requests on the engine alone (a child process, before and after "
                              "the cluster's run) and print the cluster's ITL, TTFT and throughput against it "
                              "(random dataset; the engine flags given here)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --engine-baseline and a local cluster: run the cluster N times, each freshly "
+                             "started, alternated with the engine alone; each round is set against the engine's "
+                             "runs around it and the table shows the median round with the range")
     add_dataset_args(parser)
     group = parser.add_argument_group("local cluster (when neither --url nor --base-url is given)")
     group.add_argument("--replicas", type=int, default=2)
@@ -269,22 +273,30 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     vocab_size, tokenizer = model_vocab(engine.model)
     conversations = make_dataset(args, vocab_size)
     target = args.url if args.backend == "grpc" else args.base_url
+    rounds = getattr(args, "rounds", 1)
+    _check_rounds(args, rounds, target)
     baselines = []
     if args.engine_baseline:
         if args.dataset_name != "random":
             raise ValueError("--engine-baseline runs the random dataset's prompts; drop it or use --dataset-name random")
-        baselines.append(_engine_baseline(engine_args, conversations, args.max_concurrency))
-    cluster = None if target else start_local_cluster(args, engine, http=args.backend != "grpc")
-    try:
-        if cluster is not None:
-            target = cluster.grpc_address if args.backend == "grpc" else cluster.http_url
-        summary, records = asyncio.run(_bench(args, target, tokenizer, conversations, slos, cluster))
-    finally:
-        if cluster is not None:
-            cluster.stop()
-    if args.engine_baseline:  # again after: the machine's speed drifts, the mean brackets the cluster's run
-        baselines.append(_engine_baseline(engine_args, conversations, args.max_concurrency))
-        summary["engine_baseline"] = against_baseline(summary, baselines)
+        baselines.append(engine_run(engine_args, conversations, args.max_concurrency))
+    runs: list[tuple[dict[str, Any], list[RequestRecord]]] = []
+    for number in range(rounds):
+        if rounds > 1:
+            logger.info("round %d of %d: the cluster, then the engine alone", number + 1, rounds)
+        cluster = None if target else start_local_cluster(args, engine, http=args.backend != "grpc")
+        try:
+            url = target or (cluster.grpc_address if args.backend == "grpc" else cluster.http_url)
+            runs.append(asyncio.run(_bench(args, url, tokenizer, conversations, slos, cluster)))
+        finally:
+            if cluster is not None:
+                cluster.stop()
+        if args.engine_baseline:  # again after: the machine's speed drifts, the mean brackets the cluster's run
+            baselines.append(engine_run(engine_args, conversations, args.max_concurrency))
+    summary, records = runs[0] if rounds == 1 else _pooled(runs, slos, args.dataset_name in STRUCTURED_DATASETS)
+    if args.engine_baseline:
+        summary["engine_baseline"] = (against_baseline(summary, baselines) if rounds == 1
+                                      else against_rounds([s for s, _ in runs], baselines))
     summary["config"] = run_config(args, target, engine, local=cluster is not None)
     print("\n".join(format_summary(f"bench serve: {args.dataset_name} over {args.backend}", summary)))
     write_outputs(args.json, summary, args.plot, [(args.dataset_name, records)],
@@ -292,30 +304,29 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-def _engine_baseline(engine_args: dict[str, Any], conversations: Sequence[Conversation],
-                     max_concurrency: Optional[int]) -> dict[str, float]:
-    from cluster.bench import engine_baseline
+def _check_rounds(args: argparse.Namespace, rounds: int, target: Optional[str]) -> None:
+    """``--rounds`` alternates a local cluster with the engine alone."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if rounds > 1 and (target or not args.engine_baseline):
+        raise ValueError("--rounds N alternates N runs of a local cluster with the engine alone: add "
+                         "--engine-baseline and drop --url / --base-url")
 
-    prompts = [c.turns[0].new_token_ids for c in conversations]
-    return engine_baseline.measure(engine_args, prompts, [c.turns[0].output_len for c in conversations],
-                                   max_concurrency)
 
+def _pooled(runs: Sequence[tuple[dict[str, Any], list[RequestRecord]]], slos: dict[str, float],
+            structured: bool) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """The rounds' requests as one run (percentiles over all of them, throughput over their summed
+    durations); the replicas' TTFT split is the rounds' request-weighted mean."""
+    from cluster.bench import ttft_split
 
-def against_baseline(summary: dict[str, Any], baselines: Sequence[dict[str, float]]) -> dict[str, Any]:
-    """The engine's figures (the mean of the runs around the cluster's) and
-    the cluster's against them: median ITL over the batch-1 step, median
-    TTFT over prefill plus one step, output tokens/s over the engine's."""
-    def mean(key: str) -> float:
-        return statistics.fmean(b[key] for b in baselines)
-
-    step, prefill, throughput = mean("step_ms"), mean("prefill_ms"), mean("output_throughput")
-    return {
-        "step_ms": step, "prefill_ms": prefill, "output_throughput": throughput,
-        "max_num_seqs": baselines[0]["max_num_seqs"], "runs": list(baselines),
-        "itl_p50_over_step": summary["itl_ms"]["p50"] / step,
-        "ttft_p50_over_prefill_and_step": summary["ttft_ms"]["p50"] / (prefill + step),
-        "output_throughput_over_engine": summary["output_throughput"] / throughput,
-    }
+    records = [record for _, round_records in runs for record in round_records]
+    summary = summarize(records, sum(s["duration_s"] for s, _ in runs), slos, structured=structured)
+    splits = [s["ttft_split"] for s, _ in runs if s.get("ttft_split")]
+    if splits:
+        summary["ttft_split"] = ttft_split.merge(splits)
+    summary["kv_transfers"] = runs[-1][0].get("kv_transfers")
+    summary["rounds"] = [{k: s[k] for k in ("ttft_ms", "itl_ms", "output_throughput")} for s, _ in runs]
+    return summary, records
 
 
 async def _bench(args: argparse.Namespace, target: str, tokenizer: Any, conversations: list[Conversation],

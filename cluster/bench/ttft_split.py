@@ -111,3 +111,13 @@ def rows(parts: dict[str, float]) -> list[tuple[str, str]]:
         ("TTFT mean, path (client - replicas, ms):", f"{parts['path_mean_ms']:.1f}"),
         ("ITL mean at the replicas (ms):", f"{parts.get('replica_itl_mean_ms', 0.0):.1f}"),
     ]
+
+
+def merge(splits: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Several runs' splits as one: each mean weighted by its run's requests."""
+    total = sum(s["requests"] for s in splits)
+    out = {"requests": total}
+    for key in splits[0]:
+        if key != "requests":
+            out[key] = sum(s[key] * s["requests"] for s in splits) / total
+    return out

@@ -166,6 +166,37 @@ def test_a_local_clusters_run_splits_its_ttft_between_the_path_and_the_replicas(
     assert report["kv_transfers"]["fetches"] == 0 and report["kv_transfers"]["mb_in"] == 0.0
 
 
+def test_rounds_restart_the_local_cluster_between_runs_of_the_engine_alone(cluster, tmp_path, monkeypatch):
+    # --rounds 2: engine, cluster, engine, cluster, engine; each round against the engine runs around it.
+    from types import SimpleNamespace
+
+    from cluster.bench import serve as serve_module
+
+    _, model_dir, redis_url, namespace = cluster
+    starts, stops = [], []
+    with routers(cluster) as (address, _):
+        def start(*args, **kwargs):
+            starts.append(1)
+            return SimpleNamespace(grpc_address=address, redis_url=redis_url, stop=lambda: stops.append(1),
+                                   config=SimpleNamespace(models_by_name=lambda: {"tiny": SimpleNamespace(
+                                       namespace=namespace)}))
+
+        monkeypatch.setattr(serve_module, "start_local_cluster", start)
+        report = bench(model_dir, tmp_path, "--dataset-name", "random", "--num-prompts", "3", "--random-input-len",
+                       "24", "--random-output-len", "4", "--max-concurrency", "1", "--engine-baseline",
+                       "--rounds", "2", "--num-kv-blocks", "256", "--block-size", "4")
+    assert len(starts) == len(stops) == 2
+    assert report["completed"] == 6 and report["ttft_split"]["requests"] == 6  # both rounds' requests
+    base = report["engine_baseline"]
+    assert len(base["runs"]) == 3 and len(base["rounds"]) == 2 == len(report["rounds"])
+    for r, (run, ratios) in enumerate(zip(report["rounds"], base["rounds"])):
+        step = (base["runs"][r]["step_ms"] + base["runs"][r + 1]["step_ms"]) / 2
+        assert ratios["itl_p50_over_step"] == pytest.approx(run["itl_ms"]["p50"] / step)
+    values = sorted(r["output_throughput_over_engine"] for r in base["rounds"])
+    assert base["output_throughput_over_engine_range"] == values
+    assert base["output_throughput_over_engine"] == pytest.approx(sum(values) / 2)  # the median of two
+
+
 def test_bench_serve_over_openai_matches_the_workload(cluster, tmp_path):
     with routers(cluster) as (_, base_url):
         report = bench(cluster[1], tmp_path, "--backend", "openai", "--base-url", base_url,

@@ -286,7 +286,7 @@ def test_status_reads_metrics_per_replica_and_rates_between_scrapes():
 
 def test_the_cluster_against_the_engine_alone():
     from cluster.bench.metrics import format_summary as fmt
-    from cluster.bench.serve import against_baseline
+    from cluster.bench.serve_baseline import against_baseline
 
     summary = {"itl_ms": {"p50": 22.0}, "ttft_ms": {"p50": 440.0}, "output_throughput": 90.0}
     runs = [{"step_ms": 19.0, "prefill_ms": 380.0, "output_throughput": 110.0, "max_num_seqs": 4},
@@ -299,6 +299,57 @@ def test_the_cluster_against_the_engine_alone():
     assert base["runs"] == runs
     rows = "\n".join(fmt("t", {**_summary_for_table(), "engine_baseline": base}))
     assert "ITL p50 / engine step:" in rows and "1.10x" in rows and "(max_num_seqs 4)" in rows
+
+
+def test_rounds_alternate_with_the_engine_and_report_the_median_round():
+    from cluster.bench.metrics import format_summary as fmt
+    from cluster.bench.serve_baseline import against_rounds
+
+    def run(itl: float, ttft: float, tput: float) -> dict:
+        return {"itl_ms": {"p50": itl}, "ttft_ms": {"p50": ttft}, "output_throughput": tput}
+
+    def engine(step: float, prefill: float, tput: float) -> dict:
+        return {"step_ms": step, "prefill_ms": prefill, "output_throughput": tput, "max_num_seqs": 1}
+
+    # The machine slows down and speeds up again: each round is set against the engine runs around it.
+    engines = [engine(10.0, 190.0, 100.0), engine(20.0, 380.0, 50.0), engine(20.0, 380.0, 50.0),
+               engine(10.0, 190.0, 100.0)]
+    rounds = [run(16.5, 330.0, 67.5), run(22.0, 400.0, 45.0), run(15.0, 300.0, 72.0)]
+    base = against_rounds(rounds, engines)
+    assert [r["itl_p50_over_step"] for r in base["rounds"]] == pytest.approx([1.1, 1.1, 1.0])
+    assert base["itl_p50_over_step"] == pytest.approx(1.1) and base["itl_p50_over_step_range"] == pytest.approx(
+        [1.0, 1.1])
+    assert [r["ttft_p50_over_prefill_and_step"] for r in base["rounds"]] == pytest.approx(
+        [330 / 300, 1.0, 300 / 300])
+    assert [r["output_throughput_over_engine"] for r in base["rounds"]] == pytest.approx([0.9, 0.9, 0.96])
+    assert base["step_ms"] == 15.0 and len(base["runs"]) == 4  # the engine's figures: every run's mean
+    rows = "\n".join(fmt("t", {**_summary_for_table(), "engine_baseline": base}))
+    assert "1.10x [1.00-1.10] (3 rounds)" in rows
+    with pytest.raises(ValueError, match="3 rounds need 4 runs of the engine alone"):
+        against_rounds(rounds, engines[:3])
+
+
+def test_rounds_need_a_local_cluster_and_the_baseline():
+    import argparse
+
+    from cluster.bench.serve import _check_rounds
+
+    args = argparse.Namespace(engine_baseline=True)
+    _check_rounds(args, 3, None)
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        _check_rounds(args, 0, None)
+    with pytest.raises(ValueError, match="drop --url"):
+        _check_rounds(args, 2, "127.0.0.1:50051")
+    with pytest.raises(ValueError, match="add --engine-baseline"):
+        _check_rounds(argparse.Namespace(engine_baseline=False), 2, None)
+
+
+def test_ttft_splits_of_rounds_merge_by_requests():
+    from cluster.bench.ttft_split import merge
+
+    merged = merge([{"requests": 1, "replica_ttft_mean_ms": 100.0, "path_mean_ms": 10.0},
+                    {"requests": 3, "replica_ttft_mean_ms": 200.0, "path_mean_ms": 6.0}])
+    assert merged == {"requests": 4, "replica_ttft_mean_ms": 175.0, "path_mean_ms": 7.0}
 
 
 def _summary_for_table() -> dict:
