@@ -278,3 +278,17 @@ class TreeOracleProposer(OracleProposer):
         if len(right) > 2:
             candidates.append([right[0], (right[1] + 11) % 500 + 3, *right[2:]])
         return candidates[:m]
+
+
+def resident_bytes(tensor: Any) -> int:
+    """Bytes of ``tensor``'s pages that are resident (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page

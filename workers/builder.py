@@ -93,6 +93,7 @@ def build_local_runner(config: EngineConfig, model_dir: Path, max_model_len: int
         kv_cache_dtype=config.cache.kv_cache_dtype,
         cuda_graph_sizes=cuda_graph_sizes_for(config, device, model),
         max_blocks_per_seq=cdiv(max_model_len, config.cache.block_size),
+        prefault_kv=config.cache.kv_cache_prefault,
     )
 
 

@@ -1,13 +1,18 @@
 """The KV cache's memory: the element type and row width of a cache block,
 what one block costs across the layers, and zero-filled tensors whose pages
 are committed only when written (so a replica's RSS grows with the blocks
-it uses). The layout itself is in ``workers/model/attention/base.py``."""
+it uses), or all at once (``prefault``). The layout itself is in ``workers/model/attention/base.py``."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
 from workers.model.attention import kv_int8
+
+logger = logging.getLogger(__name__)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -24,6 +29,24 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     if device.type != "cpu" or dtype not in np_dtypes:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(shape, dtype=np_dtypes[dtype]))
+
+
+PAGE_BYTES = 4096
+
+
+def prefault(tensors: list[torch.Tensor]) -> None:
+    """Commits every page of contiguous zero-filled CPU ``tensors`` now (``lazy_zeros``' memory, for
+    ``CacheConfig.kv_cache_prefault``): a zero byte written into each page, so they still read as zeros."""
+    began, total = time.perf_counter(), 0
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            continue
+        if not tensor.is_contiguous():
+            raise ValueError("prefault needs a contiguous tensor")
+        tensor.view(-1).view(torch.uint8)[::PAGE_BYTES].zero_()
+        total += tensor.numel() * tensor.element_size()
+    if total:
+        logger.info("KV cache committed: %.0f MiB in %.2f s", total / 2**20, time.perf_counter() - began)
 
 
 def kv_layout(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[torch.dtype, int]:

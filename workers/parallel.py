@@ -166,6 +166,7 @@ class RankWorker(RankKVCopies):
             device=self.device,
             seed=self.config.seed,
             kv_cache_dtype=self.config.cache.kv_cache_dtype,
+            prefault_kv=self.config.cache.kv_cache_prefault,
         )
 
     def attach_lora(self, max_lora_rank: int) -> None:

@@ -27,7 +27,7 @@ from workers.model.attention.base import AttentionMetadata, host_to_device
 from workers.model.linear import weight_bytes
 from workers.model.sampler import Sampler, token_logprobs
 from workers.swap import BlockSwapper
-from workers.kv_memory import kv_block_bytes, kv_layout, lazy_zeros
+from workers.kv_memory import kv_block_bytes, kv_layout, lazy_zeros, prefault
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class ModelRunner:
         cuda_graph_sizes: Optional[list[int]] = None,
         max_blocks_per_seq: int = 0,
         graph_api: Any = None,
+        prefault_kv: bool = False,
     ) -> None:
         self.model = model
         self.long_rope_rows = getattr(model, "long_rope_rows", 0)  # longrope: rows of the long factors
@@ -88,9 +89,10 @@ class ModelRunner:
         cache_dtype, row = kv_layout(head_dim, dtype, kv_cache_dtype)
         pad_blocks = 1 if cuda_graph_sizes else 0  # where a graph's padding rows write (never a request's)
         shape = (2, num_kv_blocks + pad_blocks, block_size, num_kv_heads, row)
-        # Zeros, not empty: padded decode gathers read unused slots, and NaN
-        # garbage there would poison masked softmax sums.
+        # Zeros, not empty: padded decode gathers read unused slots (NaN there poisons masked softmax sums).
         self.kv_caches = [lazy_zeros(shape, cache_dtype, device) for _ in range(num_layers)]
+        if prefault_kv:  # kv_cache_prefault: no page fault inside a request's forward
+            prefault(self.kv_caches)
         cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, row)
         pin = device.type == "cuda"
         self.cpu_caches = [

@@ -1,9 +1,7 @@
-"""The engine's config: one replica's model, KV cache, scheduler and
-tensor-parallel group, with vLLM's knob names.
+"""The engine's config: one replica's model, KV cache, scheduler and tensor-parallel group, with vLLM's knob names.
 
-``EngineConfig.from_kwargs`` takes the flat keyword arguments users pass to
-``LLM(...)`` or the CLI and rejects unknown keys by name; ``flat()`` is its
-inverse.
+``EngineConfig.from_kwargs`` takes the flat keyword arguments users pass to ``LLM(...)`` or the CLI and rejects
+unknown keys by name; ``flat()`` is its inverse.
 """
 
 from __future__ import annotations
@@ -134,6 +132,8 @@ class CacheConfig:
             instead, and the time bound of a warm start and of a hand-over.
         kv_warm_start_bytes: KV a joining replica pulls of the hottest prefixes before it serves; 0: off.
         kv_handover_bytes: KV a replica being scaled down pushes of its hottest prefixes to a survivor; 0: off.
+        kv_cache_prefault: Commit the CPU KV cache's pages at start, not at each block's first write (~15% of a
+            fresh replica's prefill, docs/ARCHITECTURE.md); off: memory grows with the blocks used.
     """
 
     block_size: int = 16
@@ -147,11 +147,11 @@ class CacheConfig:
     kv_transfer_timeout_s: float = 10.0
     kv_warm_start_bytes: int = 64 * 2**20
     kv_handover_bytes: int = 64 * 2**20
+    kv_cache_prefault: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-                             " (fp8 is not supported)")
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (no fp8), got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
