@@ -6,12 +6,14 @@ light and the engine's threads and memory are gone before the cluster runs:
 
 - ``step_ms``: the median decode step at batch 1 (``engine.step()``:
   scheduling, forward, sampling, detokenization), over the first request's
-  output tokens;
+  output tokens, and at ``max_num_seqs`` 1 over every request's of the
+  throughput run too (the cluster's ITL is a median over all its requests':
+  one request's two seconds would be a single draw of a machine whose speed
+  drifts by 10-40% from one minute to the next);
 - ``prefill_ms``: the median first step (the whole prompt, prefilled in one
   step when it fits the token budget, as a replica does) of the first
-  ``PREFILL_SAMPLES`` prompts, each run alone: the cluster's TTFT is a
-  median over its requests, so one sample would set a median against a
-  single draw of a machine whose speed drifts;
+  ``PREFILL_SAMPLES`` prompts, each run alone, and at ``max_num_seqs`` 1 of
+  every prompt of the throughput run too;
 - ``output_throughput``: every request run through one engine with
   ``max_num_seqs`` = the benchmark's ``--max-concurrency`` (as many in flight
   as the cluster gets), output tokens over the wall time.
@@ -86,13 +88,20 @@ def run(engine_args: dict[str, Any], prompts: Sequence[Sequence[int]], output_le
     began = time.perf_counter()
     for i in range(len(prompts)):
         engine.add_request(request(i, "all"))
+    seen: set[str] = set()
     while engine.has_unfinished_requests():
-        engine.step()
+        step_began = time.perf_counter()
+        outputs = engine.step()
+        if engine.scheduler.max_num_seqs == 1 and len(outputs) == 1:  # batch 1: every request's steps count too
+            first = outputs[0].request_id not in seen
+            seen.add(outputs[0].request_id)
+            (prefills if first else decode).append(time.perf_counter() - step_began)
     wall = time.perf_counter() - began
     return {
         "step_ms": 1000 * statistics.median(decode) if decode else float("nan"),
         "prefill_ms": 1000 * statistics.median(prefills),
         "prefill_samples": len(prefills),
+        "decode_samples": len(decode),
         "prompt_tokens": len(prompts[0]),
         "output_throughput": sum(int(n) for n in output_lens) / wall,
         "max_num_seqs": engine.scheduler.max_num_seqs,
