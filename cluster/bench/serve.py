@@ -273,7 +273,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     vocab_size, tokenizer = model_vocab(engine.model)
     conversations = make_dataset(args, vocab_size)
     target = args.url if args.backend == "grpc" else args.base_url
-    rounds = getattr(args, "rounds", 1)
+    rounds = args.rounds
     _check_rounds(args, rounds, target)
     baselines = []
     if args.engine_baseline:
@@ -281,6 +281,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             raise ValueError("--engine-baseline runs the random dataset's prompts; drop it or use --dataset-name random")
         baselines.append(engine_run(engine_args, conversations, args.max_concurrency))
     runs: list[tuple[dict[str, Any], list[RequestRecord]]] = []
+    url = target
     for number in range(rounds):
         if rounds > 1:
             logger.info("round %d of %d: the cluster, then the engine alone", number + 1, rounds)
@@ -297,7 +298,7 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if args.engine_baseline:
         summary["engine_baseline"] = (against_baseline(summary, baselines) if rounds == 1
                                       else against_rounds([s for s, _ in runs], baselines))
-    summary["config"] = run_config(args, target, engine, local=cluster is not None)
+    summary["config"] = run_config(args, url, engine, local=cluster is not None)
     print("\n".join(format_summary(f"bench serve: {args.dataset_name} over {args.backend}", summary)))
     write_outputs(args.json, summary, args.plot, [(args.dataset_name, records)],
                   f"prefixserve bench serve: {args.dataset_name}, {len(records)} requests over {args.backend}")

@@ -34,17 +34,23 @@ def against_baseline(summary: dict[str, Any], baselines: Sequence[dict[str, floa
     """The engine's figures (the mean of the runs around the cluster's) and
     the cluster's against them: median ITL over the batch-1 step, median
     TTFT over prefill plus one step, output tokens/s over the engine's."""
+    out = _engine_figures(baselines)
+    out.update({
+        "itl_p50_over_step": summary["itl_ms"]["p50"] / out["step_ms"],
+        "ttft_p50_over_prefill_and_step": summary["ttft_ms"]["p50"] / (out["prefill_ms"] + out["step_ms"]),
+        "output_throughput_over_engine": summary["output_throughput"] / out["output_throughput"],
+    })
+    return out
+
+
+def _engine_figures(baselines: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """The engine alone's figures: the mean of ``baselines``."""
     def mean(key: str) -> float:
         return statistics.fmean(b[key] for b in baselines)
 
-    step, prefill, throughput = mean("step_ms"), mean("prefill_ms"), mean("output_throughput")
-    return {
-        "step_ms": step, "prefill_ms": prefill, "output_throughput": throughput,
-        "max_num_seqs": baselines[0]["max_num_seqs"], "runs": list(baselines),
-        "itl_p50_over_step": summary["itl_ms"]["p50"] / step,
-        "ttft_p50_over_prefill_and_step": summary["ttft_ms"]["p50"] / (prefill + step),
-        "output_throughput_over_engine": summary["output_throughput"] / throughput,
-    }
+    return {"step_ms": mean("step_ms"), "prefill_ms": mean("prefill_ms"),
+            "output_throughput": mean("output_throughput"), "max_num_seqs": baselines[0]["max_num_seqs"],
+            "runs": list(baselines)}
 
 
 def against_rounds(summaries: Sequence[dict[str, Any]], baselines: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -58,20 +64,13 @@ def against_rounds(summaries: Sequence[dict[str, Any]], baselines: Sequence[dict
         raise ValueError(f"{len(summaries)} rounds need {len(summaries) + 1} runs of the engine alone, "
                          f"got {len(baselines)}")
     rounds = [against_baseline(s, baselines[r:r + 2]) for r, s in enumerate(summaries)]
-    out = against_baseline(_pooled_medians(summaries), baselines)  # the engine's figures: every run's mean
+    out = _engine_figures(baselines)  # every run's mean
     out["rounds"] = [{key: r[key] for key in RATIOS} for r in rounds]
     for key in RATIOS:
         values = [r[key] for r in rounds]
         out[key] = statistics.median(values)
         out[key + "_range"] = [min(values), max(values)]
     return out
-
-
-def _pooled_medians(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A stand-in summary for ``against_baseline`` (its ratios are replaced by the rounds')."""
-    return {"itl_ms": {"p50": statistics.median(s["itl_ms"]["p50"] for s in summaries)},
-            "ttft_ms": {"p50": statistics.median(s["ttft_ms"]["p50"] for s in summaries)},
-            "output_throughput": statistics.median(s["output_throughput"] for s in summaries)}
 
 
 def ratio_text(base: dict[str, Any], key: str) -> str:
