@@ -75,6 +75,10 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if self.config.parallel.cpu_threads is not None and self.config.parallel.tensor_parallel_size == 1:
+            from workers.placement import set_cpu_threads
+
+            set_cpu_threads(self.config.parallel.cpu_threads)  # the forward runs here (ranks set their own)
         parts = build_engine(self.config)
         self.engine = parts.engine
         self.runner = parts.runner

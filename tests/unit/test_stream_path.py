@@ -155,3 +155,21 @@ def test_cpu_threads_knob_and_the_share_of_a_fractional_reservation():
     assert threads_per_rank(0.5, 1, cores=2) == 2  # one fractional replica: the machine's cores
     assert threads_per_rank(0.5, 2, cores=2) == 1  # two sharing 2 cores: one each
     assert threads_per_rank(0.5, 3, cores=16) == 5
+
+
+@pytest.mark.parametrize("engine_args, expected", [({"cpu_threads": 1}, [1]), ({}, [])])
+def test_the_offline_llm_runs_its_forward_on_cpu_threads(monkeypatch, tmp_path, engine_args, expected):
+    """``LLM(cpu_threads=N)`` sets the forward's threads in its own process
+    (it was read only by Serve replicas and tensor-parallel ranks)."""
+    import types
+
+    import workers.llm as llm_module
+    import workers.placement as placement
+
+    calls: list[int] = []
+    monkeypatch.setattr(placement, "set_cpu_threads", calls.append)
+    monkeypatch.setattr(llm_module, "build_engine", lambda config: types.SimpleNamespace(
+        engine=None, runner=None, tokenizer=None, model_dir=tmp_path))
+    llm = llm_module.LLM(**engine_args)
+    assert calls == expected
+    assert llm.config.parallel.cpu_threads == engine_args.get("cpu_threads")
