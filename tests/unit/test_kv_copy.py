@@ -56,3 +56,45 @@ def test_a_mismatched_array_writes_nothing():
     with pytest.raises(ValueError, match="does not fit"):
         write_blocks(receiver, [0, 1], read_blocks(CacheOnly(4, torch.float32), [0]))  # 1 block for 2
     assert all(torch.equal(a, b) for a, b in zip(receiver.kv_caches, before))
+
+
+def _expected(holder: CacheOnly, block_ids: list[int]) -> np.ndarray:
+    return torch.stack([c[:, block_ids] for c in holder.kv_caches]).contiguous().view(torch.uint8).numpy()
+
+
+def test_a_read_reuses_a_staging_buffer_only_once_every_view_of_the_last_is_gone():
+    import gc
+
+    from workers.kv_copy import StagingPool
+
+    holder = CacheOnly(6, torch.float32, seed=3)
+    pool = StagingPool()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("workers.kv_copy.STAGING", pool)
+        first = read_blocks(holder, [4, 1])
+        tail = first[:, :, 1:]  # a view of the first read: its buffer must stay its own
+        del first
+        gc.collect()
+        second = read_blocks(holder, [0, 2])
+        assert pool.allocated == 2  # the first buffer was still viewed: a new one
+        np.testing.assert_array_equal(tail, _expected(holder, [1]))
+        np.testing.assert_array_equal(second, _expected(holder, [0, 2]))
+        del tail, second
+        gc.collect()
+        third = read_blocks(holder, [5])  # smaller: fits a returned buffer
+        assert pool.allocated == 2
+        np.testing.assert_array_equal(third, _expected(holder, [5]))
+
+
+def test_the_staging_pool_keeps_at_most_its_cap_and_no_oversized_buffer():
+    import gc
+
+    from workers.kv_copy import StagingPool
+
+    pool = StagingPool(max_buffers=2, max_buffer_bytes=1000)
+    arrays = [pool.take((100 * (i + 1),))[0] for i in range(3)] + [pool.take((5000,))[0]]
+    del arrays
+    gc.collect()
+    pool.take((1,))  # collects what came back: the two largest under the cap are kept, then one is lent
+    assert sorted(b.numel() for b in pool._free) == [300]
+    assert pool.allocated == 4
