@@ -34,11 +34,14 @@ creates inside that group.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from cluster.shared.config import ClusterConfig
 from cluster.shared.config.models import deployment_suffix
 from cluster.shared.fingerprint import DEFAULT_MODEL_NAME, served_model_name  # noqa: F401 - the first re-exported
+
+logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT = "replica"
 ROUTER_DEPLOYMENT = "router"
@@ -97,7 +100,8 @@ def request_router_config(config: ClusterConfig) -> Any:
     from cluster.shared.contract import contract_for
     from workers.model.loader import model_fingerprint, resolve_model
 
-    get_policy(config.routing_policy, **config.routing_policy_params)  # bad thresholds fail here, named
+    policy_params = routing_params_for(config)
+    get_policy(config.routing_policy, **policy_params)  # bad thresholds fail here, named
     model_dir = resolve_model(config.engine.model)
     fingerprint = model_fingerprint(model_dir)
     return RequestRouterConfig(
@@ -106,7 +110,7 @@ def request_router_config(config: ClusterConfig) -> Any:
             "redis_url": config.router_redis_url,  # the request router runs in the router's process
             "namespace": config.namespace,
             "policy": config.routing_policy,
-            "policy_params": dict(config.routing_policy_params),
+            "policy_params": policy_params,
             "block_size": config.engine.cache.block_size,
             "model_fingerprint": fingerprint,
             # Replicas that declare another contract are refused (router/serve_router.py).
@@ -121,6 +125,21 @@ def request_router_config(config: ClusterConfig) -> Any:
         request_routing_stats_period_s=1.0,
         request_routing_stats_timeout_s=5.0,
     )
+
+
+def routing_params_for(config: ClusterConfig) -> dict[str, Any]:
+    """The routing policy's parameters: the configured ones, and for
+    ``prefix_cost`` the fetch pricing that suits how the replicas reserve
+    CPUs where ``fetch_bytes_per_s`` is not set (``router/policies/kv_fetch.py``)."""
+    from router.policies.kv_fetch import default_fetch_bytes_per_s
+
+    params = dict(config.routing_policy_params)
+    if config.routing_policy == "prefix_cost" and "fetch_bytes_per_s" not in params:
+        params["fetch_bytes_per_s"] = default_fetch_bytes_per_s(config.replica_num_cpus)
+        if params["fetch_bytes_per_s"]:
+            logger.info("prefix_cost prices KV fetches (fetch_bytes_per_s %.3g): each replica reserves %g CPUs",
+                        params["fetch_bytes_per_s"], config.replica_num_cpus)
+    return params
 
 
 def router_options(config: ClusterConfig) -> dict[str, Any]:

@@ -116,8 +116,10 @@ def run_routing(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             for policy in policies:
                 for fetch in settings:
                     label = round_label(f"{policy}+fetch" if fetch else policy, [label for label, _, _ in runs])
-                    runs.append((label, *_run_policy(with_fetches(args) if fetch else args, engine, policy,
-                                                     redis_server.url, conversations, label)))
+                    # off is off: prefix_cost's deployment default prices fetches where replicas own cores
+                    run_args = with_fetches(args, fetch) if fetch or policy == "prefix_cost" else args
+                    runs.append((label, *_run_policy(run_args, engine, policy, redis_server.url, conversations,
+                                                     label)))
         finally:
             ray.shutdown()
     report = {"workload": {k: getattr(args, k) for k in (

@@ -62,10 +62,11 @@ def transfer_settings(args: argparse.Namespace) -> list[bool]:
     return out
 
 
-def with_fetches(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` whose routing parameters price fetches at ``--fetch-bytes-per-s``."""
+def with_fetches(args: argparse.Namespace, on: bool = True) -> argparse.Namespace:
+    """``args`` whose routing parameters price fetches at ``--fetch-bytes-per-s``
+    (``on``) or not at all (a deployment's default may price them)."""
     params = list(getattr(args, "routing_param", None) or ())
-    params.append(f"fetch_bytes_per_s={args.fetch_bytes_per_s}")
+    params.append(f"fetch_bytes_per_s={args.fetch_bytes_per_s if on else 0}")
     return argparse.Namespace(**{**vars(args), "routing_param": params})
 
 

@@ -55,15 +55,18 @@ When a fetch is not priced
       prefilling cold on the receiver.
 
 Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
-    fetch_bytes_per_s = 0.0     Bytes per second of a fetch, end to end
+    fetch_bytes_per_s           Bytes per second of a fetch, end to end
                                 (the holder's gather, the object store, the
-                                receiver's scatter). 0 turns fetch pricing
-                                off: the default until ``bench routing``
-                                shows it pays (the Serve path fetches:
-                                docs/KV_TRANSFER.md). 1.5e9 is what was
-                                measured on loopback: 23.6 MB imported in
-                                ~16 ms beyond the fixed cost (6.5 ms read,
-                                object store, 3.3-5.2 ms write).
+                                receiver's scatter); 0 turns fetch pricing
+                                off. A deployment's default is
+                                ``default_fetch_bytes_per_s``: 1.5e9 (what
+                                loopback measured: 23.6 MB imported in ~15 ms
+                                beyond the fixed cost) where each replica
+                                reserves whole CPUs, 0 where replicas share
+                                cores (``bench routing``, docs/KV_TRANSFER.md:
+                                P99 TTFT 1.46-2.14x better with a core each,
+                                0.80x, worse, on the packed pair). The
+                                policy class alone defaults to 0.
     fetch_overhead_s = 0.010    Fixed time of a fetch: the Ray call to the
                                 holder and its pin (14.6 ms asked, of which
                                 6.5 ms the read, measured on an idle holder).
@@ -71,10 +74,10 @@ Parameters and defaults (``routing_policy_params`` of ``prefix_cost``)
                                 (``workers/engine/pool_gate.py``); before, it
                                 waited for the holder's step and ``bench
                                 routing`` measured 0.05-10 s (docs/KV_TRANSFER.md).
-    fetch_holder_bytes_per_s = 3.6e9  The holder's read of the blocks it
-                                sends (23.6 MB in 6.5 ms on a serving
-                                replica): CPU it takes from its own steps.
-                                0: not priced.
+    fetch_holder_bytes_per_s = 1.0e10  The holder's read of the blocks it
+                                sends (23.6 MB in 2.0-2.5 ms, into reused
+                                buffers: ``workers/kv_copy.py``): CPU it
+                                takes from its own steps. 0: not priced.
     kv_bytes_per_token = 46080  KV bytes per token when the replica does not
                                 report them (``ReplicaView.kv_bytes_per_token``,
                                 0: not reported; replicas report it in their
@@ -110,15 +113,24 @@ from typing import Optional
 
 from router.policies.base import ReplicaView, RoutingInput
 
-DEFAULT_FETCH_BYTES_PER_S = 0.0  # off until bench routing shows it pays (module doc)
+DEFAULT_FETCH_BYTES_PER_S = 0.0  # the policy alone; a deployment's: default_fetch_bytes_per_s
 MEASURED_FETCH_BYTES_PER_S = 1.5e9  # loopback, docs/KV_TRANSFER.md
 DEFAULT_FETCH_OVERHEAD_S = 0.010
-DEFAULT_FETCH_HOLDER_BYTES_PER_S = 3.6e9
+DEFAULT_FETCH_HOLDER_BYTES_PER_S = 1.0e10
 DEFAULT_KV_BYTES_PER_TOKEN = 46080.0
 DEFAULT_FETCH_PENALTY_TOKENS = 256.0
 DEFAULT_PREFILL_TOKENS_PER_S = 460.0
 DEFAULT_FETCH_MAX_EXPORTS = 2
 FETCH_HORIZON_S = 0.1  # a fetch hint counts as in flight this long (a 2,048-token prefix: ~0.1 s)
+
+
+def default_fetch_bytes_per_s(replica_num_cpus: float) -> float:
+    """``fetch_bytes_per_s`` for a deployment that does not set it: priced
+    where each replica reserves whole CPUs (a less-loaded replica's cores are
+    its own, otherwise idle, and a fetch puts them to work), off where
+    replicas reserve a fraction and share the machine's cores (there a second
+    batch slows the holder's more than the queue it saves). Module doc."""
+    return MEASURED_FETCH_BYTES_PER_S if replica_num_cpus >= 1 else 0.0
 
 
 @dataclass(frozen=True)

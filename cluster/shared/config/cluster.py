@@ -199,7 +199,9 @@ class ClusterConfig:
         routing_policy_params: The policy's thresholds by name, e.g.
             ``{balance_abs_threshold: 16}`` for ``cache_aware`` (each
             policy file's header lists them with their defaults); unknown
-            names are errors.
+            names are errors. ``prefix_cost`` prices KV fetches between
+            replicas where ``replica_num_cpus`` >= 1 unless
+            ``fetch_bytes_per_s`` is set (``router/policies/kv_fetch.py``).
         directory_lookup: ``index`` (default): each router follows the
             prefix directory into a local index and decides without a Redis
             call; ``redis``: one Lua lookup per request (docs/DIRECTORY.md).
