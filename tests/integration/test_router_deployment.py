@@ -152,7 +152,9 @@ def test_routing_policy_params_reach_the_policy_and_typos_are_named():
     from cluster.app import request_router_config
 
     config = ClusterConfig(routing_policy_params={"new_prefill_weight": 3.0})
-    assert request_router_config(config).request_router_kwargs["policy_params"] == {"new_prefill_weight": 3.0}
+    # and fetch pricing's default for replicas that share cores (off: replica_num_cpus 0.5)
+    assert request_router_config(config).request_router_kwargs["policy_params"] == {"new_prefill_weight": 3.0,
+                                                                                    "fetch_bytes_per_s": 0.0}
     with pytest.raises(ValueError, match="new_prefil_weight"):
         request_router_config(ClusterConfig(routing_policy_params={"new_prefil_weight": 3.0}))
     cache_aware = ClusterConfig(routing_policy="cache_aware", routing_policy_params={"balance_abs_threshold": 2},
