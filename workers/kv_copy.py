@@ -13,6 +13,16 @@ travel alike, and a NumPy array goes through Ray's object store without a
 pickle copy. Sender and receiver must agree on ``KVLayout``; the receiver
 checks it before it writes anything.
 
+On CPU both copies are NumPy's (``np.take``, an indexed assignment), not
+torch's: they run on worker threads, and a torch op there that goes parallel
+gives that thread an OpenMP team of its own, which the thread keeps; once the
+process holds more OpenMP threads than cores, libgomp stops spin-waiting and
+every region of the engine thread's decode step pays a sleep and a wake-up
+(``workers/engine/async_engine.py``). After one torch read on a kept worker
+thread the engine's batch-1 step was 21.3 ms (median of three alternated
+runs) against 17.2 without it and 16.5 after a NumPy read. NumPy reads on one
+core: 23.6 MB in 4.4 ms, against 2.6 ms on torch's two threads.
+
 A CPU read copies straight into a reused host buffer (``StagingPool``), one
 copy per layer and no stacking: memory the process just got from the OS is
 backed page by page at its first write, and a fresh 23.6 MB array for each
@@ -117,17 +127,16 @@ def read_blocks(runner: Any, block_ids: Sequence[int]) -> np.ndarray:
     block is never written again.
     """
     caches = runner.kv_caches
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
-    with torch.inference_mode():
-        if caches[0].device.type != "cpu":
+    ids = list(block_ids)
+    if caches[0].device.type != "cpu":
+        index = torch.tensor(ids, dtype=torch.long, device=caches[0].device)
+        with torch.inference_mode():
             stacked = torch.stack([cache.index_select(1, index) for cache in caches])
             return _as_bytes(stacked).cpu().numpy()
-        layout = layout_of(runner)
-        array, buf = STAGING.take(layout.array_shape(len(index)))
-        out = buf.view(caches[0].dtype).view((len(caches), 2, len(index)) + tuple(caches[0].shape[2:]))
-        for layer, cache in enumerate(caches):
-            torch.index_select(cache, 1, index, out=out[layer])
-        return array
+    array, _ = STAGING.take(layout_of(runner).array_shape(len(ids)))
+    for layer, cache in enumerate(caches):  # a block's keys (values) are one run of bytes
+        np.take(_host_blocks(cache), ids, axis=1, out=array[layer].reshape(2, len(ids), -1))
+    return array
 
 
 def write_blocks(runner: Any, block_ids: Sequence[int], data: np.ndarray) -> None:
@@ -145,6 +154,11 @@ def write_blocks(runner: Any, block_ids: Sequence[int], data: np.ndarray) -> Non
                          f"expected {expected} uint8 ({layout})")
     caches = runner.kv_caches
     device = caches[0].device
+    if device.type == "cpu":
+        ids = np.asarray(list(block_ids), dtype=np.int64)
+        for layer, cache in enumerate(caches):
+            _host_blocks(cache)[:, ids] = data[layer].reshape(2, len(ids), -1)
+        return
     with warnings.catch_warnings():  # a read-only view: torch warns, and it is only read
         warnings.simplefilter("ignore", UserWarning)
         source = torch.from_numpy(data)
@@ -153,6 +167,12 @@ def write_blocks(runner: Any, block_ids: Sequence[int], data: np.ndarray) -> Non
         for layer, cache in enumerate(caches):
             values = source[layer].to(device, non_blocking=False).view(cache.dtype)
             cache.index_copy_(1, index, values)
+
+
+def _host_blocks(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache's memory as NumPy bytes, ``(2, blocks, bytes of a block's keys or values)``;
+    a view (torch's ``view`` raises where it would take a copy, which writes would miss)."""
+    return cache.detach().view(torch.uint8).view(2, cache.shape[1], -1).numpy()
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

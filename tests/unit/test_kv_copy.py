@@ -98,3 +98,26 @@ def test_the_staging_pool_keeps_at_most_its_cap_and_no_oversized_buffer():
     pool.take((1,))  # collects what came back: the two largest under the cap are kept, then one is lent
     assert sorted(b.numel() for b in pool._free) == [300]
     assert pool.allocated == 4
+
+
+def test_copies_on_a_kept_worker_thread_start_no_openmp_team_there():
+    """The copies run on worker threads that live on (``asyncio.to_thread``). A
+    torch op there that goes parallel leaves that thread an OpenMP team, and more
+    OpenMP threads than cores slow every later step of the engine thread
+    (module doc): the CPU copies start no thread."""
+    import concurrent.futures
+    import os
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: no OpenMP team is started anyway")
+    holder, receiver = CacheOnly(80, torch.float32, row=64, seed=5), CacheOnly(80, torch.float32, row=64, seed=6)
+    ids = list(range(3, 67))  # 2 x 64 x 4 x 3 x 64 values a layer: past torch's grain, it would go parallel
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        worker.submit(lambda: None).result()
+        before = len(os.listdir("/proc/self/task"))
+        data = worker.submit(read_blocks, holder, ids).result()
+        worker.submit(write_blocks, receiver, ids, data).result()
+        after = len(os.listdir("/proc/self/task"))
+    assert after == before
+    for layer in range(2):
+        assert torch.equal(receiver.kv_caches[layer][:, ids], holder.kv_caches[layer][:, ids])
