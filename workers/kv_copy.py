@@ -91,8 +91,8 @@ class StagingPool:
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made, for tests and the bench
 
-    def take(self, shape: Sequence[int]) -> tuple[np.ndarray, torch.Tensor]:
-        """A uint8 array of ``shape`` on a pooled buffer, and that buffer's first bytes as a tensor."""
+    def take(self, shape: Sequence[int]) -> np.ndarray:
+        """A uint8 array of ``shape`` on a pooled buffer."""
         nbytes = int(np.prod(shape))
         buf: Optional[torch.Tensor] = None
         with self._lock:
@@ -106,7 +106,7 @@ class StagingPool:
             self.allocated += 1
         lease = (ctypes.c_uint8 * nbytes).from_buffer(buf.numpy())  # the views' owner: holds buf
         weakref.finalize(lease, self._returned.append, buf)
-        return np.frombuffer(lease, dtype=np.uint8).reshape(tuple(shape)), buf[:nbytes]
+        return np.frombuffer(lease, dtype=np.uint8).reshape(tuple(shape))
 
     def _keep(self, buf: torch.Tensor) -> None:
         if buf.numel() > self.max_buffer_bytes:
@@ -133,7 +133,7 @@ def read_blocks(runner: Any, block_ids: Sequence[int]) -> np.ndarray:
         with torch.inference_mode():
             stacked = torch.stack([cache.index_select(1, index) for cache in caches])
             return _as_bytes(stacked).cpu().numpy()
-    array, _ = STAGING.take(layout_of(runner).array_shape(len(ids)))
+    array = STAGING.take(layout_of(runner).array_shape(len(ids)))
     for layer, cache in enumerate(caches):  # a block's keys (values) are one run of bytes
         np.take(_host_blocks(cache), ids, axis=1, out=array[layer].reshape(2, len(ids), -1))
     return array

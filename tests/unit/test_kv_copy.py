@@ -92,7 +92,7 @@ def test_the_staging_pool_keeps_at_most_its_cap_and_no_oversized_buffer():
     from workers.kv_copy import StagingPool
 
     pool = StagingPool(max_buffers=2, max_buffer_bytes=1000)
-    arrays = [pool.take((100 * (i + 1),))[0] for i in range(3)] + [pool.take((5000,))[0]]
+    arrays = [pool.take((100 * (i + 1),)) for i in range(3)] + [pool.take((5000,))]
     del arrays
     gc.collect()
     pool.take((1,))  # collects what came back: the two largest under the cap are kept, then one is lent
